@@ -1,0 +1,625 @@
+"""common.py: the plumbing that reinforce.py, ppo.py and grpo.py must share, identical, and nothing else.
+
+Read top to bottom: errors -> the built-in task and data -> loading -> prompts and sampling -> log-probs ->
+rewards -> eval -> run plumbing (outputs, checkpoints, resume, guards, the end-of-run report).
+Conventions used everywhere (DESIGN.md section 4): masks come from lengths, never from token values; the EOS
+is a completion token and is in the loss; log-probs are taken on logits / the sampling temperature, in fp32.
+"""
+import inspect, json, math, os, random, re, shutil, signal, sys, time
+from dataclasses import asdict
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
+                          DynamicCache, HfArgumentParser)
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")      # bundled, see tools/build_models.py
+DEFAULT_REWARD_MODEL = os.path.join(ROOT, "models", "tiny-adder-rm")
+
+
+# ----------------------------------------------------------------------------------------------------- errors
+class UserError(Exception):
+    """Bad input: shown as one line on stderr, exit code 2, no traceback, before anything is trained."""
+
+
+def main_guard(main):
+    """Run main(); bad input exits 2 with one line, everything else keeps its traceback."""
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def parse_args(args_cls):
+    return HfArgumentParser(args_cls).parse_args_into_dataclasses()[0]
+
+
+# ------------------------------------------------------------------------------ the built-in task and data
+def column_sum(a, b, rng=None, drop=0.0):
+    """a + b by column addition. Each carry is forgotten with probability `drop`: the warm-start data's
+    human-like error (37+48 -> 75, 57+68 -> 15, not 85 and 125). drop=0 gives the true sum."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    n, out, carry = max(len(da), len(db)), 0, 0
+    for i in range(n):
+        s = int(da[i] if i < len(da) else 0) + int(db[i] if i < len(db) else 0) + carry
+        out, carry = out + (s % 10) * 10**i, s // 10
+        if carry and rng is not None and rng.random() < drop:
+            carry = 0
+    return out + carry * 10**n
+
+
+TASK_DIGITS, TASK_EVAL_SEED, TASK_EVAL_SIZE = 2, 1234, 500
+
+
+def addition_row(a, b):
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def task_eval_pairs():
+    """The fixed held-out split: no warm start and no RL run ever trains on these pairs."""
+    n = 10**TASK_DIGITS
+    return [divmod(x, n) for x in random.Random(TASK_EVAL_SEED).sample(range(n * n), TASK_EVAL_SIZE)]
+
+
+def task_train_pairs(rng, k):
+    """k fresh pairs outside the held-out split (a fixed few hundred prompts would teach memorisation)."""
+    held, n, out = set(task_eval_pairs()), 10**TASK_DIGITS, []
+    while len(out) < k:
+        p = (rng.randrange(n), rng.randrange(n))
+        if p not in held:
+            out.append(p)
+    return out
+
+
+def read_jsonl(path):
+    """Rows {"prompt": str, "answer": str (optional)}; errors name the file, the line and the field."""
+    if not os.path.isfile(path):
+        raise UserError(f"data file {path!r} not found")
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
+            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
+                raise UserError(f"{path}, line {n}: field 'prompt' is missing or not a non-empty string")
+            if "answer" in row:
+                row["answer"] = str(row["answer"])
+            rows.append(row)
+    if not rows:
+        raise UserError(f"data file {path!r} is empty")
+    return rows
+
+
+def load_data(spec, eval_size=TASK_EVAL_SIZE):
+    """'' -> the built-in task; 'file.jsonl' -> its rows; 'hf:NAME[:CONFIG]' -> a hub dataset (needs `datasets`).
+    Returns a namespace: next_batch(rng, k) -> k training rows, eval_rows (held out), rows (all). next_batch draws from the rng it is given and keeps
+    no other state, so saving the rng's state is enough to resume the data stream exactly."""
+    if not spec:
+        eval_rows = [addition_row(a, b) for a, b in task_eval_pairs()][:eval_size]
+        return SimpleNamespace(next_batch=lambda rng, k: [addition_row(a, b) for a, b in task_train_pairs(rng, k)],
+                               eval_rows=eval_rows, rows=eval_rows)
+    if spec.startswith("hf:"):  # e.g. hf:openai/gsm8k:main -> question/answer columns
+        try:
+            import datasets
+        except ImportError:
+            raise UserError("--data hf:... needs the optional package `datasets` (pip install datasets)") from None
+        ds = datasets.load_dataset(*spec[3:].split(":"), split="train")
+        rows = [{"prompt": r.get("prompt", r.get("question")), "answer": str(r.get("answer", ""))} for r in ds]
+    else:
+        rows = read_jsonl(spec)
+    random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
+    n_eval = min(eval_size, len(rows) // 5)
+    eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
+    return SimpleNamespace(next_batch=lambda rng, k: [rng.choice(train_rows) for _ in range(k)],
+                           eval_rows=eval_rows, rows=rows)
+
+
+# -------------------------------------------------------------------------------------------------- loading
+def pick_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device, dtype):
+    """Trained weights stay fp32 (bf16 weights round small updates away, DESIGN.md 4.9); forwards run in bf16."""
+    on = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def _check_source(name):
+    if os.path.isdir(name) or re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", name) and not os.sep in name:
+        return
+    raise UserError(f"model {name!r}: no such local folder, and not a hub id of the form owner/name")
+
+
+def load_tokenizer(name, trust_remote_code=False):
+    _check_source(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"tokenizer {name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise UserError(f"tokenizer {name!r} has neither a pad nor an eos token; add one to the tokenizer")
+        tok.pad_token = tok.eos_token  # safe here: every mask is built from lengths, never from pad ids
+    return tok
+
+
+def load_model(name, kind, device, frozen=False, trust_remote_code=False):
+    """kind 'lm' -> AutoModelForCausalLM, 'rm' -> AutoModelForSequenceClassification (num_labels must be 1).
+    Frozen models (reference, reward model) live in bf16 on a GPU; trained ones keep fp32 master weights."""
+    _check_source(name)
+    try:
+        cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model {name!r} could not be loaded: {str(e).splitlines()[0]}") from None
+    archs = cfg.architectures or []
+    if kind == "lm" and archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise UserError(f"model {name!r} has no causal-LM head (architectures: {', '.join(archs)})")
+    if kind == "rm" and cfg.num_labels != 1:
+        raise UserError(f"reward model {name!r} has num_labels={cfg.num_labels}; a scalar reward needs 1")
+    auto = AutoModelForCausalLM if kind == "lm" else AutoModelForSequenceClassification
+    dtype = torch.bfloat16 if frozen and device.type == "cuda" else torch.float32
+    try:
+        model = auto.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code).to(device)
+    except (OSError, ValueError) as e:
+        raise UserError(f"model {name!r} could not be loaded as {auto.__name__}: {str(e).splitlines()[0]}") from None
+    model.eval()  # dropout off in every model, trained ones too: it makes log-probs noisy and KL > 0 at step 0
+    if frozen:
+        model.requires_grad_(False)
+    return model
+
+
+def load_policy(run, args, device):
+    """The trained policy and its tokenizer: from args.model, or from the run's checkpoint when resuming."""
+    src = os.path.join(run.dir, "checkpoint") if args.resume else args.model
+    tok, model = load_tokenizer(src, args.trust_remote_code), load_model(src, "lm", device, False, args.trust_remote_code)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    if args.compile:
+        model.forward = torch.compile(model.forward, dynamic=True)
+    return model, tok
+
+
+def load_reward_model(args, device):
+    if not args.reward_model:
+        return None, None
+    return (load_model(args.reward_model, "rm", device, True, args.trust_remote_code),
+            load_tokenizer(args.reward_model, args.trust_remote_code))
+
+
+def check_prompts(tok, model, rows, args):
+    """Fail early when prompts plus max_new_tokens do not fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit:
+        lens = [len(s) for s in encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)]
+        if (n := sum(l + args.max_new_tokens > limit for l in lens)):
+            raise UserError(f"{n} of {len(lens)} prompts are too long: prompt + max_new_tokens ({args.max_new_tokens}) "
+                            f"exceeds the model's context of {limit} tokens (longest prompt: {max(lens)} tokens)")
+
+
+# ---------------------------------------------------------------------------------------- prompts, sampling
+def encode_prompts(tok, prompts, chat_template="auto"):
+    """Token ids per prompt. 'auto' applies the tokenizer's chat template when it has one; 'none' never does."""
+    if chat_template != "none" and tok.chat_template:
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                 for p in prompts]
+        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tok(p)["input_ids"] for p in prompts]
+
+
+def left_pad(seqs, pad_id, device):
+    P = max(len(s) for s in seqs)
+    ids = torch.tensor([[pad_id] * (P - len(s)) + list(s) for s in seqs], device=device)
+    mask = torch.tensor([[0] * (P - len(s)) + [1] * len(s) for s in seqs], device=device)
+    return ids, mask
+
+
+def positions(attention_mask):
+    return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
+
+
+def _forward(model, ids, mask, pos, cache=None, **kw):
+    # transformers >= 5.24 names the KV-cache argument `cache`; older versions call it `past_key_values`.
+    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, **{key: cache}, **kw)
+
+
+@torch.no_grad()
+def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, amp=None):
+    """Batched sampling with a KV cache. Rows that have finished are dropped from the batch (and the cache), so
+    they stop costing compute. Returns a SimpleNamespace with
+      ids (B, P+T): left-padded prompt then completion; attention_mask (B, P+T) from lengths;
+      completion_mask (B, T) float: 1 on every generated token up to AND including the EOS, 0 after;
+      truncated (B,) bool: no EOS within max_new_tokens; sample_logprobs (B, T): log-probs the sampler used."""
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompt_ids, tok.pad_token_id, device)
+    B, P = ids.shape
+    eos = torch.tensor(sorted({tok.eos_token_id} | set(getattr(model.generation_config, "eos_token_id", None)
+                                                    and torch.tensor(model.generation_config.eos_token_id).view(-1).tolist() or [])), device=device)
+    out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)
+    out_lp = torch.zeros(B, max_new_tokens, device=device)
+    lengths = torch.full((B,), max_new_tokens, device=device)
+    live = torch.arange(B, device=device)  # original row index of each row still being sampled
+    cache, step_ids, pos = DynamicCache(), ids, positions(mask)
+    with amp or torch.autocast(device.type, enabled=False):
+        for t in range(max_new_tokens):
+            logits = _forward(model, step_ids, mask, pos, cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            if greedy:
+                nxt = logits.argmax(-1)
+            else:
+                probs = (logits / temperature).softmax(-1)
+                if top_p < 1.0:  # nucleus: keep the smallest set of tokens whose mass reaches top_p
+                    p_sorted, idx = probs.sort(-1, descending=True)
+                    drop = p_sorted.cumsum(-1) - p_sorted >= top_p
+                    probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
+                nxt = torch.multinomial(probs, 1).squeeze(-1)
+            out[live, t] = nxt
+            out_lp[live, t] = (logits / (1.0 if greedy else temperature)).log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
+            ended = torch.isin(nxt, eos)
+            lengths[live[ended]] = t + 1
+            if ended.all():
+                break
+            if ended.any():  # drop finished rows from the batch and the KV cache
+                keep = (~ended).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                live, nxt, mask, pos = live[keep], nxt[keep], mask[keep], pos[keep]
+            step_ids, pos = nxt[:, None], pos[:, -1:] + 1
+            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+    T = int(lengths.max())
+    completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()  # from lengths
+    prompt_mask = left_pad(prompt_ids, 0, device)[1]
+    return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
+                           attention_mask=torch.cat([prompt_mask, completion_mask.long()], 1),
+                           truncated=~torch.isin(out[torch.arange(B), lengths - 1], eos),
+                           sample_logprobs=out_lp[:, :T] * completion_mask, P=P)
+
+
+def decode_completions(tok, roll):
+    lengths = roll.completion_mask.sum(-1).long().tolist()
+    return [tok.decode(row[roll.P:roll.P + n], skip_special_tokens=True) for row, n in zip(roll.ids.tolist(), lengths)]
+
+
+# -------------------------------------------------------------------------------------------------- log-probs
+def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, chunk=8):
+    """log pi(token_t | tokens_<t) for the last T positions of ids: one forward, gradients flow.
+    Only the completion positions go through the LM head (logits_to_keep); logits are divided by the sampling
+    temperature and log-softmaxed in fp32 a few rows at a time, never as one (B, T, V) fp32 tensor."""
+    logits = _forward(model, ids, attention_mask, positions(attention_mask), logits_to_keep=T + 1).logits
+    logits, targets = logits[:, :-1], ids[:, -T:]  # shift by one: position t predicts token t+1
+    lps, ents = [], []
+    for i in range(0, len(ids), chunk):
+        lg = logits[i:i + chunk].float() / temperature
+        lp = lg.log_softmax(-1)
+        lps.append(lp.gather(-1, targets[i:i + chunk, :, None])[..., 0])
+        if entropy:
+            ents.append(-(lp.exp() * lp).sum(-1).detach())
+    return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
+@torch.no_grad()
+def batched_logprobs(model, roll, temperature, micro_batch, amp):
+    """token_logprobs without gradients, micro-batched: for old, reference and sanity log-probs."""
+    T, out = roll.completion_mask.shape[1], []
+    with amp:
+        for i in range(0, len(roll.ids), micro_batch):
+            out.append(token_logprobs(model, roll.ids[i:i + micro_batch], roll.attention_mask[i:i + micro_batch],
+                                      T, temperature)[0])
+    return torch.cat(out) * roll.completion_mask
+
+
+def kl_estimate(logprobs, ref_logprobs, estimator):
+    """Per-token estimators of KL(pi || pi_ref) on samples from pi (Schulman 2020, "Approximating KL divergence"),
+    with r = pi_ref / pi: k1 = -log r (unbiased, noisy, can be < 0); k2 = (log r)^2 / 2 (biased, low variance);
+    k3 = r - 1 - log r (unbiased, >= 0; DeepSeekMath). log r is clamped so exp() cannot overflow (TRL #3015)."""
+    log_r = (ref_logprobs - logprobs).clamp(-20, 20)
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * log_r**2
+    return log_r.exp() - 1 - log_r
+
+
+def masked_mean(x, mask, dim=None):
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+# -------------------------------------------------------------------------------------------------- rewards
+def final_number(text):
+    """GSM8K-style: the number after '####' if there is one, else the last number in the text."""
+    text = text.split("####")[-1].replace(",", "")
+    nums = re.findall(r"-?\d+(?:\.\d+)?", text)
+    return float(nums[-1]) if nums else None
+
+
+def math_reward(completion, row):
+    """1 when the completion's final number equals the answer's (the built-in task's checker too)."""
+    want = final_number(row.get("answer", ""))
+    return float(want is not None and final_number(completion) == want)
+
+
+def format_reward(completion, row):
+    return float(final_number(completion) is not None)
+
+
+def length_penalty(completion, row):
+    return -len(completion) / 100.0
+
+
+RULES = {"math": math_reward, "format": format_reward, "length": length_penalty}
+
+
+def parse_rewards(spec, reward_model):
+    """'math=1,format=0.1' -> {'math': 1.0, 'format': 0.1}; 'rm' names the reward model's score."""
+    weights = {}
+    for part in filter(None, spec.split(",")):
+        name, _, w = part.partition("=")
+        if name not in RULES and name != "rm":
+            raise UserError(f"--rewards: unknown reward {name!r} (known: {', '.join(RULES)}, rm)")
+        weights[name] = float(w or 1.0)
+    if "rm" in weights and not reward_model:
+        raise UserError("--rewards names 'rm' but no --reward_model is given")
+    return weights
+
+
+@torch.no_grad()
+def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="auto"):
+    """Reward-model score of prompt + completion, re-tokenised with the reward model's own tokenizer (and chat
+    template), then EOS, so the RM sees a finished answer. Rows are scored independently of their batch."""
+    device, scores = next(rm.parameters()).device, []
+    if chat_template != "none" and rm_tok.chat_template:
+        texts = [rm_tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                            tokenize=False) for p, c in zip(prompts, completions)]
+        seqs = [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        seqs = [rm_tok(p + c)["input_ids"] + [rm_tok.eos_token_id] for p, c in zip(prompts, completions)]
+    for i in range(0, len(seqs), micro_batch):
+        ids, mask = left_pad(seqs[i:i + micro_batch], rm_tok.pad_token_id, device)
+        # left padding: the last position is every row's last real token, where the RM reads its score
+        hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).last_hidden_state
+        scores.append(rm.score(hidden[:, -1]).float()[:, 0] if hasattr(rm, "score") else
+                      rm(input_ids=ids, attention_mask=mask).logits.float()[:, 0])
+    return torch.cat(scores)
+
+
+def compute_rewards(rows, completions, weights, rm=None, rm_tok=None):
+    """Weighted sum of reward components; each component is returned too, for logging as reward/<name>."""
+    parts = {n: torch.tensor([RULES[n](c, r) for c, r in zip(completions, rows)]) for n in weights if n != "rm"}
+    if "rm" in weights:
+        parts["rm"] = rm_scores(rm, rm_tok, [r["prompt"] for r in rows], completions).cpu()
+    total = sum(weights[n] * v for n, v in parts.items())
+    return total, parts
+
+
+# ------------------------------------------------------------------------------------------------------ eval
+@torch.no_grad()
+def evaluate(model, tok, rows, args, amp, batch_size=128):
+    """Held-out greedy accuracy (math_reward, 0-1) and a few decoded samples."""
+    hits, shown = [], []
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        roll = sample(model, tok, encode_prompts(tok, [r["prompt"] for r in chunk], args.chat_template),
+                      args.max_new_tokens, greedy=True, amp=amp)
+        comps = decode_completions(tok, roll)
+        hits += [math_reward(c, r) for c, r in zip(comps, chunk)]
+        shown += [{"prompt": r["prompt"], "completion": c, "answer": r.get("answer")} for c, r in zip(comps, chunk)][:2]
+    return sum(hits) / max(len(hits), 1), shown
+
+
+# ---------------------------------------------------------------------------------------------- run plumbing
+def seed_everything(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return random.Random(seed)  # the data stream's own rng, saved in checkpoints
+
+
+STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint and a summary, then exits
+
+
+def _on_sigint(signum, frame):
+    if STOP["requested"]:  # a second Ctrl-C exits at once; the last checkpoint is still intact
+        raise KeyboardInterrupt
+    STOP["requested"] = True
+    print("\nCtrl-C: finishing this step, then saving a checkpoint (press again to quit at once)", file=sys.stderr)
+
+
+def start_run(args, algo):
+    """Output folder, metrics/samples files (appended line by line and flushed), Ctrl-C handler, and resume state.
+    With --resume DIR, metrics.jsonl is cut back to the checkpoint's step so no step is duplicated or missing."""
+    if args.resume:
+        args.output_dir = args.resume
+        if not os.path.isfile(os.path.join(args.resume, "checkpoint", "trainer_state.pt")):
+            raise UserError(f"--resume {args.resume!r}: no checkpoint/trainer_state.pt in that folder")
+    args.output_dir = args.output_dir or os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.makedirs(args.output_dir, exist_ok=True)
+    state = torch.load(os.path.join(args.output_dir, "checkpoint", "trainer_state.pt"), weights_only=False) \
+        if args.resume else None
+    if state:  # a resumed run keeps its own settings; only max_steps may be raised
+        keep = {"resume": args.resume, "output_dir": args.output_dir, "max_steps": args.max_steps}
+        args.__dict__.update({**state["args"], **keep})
+    path = os.path.join(args.output_dir, "metrics.jsonl")
+    history = []
+    if state and os.path.exists(path):
+        with open(path) as f:
+            history = [m for m in map(json.loads, f) if m["step"] <= state["step"]]
+        with open(path, "w") as f:
+            f.writelines(json.dumps(m) + "\n" for m in history)
+    signal.signal(signal.SIGINT, _on_sigint)
+    return SimpleNamespace(dir=args.output_dir, algo=algo, state=state, history=history, t0=time.time(),
+                           metrics=open(path, "a"), samples=open(os.path.join(args.output_dir, "samples.jsonl"), "a"),
+                           nonfinite=0, nonfinite_in_row=0)
+
+
+def log_step(run, metrics, bar=None, samples=None):
+    run.history.append(metrics)
+    run.metrics.write(json.dumps(metrics) + "\n")
+    run.metrics.flush()
+    if samples:
+        run.samples.write(json.dumps({"step": metrics["step"], "samples": samples}) + "\n")
+        run.samples.flush()
+    if bar is not None:
+        bar.set_postfix({k: f"{metrics[k]:.3g}" for k in ("reward", "kl", "gold", "eval") if k in metrics})
+
+
+def finite_update(run, model, opt, max_grad_norm):
+    """Clip and step, unless the loss/gradients are NaN or inf: then skip the update, count it, and stop the run
+    after too many in a row (the last checkpoint stays intact). Returns the gradient norm."""
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    if torch.isfinite(grad_norm):
+        opt.step()
+        run.nonfinite_in_row = 0
+    else:
+        skip_nonfinite(run, "loss or gradient")
+    opt.zero_grad(set_to_none=True)
+    return float(grad_norm)
+
+
+def save_checkpoint(run, model, tok, step, opt, rng, extra=None):
+    """Atomic: write checkpoint.tmp/, then swap it in by rename, so a kill while saving leaves the previous
+    checkpoint loadable. Holds the policy and tokenizer (from_pretrained loads it) plus trainer_state.pt."""
+    final, tmp, old = (os.path.join(run.dir, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    torch.save({"step": step, "args": asdict(run.args), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+                "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                "data_rng": rng.getstate(), "nonfinite": run.nonfinite, "extra": extra or {}},
+               os.path.join(tmp, "trainer_state.pt"))
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def resume_or_eval(run, model, tok, opt, rng, data, args, amp):
+    """Keep what the loop's plumbing needs on `run`; then either restore optimizer, RNG states and counters from
+    the checkpoint (resume) or run the first held-out eval. Returns (start_step, eval_before)."""
+    run.__dict__.update(model=model, tok=tok, opt=opt, rng=rng, data=data, args=args, amp=amp)
+    if not run.state:
+        run.eval_before = evaluate(model, tok, data.eval_rows, args, amp)[0]
+        print(f"held-out greedy accuracy before training: {run.eval_before:.3f}")
+        return 0, run.eval_before
+    s = run.state
+    opt.load_state_dict(s["optimizer"])
+    torch.set_rng_state(s["torch_rng"])
+    if s["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda_rng"])
+    rng.setstate(s["data_rng"])
+    run.nonfinite, run.eval_before = s["nonfinite"], s["extra"]["eval_before"]
+    print(f"resumed {run.dir} at step {s['step']}")
+    return s["step"], run.eval_before
+
+
+def skip_nonfinite(run, what, max_in_row=10):
+    """Count a skipped update (NaN/inf in a loss, log-prob, gradient or reward); too many in a row stop the run."""
+    run.nonfinite += 1
+    run.nonfinite_in_row += 1
+    tqdm.write(f"warning: non-finite {what}, update skipped ({run.nonfinite} so far)")
+    if run.nonfinite_in_row >= max_in_row:
+        raise RuntimeError(f"{max_in_row} non-finite updates in a row; stopping (the last checkpoint is intact)")
+
+
+def end_of_step(run, step, metrics, samples=None, extra=None, kl_warn=10.0):
+    """Warnings, periodic eval, the metrics line, periodic and final checkpoints. True when the loop must stop.
+    `extra` holds algorithm state to restore on resume (e.g. PPO's adaptive kl_coef)."""
+    args, last = run.args, step + 1 == run.args.max_steps or STOP["requested"]
+    if metrics.get("kl", 0.0) > kl_warn:
+        tqdm.write(f"warning: KL per token is {metrics['kl']:.2f} at step {step + 1}: the policy is running away")
+    if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
+        metrics["eval"] = evaluate(run.model, run.tok, run.data.eval_rows, args, run.amp)[0]
+    log_step(run, metrics, run.bar if hasattr(run, "bar") else None, samples if step % 25 == 0 else None)
+    if (step + 1) % args.save_every == 0 or last:
+        save_checkpoint(run, run.model, run.tok, step + 1, run.opt, run.rng, {"eval_before": run.eval_before, **(extra or {})})
+    return STOP["requested"]
+
+
+def peak_mem_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    import resource
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # CPU: the process's peak resident memory
+
+
+def spark(values, width=60):
+    """A one-line text chart: the values binned to at most `width` columns, drawn with block characters."""
+    if not values:
+        return ""
+    k = math.ceil(len(values) / width)
+    vs = [sum(values[i:i + k]) / len(values[i:i + k]) for i in range(0, len(values), k)]
+    lo, hi = min(vs), max(vs)
+    return "".join("▁▂▃▄▅▆▇█"[int(7 * (v - lo) / (hi - lo)) if hi > lo else 0] for v in vs) + f"  [{lo:.3g} .. {hi:.3g}]"
+
+
+def finish_run(run, args, device, eval_before, eval_after):
+    """summary.json, the before/after table and text charts of reward and KL; curves.png if matplotlib is there."""
+    steps = [m["step"] for m in run.history]
+    summary = {"algo": run.algo, "args": asdict(args), "eval_before": eval_before, "eval_after": eval_after,
+               "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
+               "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
+               "interrupted": STOP["requested"],
+               "tokens_per_s": round(sum(m.get("tokens_per_s", 0) for m in run.history) / max(len(steps), 1), 1)}
+    with open(os.path.join(run.dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    run.metrics.close(), run.samples.close()
+    print(f"\n{'':18}{'before':>10}{'after':>10}\n{'held-out accuracy':18}{eval_before:>10.3f}{eval_after:>10.3f}")
+    for key in ("reward", "gold", "kl"):
+        if any(key in m for m in run.history):
+            print(f"{key:>8} {spark([m[key] for m in run.history if key in m])}")
+    print(f"wall time {summary['wall_time_s']:.0f} s, peak memory {summary['peak_mem_mb']:.0f} MB -> {run.dir}")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        keys = [k for k in ("reward", "gold", "kl") if any(k in m for m in run.history)]
+        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+        for ax, k in zip(axes[0], keys):
+            ax.plot([m["step"] for m in run.history if k in m], [m[k] for m in run.history if k in m])
+            ax.set_title(k)
+        fig.tight_layout()
+        fig.savefig(os.path.join(run.dir, "curves.png"))
+    except ImportError:
+        pass
+    return summary
+
+
+def sanity_check(model, ref, tok, rows, args, amp):
+    """--sanity, on the real model and data: sampling log-probs equal recomputed ones, the PPO ratio is exactly 1
+    and KL(policy || ref) is 0 before any update, masks end on the EOS; prints a peak-memory estimate.
+    Returns the list of what failed (empty when all is well)."""
+    failed, device = [], next(model.parameters()).device
+    roll = sample(model, tok, encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template),
+                  args.max_new_tokens, args.temperature, args.top_p, amp=amp)
+    lp = batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
+    tol = 1e-3 if device.type == "cpu" and args.dtype != "bf16" else 0.1
+    if (d := float((lp - roll.sample_logprobs).abs().max())) > tol:
+        failed.append(f"sampling log-probs differ from the training forward's by {d:.3g} (> {tol})")
+    if (d := float(((batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp) - lp).exp() - 1)
+                   .abs().max())) > 1e-4:
+        failed.append(f"ratio pi/pi_old at the first inner step is not 1 (off by {d:.3g}): is dropout on?")
+    if ref is not None:
+        kl = masked_mean(kl_estimate(lp, batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp),
+                                     "k3"), roll.completion_mask)
+        if float(kl) > 1e-4:
+            failed.append(f"KL(policy || reference) is {float(kl):.3g} before any update, not 0")
+    ended = ~roll.truncated
+    last = roll.completion_mask.sum(-1).long() - 1
+    if ended.any() and not (roll.ids[:, roll.P:][ended, last[ended]] == tok.eos_token_id).all():
+        failed.append("completion_mask does not end on the EOS token for every finished row")
+    n_train = sum(p.numel() for p in model.parameters())
+    n_frozen = sum(p.numel() * p.element_size() for m in (ref,) if m is not None for p in m.parameters())
+    cfg = model.config
+    acts = args.micro_batch_size * (roll.ids.shape[1] * cfg.hidden_size * cfg.num_hidden_layers * 34
+                                    + 3 * 4 * (roll.completion_mask.shape[1] + 1) * cfg.vocab_size)
+    print(f"peak memory estimate: {(16 * n_train + n_frozen + acts) / 2**20:.0f} MB (fp32 weights, grads, Adam "
+          f"moments {16 * n_train / 2**20:.0f} MB; frozen models {n_frozen / 2**20:.0f} MB; activations of one "
+          f"micro-batch {acts / 2**20:.0f} MB)")
+    print("sanity: " + ("all checks passed" if not failed else "FAILED: " + "; ".join(failed)))
+    return failed

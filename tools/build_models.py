@@ -1,0 +1,140 @@
+"""Rebuild the bundled checkpoints in models/ deterministically (CPU, fixed seeds):
+
+  models/tiny-adder     LlamaForCausalLM policy, character-level tokenizer, warm-started by supervised training on
+                        the built-in addition task from demonstrations that forget each carry 70% of the time
+                        (57+68=15), so the right answer has real probability but is not the greedy choice.
+  models/tiny-adder-rm  LlamaForSequenceClassification (num_labels=1), same tokenizer, trained with a Bradley-Terry
+                        loss on (correct answer, wrong answer) pairs: a good but imperfect proxy for correctness.
+
+Neither ever sees the held-out eval pairs (common.task_eval_pairs). Run: python tools/build_models.py
+"""
+import os, random, sys, time
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, processors
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification, PreTrainedTokenizerFast
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common  # noqa: E402
+
+DROP = 0.7  # probability that a demonstration forgets a carry
+SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+
+def build_tokenizer():
+    """Character level over printable ASCII: a BPE with no merges is exactly one token per character."""
+    vocab = {t: i for i, t in enumerate(SPECIALS + [chr(c) for c in range(32, 127)])}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tk.decoder = decoders.Fuse()
+    tk.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                   unk_token="<unk>", padding_side="left", model_max_length=64)
+
+
+def config(tok, **kw):
+    return LlamaConfig(vocab_size=len(tok), max_position_embeddings=64, tie_word_embeddings=True,
+                       pad_token_id=tok.pad_token_id, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                       num_attention_heads=4, num_key_value_heads=4, **kw)
+
+
+def batch(tok, rng, pairs, answers):
+    """Left-padded prompt+answer+EOS; labels only on the answer and the EOS."""
+    seqs, labels = [], []
+    for (a, b), ans in zip(pairs, answers):
+        p, c = tok(f"{a}+{b}=")["input_ids"], tok(str(ans), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        seqs.append(p + c)
+        labels.append([-100] * len(p) + c)
+    ids, mask = common.left_pad(seqs, tok.pad_token_id, "cpu")
+    lab = torch.tensor([[-100] * (ids.shape[1] - len(l)) + l for l in labels])
+    return ids, mask, lab
+
+
+def train_policy(tok, steps, bs=128, lr=3e-3):
+    torch.manual_seed(0)
+    rng = random.Random(0)
+    model = LlamaForCausalLM(config(tok, hidden_size=160, num_hidden_layers=3, intermediate_size=480))
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)
+    for step in range(steps):
+        pairs = common.task_train_pairs(rng, bs)
+        ids, mask, lab = batch(tok, rng, pairs, [common.column_sum(a, b, rng, DROP) for a, b in pairs])
+        loss = model(input_ids=ids, attention_mask=mask, position_ids=common.positions(mask), labels=lab).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step(), opt.zero_grad(), sched.step()
+        if step % 1000 == 0 or step == steps - 1:
+            print(f"policy step {step} loss {loss.item():.3f} held-out greedy accuracy {held_out_accuracy(model, tok):.3f}",
+                  flush=True)
+    return model
+
+
+def held_out_accuracy(model, tok):
+    args = type("A", (), {"chat_template": "none", "max_new_tokens": 6})
+    rows = [common.addition_row(a, b) for a, b in common.task_eval_pairs()]
+    return common.evaluate(model, tok, rows, args, torch.autocast("cpu", enabled=False))[0]
+
+
+def wrong_answer(a, b, rng):
+    """A plausible mistake: a forgotten carry when there is one, else one digit nudged."""
+    s, bad = a + b, common.column_sum(a, b, rng, 1.0)
+    if bad != s and rng.random() < 0.6:
+        return bad
+    d = list(str(s))
+    i = rng.randrange(len(d))
+    d[i] = str((int(d[i]) + rng.choice([1, 9])) % 10)
+    return int("".join(d))
+
+
+def train_reward_model(tok, steps, bs=64, lr=1e-3):
+    torch.manual_seed(1)
+    rng = random.Random(1)
+    rm = LlamaForSequenceClassification(config(tok, hidden_size=96, num_hidden_layers=2, intermediate_size=288,
+                                               num_labels=1))
+    opt = torch.optim.AdamW(rm.parameters(), lr=lr)
+    for step in range(steps):
+        pairs = common.task_train_pairs(rng, bs)
+        good = [f"{a}+{b}={a + b}" for a, b in pairs]
+        bad = [f"{a}+{b}={wrong_answer(a, b, rng)}" for a, b in pairs]
+        r = score_with_grad(rm, tok, good + bad)
+        loss = -F.logsigmoid(r[:bs] - r[bs:]).mean()  # Bradley-Terry: P(good > bad) = sigmoid(r_good - r_bad)
+        loss.backward()
+        opt.step(), opt.zero_grad()
+        if step % 200 == 0:
+            print(f"reward model step {step} loss {loss.item():.3f}", flush=True)
+    return rm
+
+
+def score_with_grad(rm, tok, texts):
+    ids, mask = common.left_pad([tok(t)["input_ids"] + [tok.eos_token_id] for t in texts], tok.pad_token_id, "cpu")
+    hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=common.positions(mask)).last_hidden_state
+    return rm.score(hidden[:, -1])[:, 0]
+
+
+def main():
+    t0 = time.time()
+    policy_steps = int(os.environ.get("POLICY_STEPS", 6000))
+    rm_steps = int(os.environ.get("RM_STEPS", 1500))
+    tok = build_tokenizer()
+    policy = train_policy(tok, policy_steps)
+    policy.generation_config.pad_token_id = tok.pad_token_id
+    policy.save_pretrained(common.DEFAULT_POLICY, safe_serialization=True)
+    tok.save_pretrained(common.DEFAULT_POLICY)
+    rm = train_reward_model(tok, rm_steps)
+    rm.save_pretrained(common.DEFAULT_REWARD_MODEL, safe_serialization=True)
+    tok.save_pretrained(common.DEFAULT_REWARD_MODEL)
+    # report: held-out greedy accuracy of the policy, held-out pair agreement of the reward model
+    acc = held_out_accuracy(policy, tok)
+    rng = random.Random(2)
+    pairs = common.task_eval_pairs()
+    with torch.no_grad():
+        g = common.rm_scores(rm, tok, [f"{a}+{b}=" for a, b in pairs], [str(a + b) for a, b in pairs])
+        b = common.rm_scores(rm, tok, [f"{a}+{b}=" for a, b in pairs], [str(wrong_answer(a, b, rng)) for a, b in pairs])
+    print(f"policy params {sum(p.numel() for p in policy.parameters())}, held-out greedy accuracy {acc:.3f}")
+    print(f"reward model params {sum(p.numel() for p in rm.parameters())}, held-out pair agreement "
+          f"{(g > b).float().mean():.3f}")
+    print(f"rebuild time {time.time() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
