@@ -100,8 +100,8 @@ def read_jsonl(path):
 
 def load_data(spec, eval_size=TASK_EVAL_SIZE):
     """'' -> the built-in task; 'file.jsonl' -> its rows; 'hf:NAME[:CONFIG]' -> a hub dataset (needs `datasets`).
-    Returns a namespace: next_batch(rng, k) -> k training rows, eval_rows (held out), rows (all). next_batch draws from the rng it is given and keeps
-    no other state, so saving the rng's state is enough to resume the data stream exactly."""
+    Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch keeps no state
+    but the rng it is given, so saving that rng's state resumes the data stream exactly."""
     if not spec:
         eval_rows = [addition_row(a, b) for a, b in task_eval_pairs()][:eval_size]
         return SimpleNamespace(next_batch=lambda rng, k: [addition_row(a, b) for a, b in task_train_pairs(rng, k)],
@@ -134,9 +134,8 @@ def autocast(device, dtype):
 
 
 def _check_source(name):
-    if os.path.isdir(name) or re.fullmatch(r"[\w.-]+/[\w.-]+|[\w.-]+", name) and not os.sep in name:
-        return
-    raise UserError(f"model {name!r}: no such local folder, and not a hub id of the form owner/name")
+    if not os.path.isdir(name) and not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name):
+        raise UserError(f"model {name!r}: no such local folder, and not a hub id of the form owner/name")
 
 
 def load_tokenizer(name, trust_remote_code=False):
@@ -243,8 +242,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     device = next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tok.pad_token_id, device)
     B, P = ids.shape
-    eos = torch.tensor(sorted({tok.eos_token_id} | set(getattr(model.generation_config, "eos_token_id", None)
-                                                    and torch.tensor(model.generation_config.eos_token_id).view(-1).tolist() or [])), device=device)
+    stop = getattr(model.generation_config, "eos_token_id", None)  # chat models often stop on several tokens
+    eos = torch.tensor(sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None}), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)
     out_lp = torch.zeros(B, max_new_tokens, device=device)
     lengths = torch.full((B,), max_new_tokens, device=device)
@@ -448,8 +447,9 @@ def start_run(args, algo):
     path = os.path.join(args.output_dir, "metrics.jsonl")
     history = []
     if state and os.path.exists(path):
-        with open(path) as f:
-            history = [m for m in map(json.loads, f) if m["step"] <= state["step"]]
+        with open(path) as f:  # a line cut short by a crash is dropped with the steps after the checkpoint
+            history = [json.loads(l) for l in f if l.endswith("}\n")]
+        history = [m for m in history if m["step"] <= state["step"]]
         with open(path, "w") as f:
             f.writelines(json.dumps(m) + "\n" for m in history)
     signal.signal(signal.SIGINT, _on_sigint)
@@ -587,6 +587,8 @@ def finish_run(run, args, device, eval_before, eval_after):
         fig.savefig(os.path.join(run.dir, "curves.png"))
     except ImportError:
         pass
+    if STOP["requested"]:
+        sys.exit(130)  # interrupted (Ctrl-C): checkpoint and summary are saved
     return summary
 
 

@@ -181,3 +181,187 @@ def test_bundled_models_load_offline():
     code = ("from transformers import AutoModelForCausalLM as A, AutoModelForSequenceClassification as S;"
             "import common as C; A.from_pretrained(C.DEFAULT_POLICY); S.from_pretrained(C.DEFAULT_REWARD_MODEL)")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT, env=env)
+
+
+# ------------------------------------------------------------------------------------------------------ grpo.py
+import grpo  # noqa: E402
+
+
+def test_group_advantages_match_slow_reference():
+    torch.manual_seed(0)
+    r = torch.randint(0, 3, (6 * 4,)).float()
+    r[:4] = 1.0  # one group with all-equal rewards
+    for scale in ("group", "batch", "none"):
+        got = grpo.group_advantages(r, 4, scale)
+        for g in range(6):
+            grp = r[g * 4:(g + 1) * 4].tolist()
+            mean = sum(grp) / 4
+            std = (sum((x - mean) ** 2 for x in grp) / 3) ** 0.5  # unbiased, as torch.std
+            for j in range(4):
+                want = grp[j] - mean
+                want /= (std + 1e-4) if scale == "group" else (float(r.std()) + 1e-4) if scale == "batch" else 1.0
+                assert abs(float(got[g * 4 + j]) - want) < 1e-5
+    assert (grpo.group_advantages(r, 4)[:4] == 0).all()
+
+
+def slow_aggregate(loss, mask, mode, max_new_tokens):
+    rows = [[float(loss[i, t]) for t in range(loss.shape[1]) if mask[i, t]] for i in range(len(loss))]
+    if mode == "token-mean":
+        return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if mode == "seq-mean-token-mean":
+        return sum(sum(r) / len(r) for r in rows) / len(rows)
+    return sum(sum(r) for r in rows) / (len(rows) * max_new_tokens)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
+def test_loss_aggregation_matches_hand_written_reference(mode):
+    torch.manual_seed(0)
+    loss = torch.randn(6, 5)
+    lengths = torch.tensor([1, 5, 3, 2, 4, 5])
+    mask = (torch.arange(5)[None] < lengths[:, None]).float()
+    got = grpo.aggregate(loss, mask, mode, mask.sum(), 6, 5)
+    assert abs(float(got) - slow_aggregate(loss, mask, mode, 5)) < 1e-5
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-sum-norm"])
+def test_micro_batched_gradient_equals_full_batch_gradient(mode, tok):
+    """The normaliser covers the whole optimizer step, so gradient accumulation does not change the gradient."""
+    model = tiny_model("llama", seed=3)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS + PROMPTS[:3]), 8)
+    mask, T = roll.completion_mask, roll.completion_mask.shape[1]
+    assert len(set(mask.sum(-1).tolist())) > 1  # rows of different lengths, or the test proves nothing
+    adv = torch.randn(len(mask))
+    old = C.batched_logprobs(model, roll, 1.0, 8, OFF) + 0.05 * torch.randn(mask.shape)  # ratio != 1
+
+    def grads(mb):
+        model.zero_grad()
+        for i in range(0, len(mask), mb):
+            s = slice(i, i + mb)
+            lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
+            loss = grpo.per_token_loss(lp, old[s], adv[s], 0.2, 0.2)[0]
+            grpo.aggregate(loss, mask[s], mode, mask.sum(), len(mask), 8).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    full, micro = grads(8), grads(3)
+    assert full.abs().max() > 0
+    torch.testing.assert_close(micro, full, atol=1e-6, rtol=1e-4)
+
+
+def test_clipping_zeroes_the_gradient_exactly_where_it_should():
+    ratio = torch.tensor([0.5, 0.9, 1.1, 1.5, 0.5, 0.9, 1.1, 1.5])
+    adv = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
+    logprobs = torch.log(ratio)[:, None].requires_grad_()  # 8 rows of one token each
+    loss, _, _, clipped = grpo.per_token_loss(logprobs, torch.zeros(8, 1), adv, 0.2, 0.28)
+    loss.sum().backward()
+    # A > 0: clipped above 1 + eps_high (1.5); A < 0: clipped below 1 - eps (0.5). Elsewhere grad = -A * ratio.
+    expect_zero = torch.tensor([False, False, False, True, True, False, False, False])
+    assert torch.equal(logprobs.grad[:, 0] == 0, expect_zero)
+    assert torch.equal(clipped[:, 0].bool(), expect_zero)
+    torch.testing.assert_close(logprobs.grad[~expect_zero, 0], -(adv * ratio)[~expect_zero])
+
+
+def test_ratio_is_one_and_kl_zero_at_first_inner_step(tok):
+    model, ref = tiny_model("qwen2", seed=4), tiny_model("qwen2", seed=4)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6)
+    T = roll.completion_mask.shape[1]
+    lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
+    ref_lp = C.batched_logprobs(ref, roll, 1.0, 2, OFF)
+    _, ratio, kl, _ = grpo.per_token_loss(lp, lp.detach(), torch.ones(len(lp)), 0.2, 0.2, ref_lp, 0.04, "k3")
+    m = roll.completion_mask.bool()
+    assert (ratio[m] == 1).all()
+    assert kl[m].abs().max() < 1e-6
+
+
+# ------------------------------------------------------------------------------------------------- reliability
+def run_script(script, *args, timeout=600, env=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
+    return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=env)
+
+
+@pytest.fixture(scope="session")
+def bad_inputs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bad")
+    (d / "empty.jsonl").write_text("")
+    (d / "notjson.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
+    (d / "noprompt.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "1+2=", "answer": "3"}\n')
+    (d / "long.jsonl").write_text("".join(json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"}) + "\n"
+                                          for _ in range(10)))
+    t = C.load_tokenizer(C.DEFAULT_POLICY)
+    t.pad_token, t.eos_token = None, None
+    model = AutoModelForCausalLM.from_pretrained(C.DEFAULT_POLICY)
+    model.save_pretrained(d / "nopad"), t.save_pretrained(d / "nopad")
+    torch.manual_seed(0)
+    cfg = tiny_config("llama")
+    cfg.num_labels = 2
+    LlamaForSequenceClassification(cfg).save_pretrained(d / "rm2")
+    C.load_tokenizer(C.DEFAULT_POLICY).save_pretrained(d / "rm2")
+    return d
+
+
+BAD = [(["--model", "/no/such/folder"], "no such local folder"),
+       (["--model", "nobody-here/no-such-model"], "could not be loaded"),
+       (["--model", C.DEFAULT_REWARD_MODEL], "no causal-LM head"),
+       (["--model", "{d}/nopad"], "neither a pad nor an eos token"),
+       (["--data", "{d}/missing.jsonl"], "not found"),
+       (["--data", "{d}/empty.jsonl"], "is empty"),
+       (["--data", "{d}/notjson.jsonl"], "notjson.jsonl, line 2: not valid JSON"),
+       (["--data", "{d}/noprompt.jsonl"], "noprompt.jsonl, line 2: field 'prompt'"),
+       (["--data", "{d}/long.jsonl"], "10 of 10 prompts are too long"),
+       (["--group_size", "1"], "--group_size must be >= 2"),
+       (["--reward_model", "{d}/rm2", "--rewards", "rm"], "num_labels=2"),
+       (["--micro_batch_size", "7"], "--micro_batch_size 7 must divide"),
+       (["--loss_agg", "mean"], "--loss_agg 'mean': choose one of")]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
+def test_bad_input_exits_2_with_one_clear_line(bad_inputs, tmp_path, args, message):
+    r = run_script("grpo.py", *[a.format(d=bad_inputs) for a in args], "--output_dir", str(tmp_path / "out"))
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert message in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_help_documents_every_flag():
+    out = run_script("grpo.py", "--help").stdout
+    for field in grpo.Args.__dataclass_fields__:
+        assert f"--{field}" in out
+
+
+def test_nonfinite_update_is_skipped_and_counted():
+    model = tiny_model("llama")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    run = C.SimpleNamespace(nonfinite=0, nonfinite_in_row=0)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(torch.tensor([[1, 5, 6]])).logits.sum() * float("nan")
+    loss.backward()
+    C.finite_update(run, model, opt, 1.0)
+    assert run.nonfinite == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(RuntimeError, match="non-finite updates in a row"):
+        for _ in range(10):
+            model(torch.tensor([[1, 5, 6]])).logits.sum().mul(float("inf")).backward()
+            C.finite_update(run, model, opt, 1.0)
+
+
+def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
+    import signal, time
+    out = tmp_path / "run"
+    cmd = [sys.executable, "grpo.py", "--max_steps", "400", "--save_every", "4", "--eval_every", "0",
+           "--eval_size", "50", "--output_dir", str(out)]
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline, metrics = time.time() + 300, out / "metrics.jsonl"
+    while time.time() < deadline and not ((out / "checkpoint").exists() and metrics.exists()
+                                          and len(metrics.read_text().splitlines()) >= 6):
+        time.sleep(0.5)
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=300)
+    assert p.returncode == 130, err[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    stopped = summary["steps"]
+    assert summary["interrupted"] and 6 <= stopped < 400
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)["step"] == stopped
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint")  # the checkpoint is a plain HF model folder
+    r = run_script("grpo.py", "--resume", str(out), "--max_steps", str(stopped + 3))
+    assert r.returncode == 0, r.stderr[-2000:]
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, stopped + 4))  # no step duplicated or missing

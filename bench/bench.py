@@ -1,0 +1,101 @@
+"""Speed and memory benchmarks, measured side by side in one run (these machines are noisy: quote ratios).
+
+  python bench/bench.py sample          common.sample vs model.generate, tokens/s, same model/batch/lengths/temperature
+  python bench/bench.py steps           seconds per step and peak memory: grpo (beta=0, beta>0), reinforce, ppo
+  python bench/bench.py trl             grpo.py vs TRL's GRPOTrainer on the bundled model and task (needs `pip install
+                                        trl`, used only here, never a project dependency)
+  python bench/bench.py all
+
+Prints a table per part and a final JSON line. Results with date, hardware and commands: bench/RESULTS.md.
+"""
+import json, os, platform, subprocess, sys, tempfile, time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common as C  # noqa: E402
+
+
+def timed(fn, repeats):
+    fn()  # warm-up (allocations, lazy init, compile)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = fn()
+        best = min(best, time.perf_counter() - t)
+    return n, best
+
+
+def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, new_tokens=(6, 32), repeats=5):
+    """Tokens/s of common.sample and model.generate on the same prompts, temperature 1, EOS stopping.
+    Generated tokens are counted up to and including each row's EOS (what RL uses)."""
+    tok = C.load_tokenizer(model_name)
+    model = C.load_model(model_name, "lm", device, frozen=True)
+    data = C.load_data("")
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in data.eval_rows[:batch]])
+    ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
+    out = {}
+    for T in new_tokens:
+        torch.manual_seed(0)
+
+        def ours():
+            return int(C.sample(model, tok, prompts, T, temperature=1.0).completion_mask.sum())
+
+        def hf():
+            g = model.generate(ids, attention_mask=mask, max_new_tokens=T, do_sample=True, temperature=1.0, top_k=0,
+                               top_p=1.0, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+            ended = (g == tok.eos_token_id).int()
+            first = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0], g.shape[1]))
+            return int(first.sum())
+        n_ours, t_ours = timed(ours, repeats)
+        n_hf, t_hf = timed(hf, repeats)
+        out[f"T{T}"] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf,
+                        "speedup": (n_ours / t_ours) / (n_hf / t_hf)}
+        print(f"sample  batch {batch}  max_new_tokens {T:3d}:  common.sample {n_ours / t_ours:9.0f} tok/s   "
+              f"model.generate {n_hf / t_hf:9.0f} tok/s   ratio {out[f'T{T}']['speedup']:.2f}x")
+    return out
+
+
+def random_qwen2(device, layers=4, hidden=256):
+    """A random-weight Qwen2-shaped model with the bundled tokenizer: EOS almost never fires, so every row decodes
+    all max_new_tokens (pure decode speed)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=99, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+                      num_key_value_heads=2, intermediate_size=4 * hidden, max_position_embeddings=512,
+                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    path = os.path.join(tempfile.mkdtemp(), "qwen2")
+    Qwen2ForCausalLM(cfg).save_pretrained(path)
+    C.load_tokenizer(C.DEFAULT_POLICY).save_pretrained(path)
+    return path
+
+
+def run_script(script, args, tmp):
+    out = os.path.join(tmp, script.replace(".py", "") + "-" + str(abs(hash(tuple(args))) % 10**6))
+    t = time.time()
+    subprocess.run([sys.executable, os.path.join(ROOT, script), "--output_dir", out, *args], check=True, cwd=ROOT,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wall = time.time() - t
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        metrics = [json.loads(l) for l in f]
+    times = [m["step_time"] for m in metrics[2:]] or [m["step_time"] for m in metrics]
+    return {"s_per_step": sum(times) / len(times), "peak_mem_mb": summary["peak_mem_mb"],
+            "eval_before": summary["eval_before"], "eval_after": summary["eval_after"], "wall_s": wall}
+
+
+def bench_steps(steps=20):
+    """Seconds per training step and peak memory at equal settings (64 completions per step, same lengths)."""
+    common = ["--max_steps", str(steps), "--eval_size", "100", "--eval_every", "0", "--save_every", "1000"]
+    runs = {"grpo beta=0": ("grpo.py", ["--beta", "0"]), "grpo beta=0.04": ("grpo.py", ["--beta", "0.04"]),
+            "reinforce rloo": ("reinforce.py", ["--baseline", "rloo"]), "ppo": ("ppo.py", [])}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (script, extra) in runs.items():
+            if not os.path.exists(os.path.join(ROOT, script)):
+                continue
+            out[name] = run_script(script, common + extra, tmp)
+            print(f"steps   {name:16s} {out[name]['s_per_step']:.3f} s/step   peak memory {out[name]['peak_mem_mb']:.0f} MB")
+    return out
