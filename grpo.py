@@ -159,6 +159,8 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp):
         rewards_kept.append(rewards[idx])
         if len(rows_kept) >= want:
             break
+    if not rows_kept:  # no group had a signal even after resampling: keep the last round (advantages are all 0)
+        pieces, rows_kept, rewards_kept = [(roll, torch.arange(len(rows), device=roll.ids.device))], rows, [rewards]
     return cat_rollouts(pieces), rows_kept, torch.cat(rewards_kept), seen
 
 
