@@ -443,3 +443,16 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, stopped + 4))  # no step duplicated or missing
+
+
+def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tok):
+    r = run_script("grpo.py", "--sanity")
+    assert r.returncode == 0 and "sanity: all checks passed" in r.stdout, r.stdout + r.stderr[-2000:]
+    cfg = tiny_config("gpt2")
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.5
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg).train()  # dropout on: log-probs are noisy, ratio != 1
+    args = C.SimpleNamespace(chat_template="none", max_new_tokens=6, temperature=1.0, top_p=1.0, micro_batch_size=8,
+                             dtype="fp32")
+    failed = C.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args, OFF)
+    assert any("ratio" in f for f in failed)

@@ -99,3 +99,25 @@ def bench_steps(steps=20):
             out[name] = run_script(script, common + extra, tmp)
             print(f"steps   {name:16s} {out[name]['s_per_step']:.3f} s/step   peak memory {out[name]['peak_mem_mb']:.0f} MB")
     return out
+
+
+def main():
+    what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    device = C.pick_device()
+    torch.set_num_threads(os.cpu_count() or 1)
+    result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda"
+              else platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    if what in ("sample", "all"):
+        result["sample_bundled"] = bench_sample(device)
+        result["sample_random_qwen2"] = bench_sample(device, random_qwen2(device), new_tokens=(64,))
+    if what in ("steps", "all"):
+        result["steps"] = bench_steps()
+    if what in ("trl", "all"):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trl_grpo.py")], capture_output=True, text=True)
+        print(r.stdout.strip() or r.stderr.strip().splitlines()[-1])
+        result["trl"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
