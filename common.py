@@ -232,6 +232,13 @@ def _forward(model, ids, mask, pos, cache=None, **kw):
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, **{key: cache}, **kw)
 
 
+def eos_ids(model, tok):
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's (chat models often
+    stop on several, e.g. <|im_end|> and <|endoftext|>)."""
+    stop = getattr(model.generation_config, "eos_token_id", None)
+    return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
+
+
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, amp=None):
     """Batched sampling with a KV cache. Rows that have finished are dropped from the batch (and the cache), so
@@ -242,8 +249,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     device = next(model.parameters()).device
     ids, mask = left_pad(prompt_ids, tok.pad_token_id, device)
     B, P = ids.shape
-    stop = getattr(model.generation_config, "eos_token_id", None)  # chat models often stop on several tokens
-    eos = torch.tensor(sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None}), device=device)
+    eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)
     out_lp = torch.zeros(B, max_new_tokens, device=device)
     lengths = torch.full((B,), max_new_tokens, device=device)
@@ -613,7 +619,7 @@ def sanity_check(model, ref, tok, rows, args, amp):
             failed.append(f"KL(policy || reference) is {float(kl):.3g} before any update, not 0")
     ended = ~roll.truncated
     last = roll.completion_mask.sum(-1).long() - 1
-    if ended.any() and not (roll.ids[:, roll.P:][ended, last[ended]] == tok.eos_token_id).all():
+    if ended.any() and not torch.isin(roll.ids[:, roll.P:][ended, last[ended]], torch.tensor(eos_ids(model, tok))).all():
         failed.append("completion_mask does not end on the EOS token for every finished row")
     n_train = sum(p.numel() for p in model.parameters())
     n_frozen = sum(p.numel() * p.element_size() for m in (ref,) if m is not None for p in m.parameters())
