@@ -5,7 +5,7 @@ rewards -> eval -> run plumbing (outputs, checkpoints, resume, guards, the end-o
 Conventions used everywhere (DESIGN.md section 4): masks come from lengths, never from token values; the EOS
 is a completion token and is in the loss; log-probs are taken on logits / the sampling temperature, in fp32.
 """
-import inspect, json, math, os, random, re, shutil, signal, sys, time
+import dataclasses, inspect, json, math, os, random, re, shutil, signal, sys, time
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -35,6 +35,10 @@ def main_guard(main):
 
 
 def parse_args(args_cls):
+    """HfArgumentParser over the Args dataclass; each flag's --help text is the comment beside its field."""
+    comments = dict(re.findall(r"^    (\w+): .*?  # (.+)$", inspect.getsource(args_cls), re.M))
+    for f in dataclasses.fields(args_cls):
+        f.metadata = {**f.metadata, "help": comments.get(f.name, "")}
     return HfArgumentParser(args_cls).parse_args_into_dataclasses()[0]
 
 

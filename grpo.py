@@ -181,9 +181,9 @@ def check_args(a):
 
 def main():
     args = C.parse_args(Args)
-    check_args(args)
-    weights = C.parse_rewards(args.rewards, args.reward_model)
-    run = C.start_run(args, "grpo")  # on --resume, restores the run's saved args
+    check_args(args), C.parse_rewards(args.rewards, args.reward_model)  # bad input fails before a folder is made
+    run = C.start_run(args, "grpo")  # on --resume, restores the run's saved args ...
+    weights = C.parse_rewards(args.rewards, args.reward_model)  # ... so the rewards are read from them
     rng = C.seed_everything(args.seed)
     data = C.load_data(args.data, args.eval_size)
     device, amp = C.pick_device(), C.autocast(C.pick_device(), args.dtype)

@@ -1,7 +1,7 @@
 """minrl tests, CPU only, minutes not hours (minGPT style): our pieces against plain, obvious reference computations
 on tiny random models of real architectures; learning on the bundled task; the scripts end to end; bad input.
 Run: python -m pytest -q test_algos.py"""
-import json, os, random, subprocess, sys
+import json, os, random, signal, subprocess, sys
 
 import pytest
 import torch
@@ -12,6 +12,15 @@ import common as C
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _keep_sigint():
+    """Scripts' main() installs a Ctrl-C handler; tests that call main() in-process must not leave it behind."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+    C.STOP["requested"] = False
 
 
 @pytest.fixture(scope="session")
@@ -422,7 +431,7 @@ def test_nonfinite_update_is_skipped_and_counted():
 
 
 def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
-    import signal, time
+    import time
     out = tmp_path / "run"
     cmd = [sys.executable, "grpo.py", "--max_steps", "400", "--save_every", "4", "--eval_every", "0",
            "--eval_size", "50", "--output_dir", str(out)]
@@ -456,3 +465,228 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tok):
                              dtype="fp32")
     failed = C.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args, OFF)
     assert any("ratio" in f for f in failed)
+
+
+# ------------------------------------------------------------------------------------------------- reinforce.py
+import reinforce as R  # noqa: E402
+
+
+def random_mask(B, T, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    lengths[0] = T
+    return (torch.arange(T)[None] < lengths[:, None]).float()
+
+
+# ---------------------------------------------------------------------------------------- pure functions
+def test_rloo_baseline_equals_slow_leave_one_out():
+    torch.manual_seed(0)
+    for k in (2, 3, 8):
+        returns = torch.randn(5 * k)
+        b = R.rloo_baseline(returns, k)
+        for i in range(len(returns)):
+            g = i // k
+            others = [float(returns[j]) for j in range(g * k, g * k + k) if j != i]
+            assert abs(float(b[i]) - sum(others) / len(others)) < 1e-5
+
+
+def test_rloo_with_one_sample_refuses():
+    with pytest.raises(C.UserError, match="samples_per_prompt >= 2"):
+        R.rloo_baseline(torch.randn(4), 1)
+    with pytest.raises(C.UserError, match="samples_per_prompt >= 2"):
+        R.check_args(R.Args(baseline="rloo", samples_per_prompt=1, prompts_per_step=8, micro_batch_size=8))
+    R.check_args(R.Args(baseline="none", samples_per_prompt=1, prompts_per_step=8, micro_batch_size=8))  # fine
+
+
+def test_whiten_has_mean_0_std_1_over_valid_entries():
+    torch.manual_seed(0)
+    x, mask = 3 + 5 * torch.randn(16, 7), random_mask(16, 7)
+    x = x + 100 * (1 - mask)  # garbage on padding must not leak into the statistics
+    w = R.whiten(x, mask)
+    v = w[mask.bool()]
+    assert abs(float(v.mean())) < 1e-5
+    assert abs(float(v.pow(2).mean().sqrt()) - 1) < 1e-4  # biased std = 1
+    assert (w[~mask.bool()] == 0).all()
+    # reinforce_pp is exactly that whitening of the returns
+    torch.testing.assert_close(R.advantages(x * mask, mask, "reinforce_pp", 4), w)
+
+
+def test_kl_returns_equal_slow_reward_to_go():
+    torch.manual_seed(0)
+    B, T, beta = 6, 5, 0.3
+    scores, mask, kl = torch.randn(B), random_mask(B, T, seed=1), torch.randn(B, T)
+    G_tok = R.kl_returns(scores, mask, kl, beta, "token")
+    G_seq = R.kl_returns(scores, mask, kl, beta, "sequence")
+    for i in range(B):
+        n = int(mask[i].sum())
+        rewards = [-beta * float(kl[i, t]) for t in range(n)]
+        rewards[-1] += float(scores[i])  # the score is paid on the last real token (the EOS)
+        for t in range(T):
+            want_tok = sum(rewards[t:]) if t < n else 0.0
+            want_seq = sum(rewards) if t < n else 0.0
+            assert abs(float(G_tok[i, t]) - want_tok) < 1e-5 and abs(float(G_seq[i, t]) - want_seq) < 1e-5
+    torch.testing.assert_close(R.kl_returns(scores, mask), scores[:, None] * mask)  # beta = 0: the score
+
+
+def test_advantages_for_each_baseline():
+    torch.manual_seed(0)
+    k, mask = 4, random_mask(12, 5)
+    returns = R.kl_returns(torch.rand(12), mask, torch.randn(12, 5), 0.1)
+    torch.testing.assert_close(R.advantages(returns, mask, "none", k), returns)
+    torch.testing.assert_close(R.advantages(returns, mask, "ema", k, ema=0.25), (returns - 0.25) * mask)
+    first = R.advantages(returns, mask, "ema", k, ema=None)  # first step: this batch's mean, once
+    torch.testing.assert_close(first, (returns - returns[:, 0].mean()) * mask)
+    loo = torch.tensor([(float(returns[(i // k) * k:(i // k + 1) * k, 0].sum()) - float(returns[i, 0])) / (k - 1)
+                        for i in range(12)])
+    torch.testing.assert_close(R.advantages(returns, mask, "rloo", k), (returns - loo[:, None]) * mask)
+    w = R.advantages(returns, mask, "rloo", k, whiten_after=True)
+    assert abs(float(w[mask.bool()].mean())) < 1e-5
+    # a group whose rewards are all equal (and no KL) gets zero advantage under rloo
+    same = R.kl_returns(torch.tensor([1.0] * 4 + [0.0, 1.0, 0.0, 0.0]), mask[:8])
+    assert (R.advantages(same, mask[:8], "rloo", 4)[:4] == 0).all()
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-sum", "token-mean"])
+def test_loss_gradient_equals_hand_derived_on_toy_categorical_policy(loss_agg):
+    """pi(a | t) = softmax(theta_t): the gradient of -(1/Z) sum_i sum_t m A log pi(a_i,t) w.r.t. theta_t is
+    -(1/Z) sum_i m A (onehot(a_i,t) - softmax(theta_t)), with Z = sequences or tokens in the step."""
+    torch.manual_seed(0)
+    B, T, V = 10, 4, 6
+    theta = torch.randn(T, V, requires_grad=True)
+    actions = torch.distributions.Categorical(logits=theta.detach()).sample((B,))
+    adv, mask = torch.randn(B, T), random_mask(B, T)
+    logprobs = theta.log_softmax(-1).expand(B, T, V).gather(-1, actions[..., None])[..., 0]
+    n_tokens = mask.sum()
+    R.loss(logprobs, adv, mask, B, n_tokens, loss_agg)[0].backward()
+    Z = B if loss_agg == "seq-sum" else float(n_tokens)
+    hand = torch.zeros(T, V)
+    p = theta.detach().softmax(-1)
+    for i in range(B):
+        for t in range(T):
+            if mask[i, t]:
+                hand[t] -= adv[i, t] * (torch.nn.functional.one_hot(actions[i, t], V) - p[t]) / Z
+    torch.testing.assert_close(theta.grad, hand, atol=1e-6, rtol=1e-5)
+    # the clipped PPO surrogate (mu > 1) has the same gradient while the ratio is 1
+    theta.grad = None
+    logprobs = theta.log_softmax(-1).expand(B, T, V).gather(-1, actions[..., None])[..., 0]
+    R.loss(logprobs, adv, mask, B, n_tokens, loss_agg, old_logprobs=logprobs.detach())[0].backward()
+    torch.testing.assert_close(theta.grad, hand, atol=1e-6, rtol=1e-5)
+
+
+def test_clipping_stops_the_gradient_outside_the_trust_region():
+    logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()  # ratios 1.5, 0.5, 1.1 vs old = 0
+    adv, mask = torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3)
+    out, ratio, clipped = R.loss(logprobs, adv, mask, 1, 3, "seq-sum", torch.zeros(1, 3), 0.2)
+    out.backward()
+    assert clipped.tolist() == [[1.0, 1.0, 0.0]]
+    assert logprobs.grad[0, :2].tolist() == [0.0, 0.0] and abs(float(logprobs.grad[0, 2]) + 1.1) < 1e-6
+
+
+# -------------------------------------------------------------------------------------- on a tiny model
+def _loss_and_grad(model, roll, adv, micro, loss_agg, old=None):
+    model.zero_grad()
+    mask, n, T = roll.completion_mask, len(roll.ids), roll.completion_mask.shape[1]
+    total = 0.0
+    for i in range(0, n, micro):
+        s = slice(i, i + micro)
+        lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
+        out = R.loss(lp, adv[s], mask[s], n, mask.sum(), loss_agg, None if old is None else old[s])[0]
+        out.backward()
+        total += out.item()
+    return total, torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("loss_agg", ["seq-sum", "token-mean"])
+@pytest.mark.parametrize("clipped", [False, True])
+def test_micro_batching_does_not_change_the_gradient(loss_agg, clipped, tok):
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = [2, 43, 72]  # rows of different lengths
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 6)
+    assert len(set(roll.completion_mask.sum(-1).tolist())) > 1  # or the test proves nothing
+    adv = torch.randn(len(roll.ids), 1) * roll.completion_mask
+    old = C.batched_logprobs(model, roll, 1.0, 10, OFF) + 0.1 * torch.randn(roll.completion_mask.shape) \
+        if clipped else None  # ratio != 1, some tokens clipped
+    l1, g1 = _loss_and_grad(model, roll, adv, 10, loss_agg, old)
+    l2, g2 = _loss_and_grad(model, roll, adv, 3, loss_agg, old)
+    assert abs(l1 - l2) < 1e-5 and g1.abs().max() > 0
+    torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-4)
+
+
+def test_sample_grad_probe_equals_per_sample_backward(tok):
+    """The hook's row norms equal each sample's gradient w.r.t. its own logits, taken one sample at a time."""
+    model = tiny_model("gpt_neox")
+    norms = R.sample_grad_probe(model)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 5)
+    mask, n, T = roll.completion_mask, len(roll.ids), roll.completion_mask.shape[1]
+    adv = torch.randn(n, 1) * mask
+    lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
+    R.loss(lp, adv, mask, n, mask.sum())[0].backward()
+    got = torch.cat(norms)
+    assert len(got) == n
+    for i in range(n):
+        ids, am = roll.ids[i:i + 1], roll.attention_mask[i:i + 1]
+        logits = model(input_ids=ids, attention_mask=am, position_ids=C.positions(am)).logits
+        lp_i = logits[:, -T - 1:-1].log_softmax(-1).gather(-1, ids[:, -T:, None])[..., 0]
+        g = torch.autograd.grad(-(adv[i:i + 1] * lp_i * mask[i:i + 1]).sum() / n, logits)[0]
+        assert abs(float(g.norm()) - float(got[i])) < 1e-5 * max(1.0, float(got[i]))
+
+
+# ------------------------------------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def neox_dir(tmp_path_factory, tok):
+    path = tmp_path_factory.mktemp("neox")
+    tiny_model("gpt_neox").save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def run_main(monkeypatch, *argv):
+    monkeypatch.setattr(sys, "argv", ["reinforce.py", *argv])
+    R.main()
+
+
+def read_metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+# a random model never answers right: the length penalty gives every run a reward signal (and KL a push)
+KEYS = {"step", "reward", "reward_std", "reward/math", "reward/length", "gold", "kl", "entropy", "completion_len",
+        "frac_truncated", "loss", "grad_norm", "lr", "step_time", "tokens_per_s", "adv_std", "adv_mean",
+        "sample_grad_rms"}
+
+
+@pytest.mark.parametrize("extra", [["--baseline", "rloo", "--beta", "0.1"],
+                                   ["--baseline", "none", "--num_iterations", "2"],
+                                   ["--baseline", "ema", "--loss_agg", "token-mean", "--micro_batch_size", "4"],
+                                   ["--baseline", "reinforce_pp", "--beta", "0.1", "--kl_in_reward", "sequence"]])
+def test_end_to_end_tiny_gpt_neox(monkeypatch, neox_dir, tmp_path, extra):
+    out = str(tmp_path / "run")
+    run_main(monkeypatch, "--model", neox_dir, "--output_dir", out, "--max_steps", "3", "--prompts_per_step", "4",
+             "--samples_per_prompt", "4", "--eval_size", "8", "--lr", "1e-3", "--rewards", "math,length", *extra)
+    m = read_metrics(out)
+    assert [x["step"] for x in m] == [1, 2, 3]
+    assert KEYS <= set(m[0]) and all(torch.isfinite(torch.tensor(v)) for v in m[-1].values() if isinstance(v, float))
+    if "--beta" in extra:  # policy == reference before the first update: KL exactly 0, then it moves
+        assert m[0]["kl"] == 0.0 and m[-1]["kl"] != 0.0
+    if "--num_iterations" in extra:
+        assert m[0]["ratio"] != 1.0  # the second pass sees the updated policy
+    summary = json.load(open(os.path.join(out, "summary.json")))
+    assert summary["steps"] == 3 and summary["algo"] == "reinforce"
+    C.load_model(os.path.join(out, "checkpoint"), "lm", torch.device("cpu"))
+
+
+def test_resume_reproduces_a_straight_run_with_ema_state(monkeypatch, neox_dir, tmp_path):
+    common = ["--model", neox_dir, "--prompts_per_step", "4", "--samples_per_prompt", "2", "--eval_size", "4",
+              "--baseline", "ema", "--lr", "1e-3", "--save_every", "2", "--rewards", "math,length"]
+    run_main(monkeypatch, *common, "--output_dir", str(tmp_path / "a"), "--max_steps", "4")
+    run_main(monkeypatch, *common, "--output_dir", str(tmp_path / "b"), "--max_steps", "2")
+    run_main(monkeypatch, "--resume", str(tmp_path / "b"), "--max_steps", "4")
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    for key in ("reward", "loss", "baseline_ema", "grad_norm"):
+        assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5), key
+
+
+def test_bad_baseline_is_a_user_error(monkeypatch, tmp_path):
+    with pytest.raises(C.UserError, match="--baseline 'rlooo'"):
+        run_main(monkeypatch, "--baseline", "rlooo", "--output_dir", str(tmp_path))
