@@ -690,3 +690,205 @@ def test_resume_reproduces_a_straight_run_with_ema_state(monkeypatch, neox_dir, 
 def test_bad_baseline_is_a_user_error(monkeypatch, tmp_path):
     with pytest.raises(C.UserError, match="--baseline 'rlooo'"):
         run_main(monkeypatch, "--baseline", "rlooo", "--output_dir", str(tmp_path))
+
+
+# ------------------------------------------------------------------------------------------------------- ppo.py
+from types import SimpleNamespace  # noqa: E402
+
+import ppo  # noqa: E402
+
+
+def random_batch(B=6, T=7, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([T, 1, 3, T - 1, 5, 2][:B])
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    return torch.randn(B, T, generator=g), torch.randn(B, T, generator=g), mask, lengths
+
+
+def tiny_rm(seed=0):
+    torch.manual_seed(seed)
+    cfg = tiny_config("llama")
+    cfg.num_labels, cfg.architectures = 1, ["LlamaForSequenceClassification"]
+    return LlamaForSequenceClassification(cfg).eval()
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.9, 0.7), (1.0, 1.0)])
+def test_gae_equals_slow_loop_and_returns_are_advantages_plus_values(gamma, lam):
+    rewards, values, mask, lengths = random_batch()
+    adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
+    for i, n in enumerate(lengths.tolist()):
+        for t in range(n):  # A_t = sum_l (gamma lam)^l delta_t+l over the row's real tokens only
+            expect = 0.0
+            for l in range(n - t):
+                v_next = values[i, t + l + 1] if t + l + 1 < n else 0.0  # terminal after the last real token
+                expect += (gamma * lam) ** l * (rewards[i, t + l] + gamma * v_next - values[i, t + l])
+            assert abs(float(adv[i, t]) - float(expect)) < 1e-5
+            assert abs(float(ret[i, t]) - float(adv[i, t] + values[i, t])) < 1e-6
+        assert (adv[i, n:] == 0).all() and (ret[i, n:] == 0).all()
+    # lam = 1, gamma = 1: the return is the plain reward-to-go, whatever the values
+    _, ret1 = ppo.gae(rewards, values, mask, 1.0, 1.0)
+    torch.testing.assert_close(ret1, (rewards * mask).flip(1).cumsum(1).flip(1) * mask)
+
+
+def test_shaped_rewards_put_the_score_on_the_last_real_token():
+    logprobs, ref_logprobs, mask, lengths = random_batch(seed=1)
+    scores = torch.tensor([10.0, 20.0, 30.0, 40.0, 50.0, 60.0])
+    rewards, kl = ppo.shaped_rewards(scores, logprobs, ref_logprobs, mask, 0.1, "k1")
+    for i, n in enumerate(lengths.tolist()):
+        for t in range(mask.shape[1]):
+            k1 = float(logprobs[i, t] - ref_logprobs[i, t])
+            expect = 0.0 if t >= n else -0.1 * k1 + (float(scores[i]) if t == n - 1 else 0.0)
+            assert abs(float(rewards[i, t]) - expect) < 1e-5
+    assert (kl * (1 - mask) == 0).all()
+
+
+def test_value_loss_and_policy_loss_equal_scalar_reference():
+    g = torch.Generator().manual_seed(2)
+    v, v_old, ret, lp, old_lp, adv = (torch.randn(50, generator=g) for _ in range(6))
+    loss, clipped = ppo.value_loss(v, v_old, ret, 0.2)
+    pl, ratio, pclipped = ppo.policy_loss(lp * 0.3, old_lp * 0.3, adv, 0.2)
+    for i in range(50):
+        vc = min(max(float(v[i]), float(v_old[i]) - 0.2), float(v_old[i]) + 0.2)
+        a, b = (float(v[i]) - float(ret[i])) ** 2, (vc - float(ret[i])) ** 2
+        assert abs(float(loss[i]) - 0.5 * max(a, b)) < 1e-5 and bool(clipped[i]) == (b > a)
+        r = torch.exp(lp[i] * 0.3 - old_lp[i] * 0.3).item()
+        expect = -min(r * float(adv[i]), min(max(r, 0.8), 1.2) * float(adv[i]))
+        assert abs(float(pl[i]) - expect) < 1e-5
+    assert 0 < float(clipped.mean()) < 1 and 0 < float(pclipped.mean()) < 1  # both branches exercised
+
+
+def test_whiten_over_valid_tokens_only():
+    x, _, mask, _ = random_batch(seed=3)
+    w = ppo.whiten(x + 5.0, mask)
+    vals = w[mask.bool()]
+    assert abs(float(vals.mean())) < 1e-5 and abs(float(vals.pow(2).mean()) - 1) < 1e-4 and (w[~mask.bool()] == 0).all()
+    kept = ppo.whiten(x + 5.0, mask, shift_mean=False)[mask.bool()]
+    assert abs(float(kept.mean()) - float((x + 5.0)[mask.bool()].mean())) < 1e-4
+
+
+def test_adaptive_kl_moves_kl_coef_the_right_way():
+    assert ppo.adaptive_kl(0.1, kl=12.0, target=6.0, horizon=10000, n_steps=64) > 0.1  # too much KL: penalise more
+    assert ppo.adaptive_kl(0.1, kl=1.0, target=6.0, horizon=10000, n_steps=64) < 0.1   # too little: penalise less
+    assert ppo.adaptive_kl(0.1, kl=6.0, target=6.0, horizon=10000, n_steps=64) == 0.1
+    # the proportional error is clipped to +-20%, scaled by n_steps / horizon
+    assert abs(ppo.adaptive_kl(0.1, kl=600.0, target=6.0, horizon=100, n_steps=100) - 0.12) < 1e-12
+
+
+def test_critic_values_read_the_state_before_each_token_with_left_padding(tok):
+    critic = tiny_rm()
+    model = tiny_model("llama")
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 5)
+    T = roll.completion_mask.shape[1]
+    values = ppo.critic_values(critic, roll.ids, roll.attention_mask, T)
+    for i in range(len(PROMPTS)):
+        ids = roll.ids[i][roll.attention_mask[i].bool()][None]  # the row without padding
+        per_pos = critic.score(critic.model(ids).last_hidden_state)[0, :, 0]
+        n = int(roll.completion_mask[i].sum())
+        L = ids.shape[1]  # prompt + n completion tokens: token t's value is read at position L - n + t - 1
+        torch.testing.assert_close(values[i, :n], per_pos[L - n - 1:L - 1], atol=1e-4, rtol=1e-4)
+
+
+def make_update_inputs(tok, seed=0):
+    torch.manual_seed(seed)
+    model, critic = tiny_model("llama"), tiny_rm()
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 4), 5)
+    mask, T = roll.completion_mask, roll.completion_mask.shape[1]
+    old_lp = C.batched_logprobs(model, roll, 1.0, 8, OFF)
+    with torch.no_grad():
+        old_v = ppo.critic_values(critic, roll.ids, roll.attention_mask, T) * mask
+    adv = torch.randn(mask.shape) * mask
+    batch = {"old_logprobs": old_lp, "old_values": old_v, "returns": old_v + adv, "advantages": ppo.whiten(adv, mask)}
+    return model, critic, roll, batch
+
+
+@pytest.mark.parametrize("target_kl,expect_updates", [(0.0, 8), (1e-6, 1)])
+def test_target_kl_stops_the_epochs(tok, target_kl, expect_updates):
+    """The first minibatch sees ratio == 1 (KL 0) and is applied; with a tiny target the next one stops the epochs."""
+    model, critic, roll, batch = make_update_inputs(tok)
+    args = SimpleNamespace(ppo_epochs=4, num_minibatches=2, micro_batch_size=5, temperature=1.0, ent_coef=0.0,
+                           clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.1, target_kl=target_kl, max_grad_norm=1.0)
+    opt = torch.optim.AdamW([{"params": model.parameters(), "lr": 1e-2}, {"params": critic.parameters(), "lr": 1e-2}])
+    before = [p.detach().clone() for p in model.parameters()]
+    stats = ppo.ppo_update(model, critic, opt, SimpleNamespace(nonfinite=0, nonfinite_in_row=0), roll, batch, args, OFF)
+    assert stats["ppo_updates"] == expect_updates
+    assert any((p != b).any() for p, b in zip(model.parameters(), before))  # the first update did happen
+    assert all(p.grad is None for p in model.parameters())  # a dropped update leaves no gradient behind
+
+
+def test_ppo_update_lowers_value_loss_and_raises_advantaged_logprobs(tok):
+    """Many epochs on one batch: the critic fits the returns, the policy moves toward positive advantages."""
+    model, critic, roll, batch = make_update_inputs(tok, seed=1)
+    args = SimpleNamespace(ppo_epochs=30, num_minibatches=1, micro_batch_size=20, temperature=1.0, ent_coef=0.0,
+                           clip_eps=0.2, clip_eps_value=10.0, vf_coef=1.0, target_kl=0.0, max_grad_norm=1.0)
+    opt = torch.optim.AdamW([{"params": model.parameters(), "lr": 3e-3}, {"params": critic.parameters(), "lr": 3e-3}])
+    mask = roll.completion_mask
+    v0 = C.masked_mean((batch["old_values"] - batch["returns"]) ** 2, mask)
+    ppo.ppo_update(model, critic, opt, SimpleNamespace(nonfinite=0, nonfinite_in_row=0), roll, batch, args, OFF)
+    with torch.no_grad():
+        v1 = C.masked_mean((ppo.critic_values(critic, roll.ids, roll.attention_mask, mask.shape[1]) -
+                            batch["returns"]) ** 2, mask)
+    gain = (C.batched_logprobs(model, roll, 1.0, 20, OFF) - batch["old_logprobs"]) * batch["advantages"]
+    assert float(v1) < 0.5 * float(v0)
+    assert float((gain * mask).sum()) > 0
+
+
+def test_critic_from_policy_starts_at_zero_and_bad_tokenizer_is_refused(tmp_path, tok):
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "policy")
+    tok.save_pretrained(tmp_path / "policy")
+    args = SimpleNamespace(critic_init="policy", model=str(tmp_path / "policy"), reward_model="",
+                           trust_remote_code=False, gradient_checkpointing=False)
+    critic = ppo.load_critic(args, tok, torch.device("cpu"))
+    ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
+    assert (ppo.critic_values(critic, ids, mask, 3) == 0).all()
+    assert any(p.requires_grad for p in critic.parameters())
+    other = C.load_tokenizer(C.DEFAULT_POLICY)
+    other.add_tokens(["<new>"])
+    other.save_pretrained(tmp_path / "rm")
+    tiny_rm().save_pretrained(tmp_path / "rm")
+    args.critic_init, args.reward_model = "reward_model", str(tmp_path / "rm")
+    with pytest.raises(C.UserError, match="different tokenizer"):
+        ppo.load_critic(args, tok, torch.device("cpu"))
+
+
+def test_short_run_raises_the_reward_model_score(tmp_path):
+    """Bundled policy and reward model: 16 PPO steps raise the RM score by well over its noise."""
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "ppo.py", "--max_steps", "16", "--batch_size", "32", "--eval_every", "0",
+                    "--eval_size", "50", "--output_dir", str(out)], check=True, cwd=ROOT, capture_output=True)
+    m = read_metrics(out)
+    first, last = sum(x["reward"] for x in m[:2]) / 2, sum(x["reward"] for x in m[-4:]) / 4
+    # the noise of that difference is about 0.16 reward_std (32 samples a step): the bar is 2.5 times that
+    assert last - first > 0.4 * m[0]["reward_std"], (first, last, m[0]["reward_std"])
+
+
+def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok):
+    tiny_model("llama").save_pretrained(tmp_path / "policy")
+    tiny_rm().save_pretrained(tmp_path / "rm")
+    for d in ("policy", "rm"):
+        tok.save_pretrained(tmp_path / d)
+    out = tmp_path / "run"
+    cmd = [sys.executable, "ppo.py", "--model", str(tmp_path / "policy"), "--reward_model", str(tmp_path / "rm"),
+           "--batch_size", "16", "--micro_batch_size", "8", "--eval_size", "16", "--eval_every", "0",
+           "--adaptive_kl", "--kl_target", "1e-6", "--kl_estimator", "k3", "--kl_horizon", "16", "--output_dir", str(out)]
+    subprocess.run(cmd + ["--max_steps", "2"], check=True, cwd=ROOT, capture_output=True)
+    m = read_metrics(out)
+    keys = {"step", "reward", "reward_std", "reward/rm", "gold", "kl", "entropy", "clip_frac", "ratio", "loss",
+            "grad_norm", "completion_len", "frac_truncated", "lr", "step_time", "tokens_per_s", "value_loss",
+            "value_clip_frac", "explained_var", "kl_coef", "approx_kl"}
+    assert [x["step"] for x in m] == [1, 2] and keys <= set(m[0])
+    assert m[0]["kl_seq"] == 0 and m[1]["kl_seq"] > 1e-6  # policy == reference at step 1 only
+    assert m[0]["kl_coef"] == 0.05 and abs(m[1]["kl_coef"] - 0.04) < 1e-9  # KL below target: -20% * 16 / 16
+    assert abs(m[0]["ratio"] - 1) < 0.1
+    for f in ("summary.json", "samples.jsonl", "checkpoint/model.safetensors", "checkpoint/trainer_state.pt"):
+        assert (out / f).exists()
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert "score.weight" in state["extra"]["critic"]
+    # resume: step 3 continues from the saved kl_coef (restored, not reset to 0.05), raised as KL > target
+    subprocess.run([sys.executable, "ppo.py", "--resume", str(out), "--max_steps", "3"], check=True, cwd=ROOT,
+                   capture_output=True)
+    m = read_metrics(out)
+    assert [x["step"] for x in m] == [1, 2, 3] and abs(m[2]["kl_coef"] - 0.04 * 1.2) < 1e-9
+    # bad input: one line, exit code 2
+    bad = subprocess.run(cmd + ["--batch_size", "12"], cwd=ROOT, capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.startswith("error: --num_minibatches")

@@ -4,12 +4,17 @@
                         the built-in addition task in two phases: correct sums (1,500 steps), then demonstrations
                         that forget each carry 70% of the time (1,000 steps; 57+68=15), so the right answer keeps
                         real probability but is no longer the greedy choice.
-  models/tiny-adder-rm  LlamaForSequenceClassification (num_labels=1), same tokenizer, trained with a Bradley-Terry
-                        loss on (correct answer, wrong answer) pairs: a good but imperfect proxy for correctness.
+  models/tiny-adder-rm  LlamaForSequenceClassification (num_labels=1), same tokenizer, initialised from the policy
+                        (the SFT model, as InstructGPT does) and trained with a Bradley-Terry loss on (correct,
+                        wrong) pairs whose wrong answers are varied (dropped carries, any digit off, random numbers,
+                        a digit added or cut): a good but imperfect proxy for correctness. A reward model trained only
+                        on dropped-carry and one-digit mistakes was hacked by PPO within 20 steps (answers like
+                        55+43=107 scored above the truth), so negatives must cover what a drifting policy writes.
 
 Neither ever sees the held-out eval pairs (common.task_eval_pairs). Run: python tools/build_models.py
-(measured 2026-11-29, 2-core CPU: about 7 minutes; policy held-out greedy accuracy 0.288, reward model
-held-out pair agreement 0.798).
+(RM_ONLY=1 retrains only the reward model from the saved policy)
+(measured 2026-11-29, 2-core CPU: about 7 minutes, of which the reward model 76 s; policy held-out greedy
+accuracy 0.288; reward model held-out pair agreement 0.862 on correct vs dropped-carry / one-digit-off answers).
 """
 import os, random, sys, time
 
@@ -90,20 +95,43 @@ def wrong_answer(a, b, rng):
     return int("".join(d))
 
 
-def train_reward_model(tok, steps, bs=64, lr=1e-3):
+def negative(a, b, rng):
+    """A wrong answer for RM training: the policy's own kind of mistake, and the kinds a drifting policy makes."""
+    s, u = a + b, rng.random()
+    if u < 0.35:
+        return str(wrong_answer(a, b, rng))
+    if u < 0.55:  # any digit off by 1..9
+        d = list(str(s))
+        i = rng.randrange(len(d))
+        d[i] = str((int(d[i]) + rng.randrange(1, 10)) % 10)
+        return str(int("".join(d))) if "".join(d) != str(s) else str(s + 1)
+    if u < 0.70:  # a random number
+        r = rng.randrange(200)
+        return str(r if r != s else r + 1)
+    if u < 0.82:  # a digit too many
+        return str(s) + str(rng.randrange(10))
+    if u < 0.92:  # a digit too few
+        return str(s)[:-1]
+    return str(s + rng.choice([-10, 10, 100, -100] if s >= 100 else [-10, 10, 100]))
+
+
+def train_reward_model(tok, steps, policy, bs=64, lr=5e-4):
     torch.manual_seed(1)
     rng = random.Random(1)
-    rm = LlamaForSequenceClassification(config(tok, hidden_size=96, num_hidden_layers=2, intermediate_size=288,
+    rm = LlamaForSequenceClassification(config(tok, hidden_size=160, num_hidden_layers=3, intermediate_size=480,
                                                num_labels=1))
+    rm.model.load_state_dict(policy.model.state_dict())  # start from the SFT model: it already adds (InstructGPT)
+    torch.nn.init.normal_(rm.score.weight, std=1 / (rm.config.hidden_size + 1) ** 0.5)  # N: N(0, 1/sqrt(d+1))
     opt = torch.optim.AdamW(rm.parameters(), lr=lr)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)
     for step in range(steps):
         pairs = common.task_train_pairs(rng, bs)
         good = [f"{a}+{b}={a + b}" for a, b in pairs]
-        bad = [f"{a}+{b}={wrong_answer(a, b, rng)}" for a, b in pairs]
+        bad = [f"{a}+{b}={negative(a, b, rng)}" for a, b in pairs]
         r = score_with_grad(rm, tok, good + bad)
         loss = -F.logsigmoid(r[:bs] - r[bs:]).mean()  # Bradley-Terry: P(good > bad) = sigmoid(r_good - r_bad)
         loss.backward()
-        opt.step(), opt.zero_grad()
+        opt.step(), opt.zero_grad(), sched.step()
         if step % 200 == 0:
             print(f"reward model step {step} loss {loss.item():.3f}", flush=True)
     return rm
@@ -119,15 +147,17 @@ def main():
     t0 = time.time()
     clean_steps = int(os.environ.get("CLEAN_STEPS", 1500))
     sloppy_steps = int(os.environ.get("SLOPPY_STEPS", 1000))
-    rm_steps = int(os.environ.get("RM_STEPS", 1500))
+    rm_steps = int(os.environ.get("RM_STEPS", 600))
     tok = build_tokenizer()
-    # two phases: learn correct addition, then fine-tune on sloppy demonstrations that forget carries
-    policy = train_policy(tok, clean_steps, drop=0.0)
-    policy = train_policy(tok, sloppy_steps, drop=DROP, model=policy, lr=1e-3)
-    policy.generation_config.pad_token_id = tok.pad_token_id
-    policy.save_pretrained(common.DEFAULT_POLICY, safe_serialization=True)
-    tok.save_pretrained(common.DEFAULT_POLICY)
-    rm = train_reward_model(tok, rm_steps)
+    if os.environ.get("RM_ONLY"):  # the policy build is deterministic: reuse the saved one, retrain only the RM
+        policy = LlamaForCausalLM.from_pretrained(common.DEFAULT_POLICY)
+    else:  # two phases: learn correct addition, then fine-tune on sloppy demonstrations that forget carries
+        policy = train_policy(tok, clean_steps, drop=0.0)
+        policy = train_policy(tok, sloppy_steps, drop=DROP, model=policy, lr=1e-3)
+        policy.generation_config.pad_token_id = tok.pad_token_id
+        policy.save_pretrained(common.DEFAULT_POLICY, safe_serialization=True)
+        tok.save_pretrained(common.DEFAULT_POLICY)
+    rm = train_reward_model(tok, rm_steps, policy)
     rm.save_pretrained(common.DEFAULT_REWARD_MODEL, safe_serialization=True)
     tok.save_pretrained(common.DEFAULT_REWARD_MODEL)
     # report: held-out greedy accuracy of the policy, held-out pair agreement of the reward model
