@@ -5,8 +5,10 @@ Four models: the policy pi_theta (trained), a frozen reference pi_ref (the start
 (trained; a scalar per token) and a frozen reward model RM. Per step, sample ONE completion per prompt, then:
 
     r_t    = -kl_coef * KL_t(pi_old || pi_ref)   on every completion token        (per-token KL in the reward)
-           + RM(prompt, completion)               on the last real token: the EOS, or the last token when
-                                                  truncated (then minus missing_eos_penalty)     shaped_rewards()
+           + score = (RM(prompt, completion) - mu) / sigma   on the last real token: the EOS, or the last
+             token when truncated (then minus missing_eos_penalty); mu, sigma: the RM's mean and std on samples
+             of the starting policy (N's reward gain and bias), so kl_coef means the same for any RM's scale
+                                                                                          shaped_rewards()
     delta_t = r_t + gamma V(s_t+1) - V(s_t);  A_t = delta_t + gamma lam A_t+1 (backwards)  gae()
     R_t    = A_t + V(s_t)  (the critic's regression target);  A whitened over the batch      whiten()
 then ppo_epochs passes over shuffled minibatches, each one optimizer step on
@@ -20,8 +22,11 @@ controller: kl_coef *= 1 + clip(KL_seq / kl_target - 1, -0.2, 0.2) * batch_size 
 The critic is a separate model whose head reads the hidden state before each completion token. It starts as a copy
 of the reward model (default, as in N+: the RM already knows what a good answer looks like, so V is roughly right
 at step 0 and the policy gets useful advantages at once) or, with --critic_init policy, as the policy's backbone
-with a fresh zero-init head (N's value head: V = 0 at first, so the first advantages are plain reward-to-go). It
-reads the policy's token ids, so it must share the policy's tokenizer. Its learning rate is its own (critic_lr).
+with a fresh zero-init head (N's value head: V = 0 at first, so the first advantages are lambda-discounted sums of
+rewards). It reads the policy's token ids, so it must share the policy's tokenizer. Its learning rate is its own
+(critic_lr); policy and critic share one AdamW with a parameter group each, and each has its gradient clipped.
+The reward model is a proxy: watch `gold` (true accuracy of the sampled answers) beside `reward`. A reward model
+trained on too narrow a set of wrong answers was hacked within 20 steps here: reward up, gold down.
 
 Memory: four models. Trained ones keep fp32 weights + grads + two Adam moments = 16 bytes/param each; the frozen
 reference and RM live in bf16 on a GPU (2 bytes/param). A 7B policy with a 7B critic: 112 + 112 + 14 + 14 GB
@@ -29,6 +34,7 @@ before activations, about twice GRPO's bill; that critic is why GRPO and RLOO dr
 Simplified: PyTorch AdamW, not TF Adam (N); one process, no DeepSpeed.
 
 Run:  python ppo.py                                   # bundled policy + reward model, CPU, a few minutes
+      python ppo.py --rewards math --critic_init policy   # the rule reward instead of the RM; N's critic
       python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward_model OWNER/RM --data my.jsonl \\
                     --max_new_tokens 128 --lr 3e-6 --critic_lr 3e-6 --temperature 0.7 --batch_size 64 --compile
 Expect (bundled default, 2-core CPU): held-out greedy accuracy from about 0.3 to about 0.7, the RM score rising

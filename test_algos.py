@@ -890,5 +890,5 @@ def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok):
     m = read_metrics(out)
     assert [x["step"] for x in m] == [1, 2, 3] and abs(m[2]["kl_coef"] - 0.04 * 1.2) < 1e-9
     # bad input: one line, exit code 2
-    bad = subprocess.run(cmd + ["--batch_size", "12"], cwd=ROOT, capture_output=True, text=True)
+    bad = subprocess.run(cmd + ["--batch_size", "15"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --num_minibatches")
