@@ -5,7 +5,7 @@ rewards -> eval -> run plumbing (outputs, checkpoints, resume, guards, the end-o
 Conventions used everywhere (DESIGN.md section 4): masks come from lengths, never from token values; the EOS
 is a completion token and is in the loss; log-probs are taken on logits / the sampling temperature, in fp32.
 """
-import dataclasses, inspect, json, math, os, random, re, shutil, signal, sys, time
+import dataclasses, functools, inspect, json, math, os, random, re, shutil, signal, sys, time
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -230,10 +230,14 @@ def positions(attention_mask):
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)  # left padding: real tokens count from 0
 
 
-def _forward(model, ids, mask, pos, cache=None, **kw):
+@functools.lru_cache(maxsize=None)
+def _cache_kwarg(model_cls):
     # transformers >= 5.24 names the KV-cache argument `cache`; older versions call it `past_key_values`.
-    key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, **{key: cache}, **kw)
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
+
+
+def _forward(model, ids, mask, pos, cache=None, **kw):
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, **{_cache_kwarg(type(model)): cache}, **kw)
 
 
 def eos_ids(model, tok):
@@ -251,8 +255,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
       completion_mask (B, T) float: 1 on every generated token up to AND including the EOS, 0 after;
       truncated (B,) bool: no EOS within max_new_tokens; sample_logprobs (B, T): log-probs the sampler used."""
     device = next(model.parameters()).device
-    ids, mask = left_pad(prompt_ids, tok.pad_token_id, device)
-    B, P = ids.shape
+    ids, prompt_mask = left_pad(prompt_ids, tok.pad_token_id, device)
+    mask, (B, P) = prompt_mask, ids.shape  # mask grows (and loses finished rows) as decoding goes
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)
     out_lp = torch.zeros(B, max_new_tokens, device=device)
@@ -285,7 +289,6 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
     T = int(lengths.max())
     completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()  # from lengths
-    prompt_mask = left_pad(prompt_ids, 0, device)[1]
     return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
                            attention_mask=torch.cat([prompt_mask, completion_mask.long()], 1),
                            truncated=~torch.isin(out[torch.arange(B), lengths - 1], eos),
@@ -355,15 +358,9 @@ def math_reward(completion, row):
     return float(want is not None and final_number(completion) == want)
 
 
-def format_reward(completion, row):
-    return float(final_number(completion) is not None)
-
-
-def length_penalty(completion, row):
-    return -len(completion) / 100.0
-
-
-RULES = {"math": math_reward, "format": format_reward, "length": length_penalty}
+RULES = {"math": math_reward,
+         "format": lambda completion, row: float(final_number(completion) is not None),  # states a number
+         "length": lambda completion, row: -len(completion) / 100.0}  # a mild penalty per character
 
 
 def parse_rewards(spec, reward_model):
