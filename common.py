@@ -212,11 +212,15 @@ def check_prompts(tok, model, rows, args):
 # ---------------------------------------------------------------------------------------- prompts, sampling
 def encode_prompts(tok, prompts, chat_template="auto"):
     """Token ids per prompt. 'auto' applies the tokenizer's chat template when it has one; 'none' never does."""
+    index = {p: i for i, p in enumerate(dict.fromkeys(prompts))}  # a GRPO batch repeats each prompt G times:
+    distinct = list(index)                                          # tokenize it once
     if chat_template != "none" and tok.chat_template:
         texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                 for p in prompts]
-        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [tok(p)["input_ids"] for p in prompts]
+                 for p in distinct]
+        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    else:
+        ids = [tok(p)["input_ids"] for p in distinct]
+    return [ids[index[p]] for p in prompts]
 
 
 def left_pad(seqs, pad_id, device):
@@ -249,23 +253,31 @@ def eos_ids(model, tok):
 
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, amp=None):
-    """Batched sampling with a KV cache. Rows that have finished are dropped from the batch (and the cache), so
-    they stop costing compute. Returns a SimpleNamespace with
+    """Batched sampling with a KV cache. Each distinct prompt is prefilled once and its cache copied to every row
+    that asks for it (a GRPO group of G shares one prefill; HF's generate prefills all G copies). Rows that have
+    finished are dropped from the batch and the cache, so they stop costing compute. Returns a SimpleNamespace:
       ids (B, P+T): left-padded prompt then completion; attention_mask (B, P+T) from lengths;
       completion_mask (B, T) float: 1 on every generated token up to AND including the EOS, 0 after;
       truncated (B,) bool: no EOS within max_new_tokens; sample_logprobs (B, T): log-probs the sampler used."""
     device = next(model.parameters()).device
-    ids, prompt_mask = left_pad(prompt_ids, tok.pad_token_id, device)
-    mask, (B, P) = prompt_mask, ids.shape  # mask grows (and loses finished rows) as decoding goes
+    distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompt_ids)))}
+    row_of = torch.tensor([distinct[tuple(p)] for p in prompt_ids], device=device)  # row -> its distinct prompt
+    ids, prompt_mask = left_pad(list(distinct), tok.pad_token_id, device)
     eos = torch.tensor(eos_ids(model, tok), device=device)
+    B, P = len(prompt_ids), ids.shape[1]
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)
     out_lp = torch.zeros(B, max_new_tokens, device=device)
     lengths = torch.full((B,), max_new_tokens, device=device)
     live = torch.arange(B, device=device)  # original row index of each row still being sampled
-    cache, step_ids, pos = DynamicCache(), ids, positions(mask)
+    cache = DynamicCache()
     with amp or torch.autocast(device.type, enabled=False):
+        logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, use_cache=True, logits_to_keep=1)\
+            .logits[:, -1][row_of]  # prefill: one forward per distinct prompt ...
+        cache.batch_select_indices(row_of)  # ... then every row gets its own copy of that prompt's KV cache
+        ids, prompt_mask = ids[row_of], prompt_mask[row_of]
+        mask, pos = prompt_mask, positions(prompt_mask)[:, -1:]  # mask grows (and loses finished rows) as we go
         for t in range(max_new_tokens):
-            logits = _forward(model, step_ids, mask, pos, cache, use_cache=True, logits_to_keep=1).logits[:, -1].float()
+            logits = logits.float()
             if greedy:
                 nxt = logits.argmax(-1)
             else:
@@ -279,14 +291,14 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             out_lp[live, t] = (logits / (1.0 if greedy else temperature)).log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
             ended = torch.isin(nxt, eos)
             lengths[live[ended]] = t + 1
-            if ended.all():
+            if ended.all() or t == max_new_tokens - 1:
                 break
             if ended.any():  # drop finished rows from the batch and the KV cache
                 keep = (~ended).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 live, nxt, mask, pos = live[keep], nxt[keep], mask[keep], pos[keep]
-            step_ids, pos = nxt[:, None], pos[:, -1:] + 1
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
+            mask, pos = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1), pos + 1
+            logits = _forward(model, nxt[:, None], mask, pos, cache, use_cache=True).logits[:, -1]
     T = int(lengths.max())
     completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()  # from lengths
     return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
@@ -301,16 +313,29 @@ def decode_completions(tok, roll):
 
 
 # -------------------------------------------------------------------------------------------------- log-probs
-def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, chunk=8):
-    """log pi(token_t | tokens_<t) for the last T positions of ids: one forward, gradients flow.
-    Only the completion positions go through the LM head (logits_to_keep); logits are divided by the sampling
-    temperature and log-softmaxed in fp32 a few rows at a time, never as one (B, T, V) fp32 tensor."""
-    logits = _forward(model, ids, attention_mask, positions(attention_mask), logits_to_keep=T + 1).logits
-    logits, targets = logits[:, :-1], ids[:, -T:]  # shift by one: position t predicts token t+1
-    lps, ents = [], []
-    for i in range(0, len(ids), chunk):
-        lg = logits[i:i + chunk].float() / temperature
-        lp = lg.log_softmax(-1)
+def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, chunk_elems=2**24):
+    """log pi(token_t | tokens_<t) for the last T positions of ids: gradients flow.
+    Only the completion positions go through the LM head; logits are divided by the sampling temperature and
+    log-softmaxed in fp32 a few rows at a time (<= chunk_elems floats), never as one (B, T, V) fp32 tensor.
+    When rows share prompts (GRPO groups, RLOO's k samples) and that saves a quarter of the tokens, each distinct
+    prompt runs once and its KV cache, gradients included, is indexed out to its rows; same numbers, less compute."""
+    B, P = ids.shape[0], ids.shape[1] - T
+    pos = positions(attention_mask)
+    prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
+    if len(prompts) * P + B * T <= 0.75 * B * (P + T) and not getattr(model, "is_activation_checkpointing", False):
+        cache, p_ids, p_mask = DynamicCache(), prompts[:, :P], prompts[:, P:]
+        logits = _forward(model, p_ids, p_mask, positions(p_mask), cache, use_cache=True, logits_to_keep=1).logits
+        logits = logits[row_of]  # (B, 1, V): predicts the first completion token
+        cache.batch_select_indices(row_of)  # an indexing op: gradients flow back into the shared prompt forward
+        if T > 1:  # the rest: feed completion tokens 0..T-2, which predict tokens 1..T-1
+            rest = _forward(model, ids[:, P:-1], attention_mask[:, :-1], pos[:, P:-1], cache, use_cache=True).logits
+            logits = torch.cat([logits, rest], 1)
+    else:
+        logits = _forward(model, ids, attention_mask, pos, logits_to_keep=T + 1).logits[:, :-1]  # t predicts t+1
+    targets, lps, ents = ids[:, -T:], [], []
+    chunk = max(1, chunk_elems // max(1, T * logits.shape[-1]))
+    for i in range(0, B, chunk):
+        lp = (logits[i:i + chunk].float() / temperature).log_softmax(-1)
         lps.append(lp.gather(-1, targets[i:i + chunk, :, None])[..., 0])
         if entropy:
             ents.append(-(lp.exp() * lp).sum(-1).detach())

@@ -195,7 +195,8 @@ def main():
     rm, rm_tok = C.load_reward_model(args, device)
     if args.sanity:
         raise SystemExit(2 if C.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            fused=True)  # one kernel for all parameters (CPU and CUDA)
     start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp)
     if args.num_iterations == 1:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged loss stays near 0 "

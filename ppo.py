@@ -313,7 +313,7 @@ def main():
     critic = load_critic(args, tok, device, norm)
     # one optimizer, two parameter groups: the critic has its own lr; checkpoints keep both groups' Adam state
     opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},
-                             {"params": list(critic.parameters()), "lr": args.critic_lr}], eps=args.adam_eps)
+                             {"params": list(critic.parameters()), "lr": args.critic_lr}], eps=args.adam_eps, fused=True)
     start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp)
     kl_coef = args.kl_coef
     if run.state:  # the critic's weights and kl_coef travel in the checkpoint's `extra`

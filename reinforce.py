@@ -198,7 +198,8 @@ def main():
     rm, rm_tok = C.load_reward_model(args, device)
     if args.sanity:
         raise SystemExit(2 if C.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            fused=True)  # one kernel for all parameters (CPU and CUDA)
     start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp)
     ema = run.state["extra"].get("ema") if run.state else None  # the ema baseline's running value
     grad_norms = sample_grad_probe(model)

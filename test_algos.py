@@ -79,10 +79,33 @@ def test_logprobs_equal_plain_forward_with_left_padding(arch, tok):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
+    """GRPO-style groups (each prompt 4 times): token_logprobs runs each prompt once and shares its KV cache.
+    Values and parameter gradients must equal plain forwards over each unpadded row."""
+    model = tiny_model(arch)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(4)]
+    roll = C.sample(model, tok, prompts, 8, temperature=0.7)
+    T = roll.completion_mask.shape[1]
+    assert len({tuple(r) for r in roll.ids[:, roll.P:].tolist()}) > len(PROMPTS)  # rows differ within groups
+    lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7)
+    (lp * roll.completion_mask).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    for i, p in enumerate(prompts):
+        n = int(roll.completion_mask[i].sum())
+        ref = reference_logprobs(model, p, roll.ids[i, roll.P:roll.P + n].tolist(), 0.7)
+        torch.testing.assert_close(lp[i, :n], ref, atol=1e-4, rtol=1e-4)
+        ref.sum().backward()
+    for g, p in zip(grads, model.parameters()):
+        torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_sample_equals_generate(arch, tok):
     model = tiny_model(arch, seed=1)
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = C.encode_prompts(tok, PROMPTS)
+    prompts = C.encode_prompts(tok, PROMPTS + PROMPTS[::-1])  # repeated prompts share one prefill
     roll = C.sample(model, tok, prompts, 10, greedy=True)
     ids, mask = C.left_pad(prompts, tok.pad_token_id, "cpu")
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
