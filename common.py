@@ -477,6 +477,9 @@ def start_run(args, algo):
         keep = {"resume": args.resume, "output_dir": args.output_dir, "max_steps": args.max_steps}
         args.__dict__.update({**state["args"], **keep})
     path = os.path.join(args.output_dir, "metrics.jsonl")
+    if not state and os.path.exists(path) and os.path.getsize(path):  # never mix two runs' metrics in one file
+        raise UserError(f"--output_dir {args.output_dir!r} already holds a run (metrics.jsonl): continue it with "
+                        f"--resume {args.output_dir}, or choose another --output_dir")
     history = []
     if state and os.path.exists(path):
         with open(path) as f:  # a line cut short by a crash is dropped with the steps after the checkpoint

@@ -475,6 +475,9 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, stopped + 4))  # no step duplicated or missing
+    before = (out / "metrics.jsonl").read_text()
+    r = run_script("grpo.py", "--output_dir", str(out), "--max_steps", "2")  # a new run may not reuse the folder
+    assert r.returncode == 2 and "already holds a run" in r.stderr and (out / "metrics.jsonl").read_text() == before
 
 
 def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tok):

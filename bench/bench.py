@@ -27,13 +27,14 @@ def timed(fn, repeats):
     return n, best
 
 
-def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, new_tokens=(6, 32), repeats=5):
-    """Tokens/s of common.sample and model.generate on the same prompts, temperature 1, EOS stopping.
-    Generated tokens are counted up to and including each row's EOS (what RL uses)."""
+def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tokens=(6, 32), repeats=5):
+    """Tokens/s of common.sample and model.generate on the same batch of `batch` rows, temperature 1, EOS stopping:
+    batch // group distinct prompts, each repeated `group` times in a row (group=8 is a GRPO batch, as TRL builds
+    it for generate). Generated tokens are counted up to and including each row's EOS (what RL uses)."""
     tok = C.load_tokenizer(model_name)
     model = C.load_model(model_name, "lm", device, frozen=True)
-    data = C.load_data("")
-    prompts = C.encode_prompts(tok, [r["prompt"] for r in data.eval_rows[:batch]])
+    rows = C.load_data("").eval_rows[:batch // group]
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(group)])
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
     out = {}
     for T in new_tokens:
@@ -45,15 +46,16 @@ def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, new_tokens=(6, 3
         def hf():
             g = model.generate(ids, attention_mask=mask, max_new_tokens=T, do_sample=True, temperature=1.0, top_k=0,
                                top_p=1.0, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-            ended = (g == tok.eos_token_id).int()
+            ended = torch.isin(g, torch.tensor(C.eos_ids(model, tok), device=device)).int()
             first = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0], g.shape[1]))
             return int(first.sum())
         n_ours, t_ours = timed(ours, repeats)
         n_hf, t_hf = timed(hf, repeats)
-        out[f"T{T}"] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf,
-                        "speedup": (n_ours / t_ours) / (n_hf / t_hf)}
-        print(f"sample  batch {batch}  max_new_tokens {T:3d}:  common.sample {n_ours / t_ours:9.0f} tok/s   "
-              f"model.generate {n_hf / t_hf:9.0f} tok/s   ratio {out[f'T{T}']['speedup']:.2f}x")
+        key = f"{batch // group}x{group} T{T}"
+        out[key] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf,
+                    "speedup": (n_ours / t_ours) / (n_hf / t_hf)}
+        print(f"sample  {batch // group:2d} prompts x {group} samples  max_new_tokens {T:3d}:  common.sample "
+              f"{n_ours / t_ours:9.0f} tok/s   model.generate {n_hf / t_hf:9.0f} tok/s   ratio {out[key]['speedup']:.2f}x")
     return out
 
 
@@ -108,8 +110,10 @@ def main():
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda"
               else platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__}
     if what in ("sample", "all"):
-        result["sample_bundled"] = bench_sample(device)
-        result["sample_random_qwen2"] = bench_sample(device, random_qwen2(device), new_tokens=(64,))
+        result["sample_bundled"] = {**bench_sample(device, group=8), **bench_sample(device, group=1)}
+        qwen2 = random_qwen2(device)
+        result["sample_random_qwen2"] = {**bench_sample(device, qwen2, group=8, new_tokens=(64,)),
+                                         **bench_sample(device, qwen2, group=1, new_tokens=(64,))}
     if what in ("steps", "all"):
         result["steps"] = bench_steps()
     if what in ("trl", "all"):
