@@ -43,19 +43,6 @@ def parse_args(args_cls):
 
 
 # ------------------------------------------------------------------------------ the built-in task and data
-def column_sum(a, b, rng=None, drop=0.0):
-    """a + b by column addition. Each carry is forgotten with probability `drop`: the warm-start data's
-    human-like error (37+48 -> 75, 57+68 -> 15, not 85 and 125). drop=0 gives the true sum."""
-    da, db = str(a)[::-1], str(b)[::-1]
-    n, out, carry = max(len(da), len(db)), 0, 0
-    for i in range(n):
-        s = int(da[i] if i < len(da) else 0) + int(db[i] if i < len(db) else 0) + carry
-        out, carry = out + (s % 10) * 10**i, s // 10
-        if carry and rng is not None and rng.random() < drop:
-            carry = 0
-    return out + carry * 10**n
-
-
 TASK_DIGITS, TASK_EVAL_SEED, TASK_EVAL_SIZE = 2, 1234, 500
 
 

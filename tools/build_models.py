@@ -30,6 +30,19 @@ DROP = 0.7  # probability that a demonstration forgets a carry
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
+def column_sum(a, b, rng=None, drop=0.0):
+    """a + b by column addition. Each carry is forgotten with probability `drop`: the warm-start data's
+    human-like error (37+48 -> 75, 57+68 -> 15, not 85 and 125). drop=0 gives the true sum."""
+    da, db = str(a)[::-1], str(b)[::-1]
+    n, out, carry = max(len(da), len(db)), 0, 0
+    for i in range(n):
+        s = int(da[i] if i < len(da) else 0) + int(db[i] if i < len(db) else 0) + carry
+        out, carry = out + (s % 10) * 10**i, s // 10
+        if carry and rng is not None and rng.random() < drop:
+            carry = 0
+    return out + carry * 10**n
+
+
 def build_tokenizer():
     """Character level over printable ASCII: a BPE with no merges is exactly one token per character."""
     vocab = {t: i for i, t in enumerate(SPECIALS + [chr(c) for c in range(32, 127)])}
@@ -67,7 +80,7 @@ def train_policy(tok, steps, drop, model=None, bs=128, lr=2e-3):
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)
     for step in range(steps):
         pairs = common.task_train_pairs(rng, bs)
-        ids, mask, lab = batch(tok, rng, pairs, [common.column_sum(a, b, rng, drop) for a, b in pairs])
+        ids, mask, lab = batch(tok, rng, pairs, [column_sum(a, b, rng, drop) for a, b in pairs])
         loss = model(input_ids=ids, attention_mask=mask, position_ids=common.positions(mask), labels=lab).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -86,7 +99,7 @@ def held_out_accuracy(model, tok):
 
 def wrong_answer(a, b, rng):
     """A plausible mistake: a forgotten carry when there is one, else one digit nudged."""
-    s, bad = a + b, common.column_sum(a, b, rng, 1.0)
+    s, bad = a + b, column_sum(a, b, rng, 1.0)
     if bad != s and rng.random() < 0.6:
         return bad
     d = list(str(s))
