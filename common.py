@@ -566,8 +566,13 @@ def end_of_step(run, step, metrics, samples=None, extra=None, kl_warn=10.0):
 def peak_mem_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # CPU: the process's peak resident memory
+    try:  # Linux: this process's own peak RSS (ru_maxrss also counts a parent's, as it survives fork and exec)
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        import resource
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+        return rss / 2**20 if sys.platform == "darwin" else rss / 1024
 
 
 def spark(values, width=60):

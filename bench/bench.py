@@ -88,18 +88,21 @@ def run_script(script, args, tmp):
             "eval_before": summary["eval_before"], "eval_after": summary["eval_after"], "wall_s": wall}
 
 
-def bench_steps(steps=20):
-    """Seconds per training step and peak memory at equal settings (64 completions per step, same lengths)."""
+def bench_steps(steps=20, model=None, label="bundled"):
+    """Seconds per training step and peak memory at equal settings (64 completions per step, same lengths).
+    With `model` (a bigger random model, so that model state shows above the ~470 MB of the torch runtime), PPO's
+    critic is a copy of the policy (--critic_init policy), as with real models."""
     common = ["--max_steps", str(steps), "--eval_size", "100", "--eval_every", "0", "--save_every", "1000"]
+    common += ["--model", model] if model else []
     runs = {"grpo beta=0": ("grpo.py", ["--beta", "0"]), "grpo beta=0.04": ("grpo.py", ["--beta", "0.04"]),
-            "reinforce rloo": ("reinforce.py", ["--baseline", "rloo"]), "ppo": ("ppo.py", [])}
+            "reinforce rloo": ("reinforce.py", ["--baseline", "rloo"]),
+            "ppo": ("ppo.py", ["--critic_init", "policy"] if model else [])}
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, (script, extra) in runs.items():
-            if not os.path.exists(os.path.join(ROOT, script)):
-                continue
             out[name] = run_script(script, common + extra, tmp)
-            print(f"steps   {name:16s} {out[name]['s_per_step']:.3f} s/step   peak memory {out[name]['peak_mem_mb']:.0f} MB")
+            print(f"steps   {label:8s} {name:16s} {out[name]['s_per_step']:.3f} s/step   "
+                  f"peak memory {out[name]['peak_mem_mb']:.0f} MB")
     return out
 
 
@@ -116,6 +119,8 @@ def main():
                                          **bench_sample(device, qwen2, group=1, new_tokens=(64,))}
     if what in ("steps", "all"):
         result["steps"] = bench_steps()
+        big = random_qwen2(device, layers=4, hidden=512)  # 15.8 M parameters: 63 MB of fp32 weights
+        result["steps_random_qwen2_16M"] = bench_steps(steps=3, model=big, label="qwen2-16M")
     if what in ("trl", "all"):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trl_grpo.py")], capture_output=True, text=True)
         print(r.stdout.strip() or r.stderr.strip().splitlines()[-1])

@@ -1,0 +1,188 @@
+"""One prepared GPU check: CUDA + bf16 + torch.compile on a random-weight model of a real size, run once per lent GPU.
+
+  python bench/gpu_check.py                 # Qwen2-0.5B-shaped (494 M parameters), CUDA; about 6-8 minutes
+  python bench/gpu_check.py --tiny          # a 2-layer toy (vocab 1,000) on any device: checks the script itself
+
+It needs no hub access: the model is built from a config with random weights, with a synthetic word-level tokenizer
+over the same 151,936-token vocabulary (EOS almost never fires, so every row decodes all its tokens). Measured:
+  1. sampling tokens/s on a GRPO batch (8 prompts x 8): common.sample vs model.generate, bf16, eager and compiled
+     (ours: torch.compile of the forward; HF: generate with its static cache and a compiled forward);
+  2. training forward+backward of the policy (bf16 autocast, fp32 master weights): time, tokens/s and model FLOP
+     utilisation, MFU = 6 * N * tokens / time / peak (N = parameters, embeddings excluded; attention FLOPs ignored);
+  3. seconds per step and peak memory of grpo.py (beta 0 and 0.04), reinforce.py and ppo.py at equal settings,
+     eager, plus grpo.py with --compile.
+Prints a table per part and writes everything as JSON to --out (default bench/gpu_check.json). The numbers go into
+bench/RESULTS.md with the date and the GPU's name.
+"""
+import argparse, json, os, subprocess, sys, tempfile, time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import common as C  # noqa: E402
+
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
+
+
+def build_model(path, tiny):
+    """Random Qwen2-0.5B-shaped policy (or a 2-layer toy) and a synthetic tokenizer: one token per character of
+    printable ASCII (so the built-in prompts tokenize) plus filler words up to the full vocabulary."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+    vocab_size = 1000 if tiny else 151936
+    words = ["<pad>", "<bos>", "<eos>", "<unk>"] + [chr(c) for c in range(32, 127)]
+    words += [f" w{i}" for i in range(vocab_size - len(words))]
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tk.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
+                                  unk_token="<unk>", padding_side="left", model_max_length=32768)
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2) if tiny else \
+        dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2-0.5B's
+    cfg = Qwen2Config(vocab_size=vocab_size, num_attention_heads=14 if not tiny else 4, num_key_value_heads=2,
+                      max_position_embeddings=32768, **shape,
+                      tie_word_embeddings=True, rope_theta=1e6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return sum(p.numel() for p in model.parameters()), model.model.embed_tokens.weight.numel()
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, repeats=3):
+    fn()  # warm-up: allocations, autotuning, compilation
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        n = fn()
+        sync()
+        best = min(best, time.perf_counter() - t)
+    return n, best
+
+
+def bench_sampling(path, device, new_tokens):
+    from transformers import AutoModelForCausalLM
+    tok = C.load_tokenizer(path)
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in C.load_data("").eval_rows[:8] for _ in range(8)])
+    ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
+    out = {}
+    for compiled in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+        ours, hf = model, AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+        kw = {}
+        if compiled:
+            ours.forward = torch.compile(ours.forward, dynamic=True)
+            hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+            kw = {"cache_implementation": "static"}
+        t = time.perf_counter()
+        n_ours, t_ours = timed(lambda: int(C.sample(ours, tok, prompts, new_tokens).completion_mask.sum()))
+        first_ours = time.perf_counter() - t
+        t = time.perf_counter()
+        n_hf, t_hf = timed(lambda: int((hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
+                                                     top_k=0, pad_token_id=tok.pad_token_id, **kw)
+                                        [:, ids.shape[1]:] != tok.pad_token_id).sum()))
+        first_hf = time.perf_counter() - t
+        key = "compiled" if compiled else "eager"
+        out[key] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf, "ratio": t_hf / t_ours * n_ours / n_hf,
+                    "ours_warmup_plus_runs_s": first_ours, "generate_warmup_plus_runs_s": first_hf}
+        print(f"sampling {key:8s} 8x8, {new_tokens} new tokens: common.sample {n_ours / t_ours:8.0f} tok/s   "
+              f"model.generate {n_hf / t_hf:8.0f} tok/s   ratio {out[key]['ratio']:.2f}x")
+        del model, ours, hf
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def bench_train(path, device, n_params, n_embed, seq):
+    model = C.load_model(path, "lm", device)
+    amp = C.autocast(device, "bf16")
+    B, T = 8, seq // 2
+    ids = torch.randint(10, 1000, (B, seq), device=device)
+    mask = torch.ones_like(ids)
+
+    def step():
+        with amp:
+            lp, _ = C.token_logprobs(model, ids, mask, T)
+        lp.sum().backward()
+        model.zero_grad(set_to_none=True)
+        return B * seq
+    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
+    n, t = timed(step)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    flops = 6 * (n_params - n_embed) * n + 6 * n_embed * B * (T + 1)  # the tied LM head runs on T + 1 positions
+    out = {"batch": B, "seq": seq, "s": t, "tokens_per_s": n / t, "tflops": flops / t / 1e12,
+           "mfu": flops / t / 1e12 / peak if peak else None, "peak_mem_mb": C.peak_mem_mb(device)}
+    print(f"train fwd+bwd  {B} x {seq} tokens (loss on the last {T}): {t * 1e3:.0f} ms, {n / t:,.0f} tok/s, "
+          f"{out['tflops']:.1f} TFLOP/s" + (f", MFU {out['mfu']:.1%} of {peak:.0f}" if peak else ""))
+    return out
+
+
+def bench_scripts(path, steps, new_tokens):
+    common = ["--model", path, "--max_steps", str(steps), "--max_new_tokens", str(new_tokens), "--dtype", "bf16",
+              "--eval_size", "16", "--eval_every", "0", "--save_every", str(10**6)]
+    runs = {"grpo beta=0": ("grpo.py", ["--beta", "0"]), "grpo beta=0.04": ("grpo.py", ["--beta", "0.04"]),
+            "grpo beta=0.04 --compile": ("grpo.py", ["--beta", "0.04", "--compile"]),
+            "reinforce rloo": ("reinforce.py", ["--baseline", "rloo"]),
+            "ppo (critic = policy copy)": ("ppo.py", ["--critic_init", "policy"])}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, (script, extra)) in enumerate(runs.items()):
+            d = os.path.join(tmp, str(i))
+            t = time.time()
+            r = subprocess.run([sys.executable, os.path.join(ROOT, script), "--output_dir", d, *common, *extra],
+                               cwd=ROOT, capture_output=True, text=True)
+            if r.returncode != 0:
+                out[name] = {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+                print(f"steps    {name:28s} FAILED: {out[name]['error']}")
+                continue
+            metrics = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
+            summary = json.load(open(os.path.join(d, "summary.json")))
+            times = [m["step_time"] for m in metrics[2:]] or [m["step_time"] for m in metrics]
+            out[name] = {"s_per_step": sum(times) / len(times), "first_step_s": metrics[0]["step_time"],
+                         "peak_mem_mb": summary["peak_mem_mb"], "tokens_per_s": summary["tokens_per_s"],
+                         "run_wall_s": time.time() - t}
+            print(f"steps    {name:28s} {out[name]['s_per_step']:7.3f} s/step (first {metrics[0]['step_time']:.1f} s)"
+                  f"   peak memory {out[name]['peak_mem_mb']:8.0f} MB")
+    return out
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tiny", action="store_true", help="a 2-layer toy: checks the script itself, on any device")
+    p.add_argument("--new_tokens", type=int, default=256, help="sampling benchmark completion length")
+    p.add_argument("--steps", type=int, default=6, help="training steps per script (the first 2 are not timed)")
+    p.add_argument("--out", default=os.path.join(ROOT, "bench", "gpu_check.json"))
+    a = p.parse_args()
+    device = C.pick_device()
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if device.type == "cuda"
+           else "cpu", "torch": torch.__version__, "tiny": a.tiny}
+    import transformers
+    res["transformers"] = transformers.__version__
+    print(json.dumps(res))
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "qwen2-0.5b-random")
+        n_params, n_embed = build_model(path, a.tiny)
+        res["params"], res["embedding_params"] = n_params, n_embed
+        print(f"model: Qwen2-0.5B-shaped, {n_params / 1e6:.0f} M parameters, random weights")
+        for part, fn in (("sampling", lambda: bench_sampling(path, device, a.new_tokens)),
+                         ("train", lambda: bench_train(path, device, n_params, n_embed, 512)),
+                         ("scripts", lambda: bench_scripts(path, a.steps, min(a.new_tokens, 128)))):
+            try:
+                res[part] = fn()
+            except Exception as e:  # one failing part must not lose the others' numbers
+                res[part] = {"error": f"{type(e).__name__}: {e}"}
+                print(f"{part} FAILED: {res[part]['error']}")
+            with open(a.out, "w") as f:
+                json.dump(res, f, indent=1)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
