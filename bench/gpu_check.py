@@ -11,7 +11,7 @@ over the same 151,936-token vocabulary (EOS almost never fires, so every row dec
      utilisation, MFU = 6 * N * tokens / time / peak (N = parameters, embeddings excluded; attention FLOPs ignored);
   3. seconds per step and peak memory of grpo.py (beta 0 and 0.04), reinforce.py and ppo.py at equal settings,
      eager, plus grpo.py with --compile.
-Prints a table per part and writes everything as JSON to --out (default bench/gpu_check.json). The numbers go into
+Prints a table per part and writes everything as JSON to --out (bench/gpu_check.json, or $OUT/). The numbers go into
 bench/RESULTS.md with the date and the GPU's name.
 """
 import argparse, json, os, subprocess, sys, tempfile, time
@@ -158,7 +158,8 @@ def main():
     p.add_argument("--tiny", action="store_true", help="a 2-layer toy: checks the script itself, on any device")
     p.add_argument("--new_tokens", type=int, default=256, help="sampling benchmark completion length")
     p.add_argument("--steps", type=int, default=6, help="training steps per script (the first 2 are not timed)")
-    p.add_argument("--out", default=os.path.join(ROOT, "bench", "gpu_check.json"))
+    p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench"), "gpu_check.json"),
+                   help="JSON results ($OUT/gpu_check.json when $OUT is set, as on the device machine)")
     a = p.parse_args()
     device = C.pick_device()
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if device.type == "cuda"
