@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           DynamicCache, HfArgumentParser)
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")      # bundled, see tools/build_models.py
@@ -173,7 +174,13 @@ def load_policy(run, args, device):
     src = os.path.join(run.dir, "checkpoint") if args.resume else args.model
     tok, model = load_tokenizer(src, args.trust_remote_code), load_model(src, "lm", device, False, args.trust_remote_code)
     if args.gradient_checkpointing:
-        model.gradient_checkpointing_enable()
+        model.activation_checkpointing_enable()
+        # HF recomputes a layer only when that layer is in training mode. The model stays in eval mode (dropout off),
+        # so only the checkpointed layers themselves are flagged as training; their dropouts (children) stay off, and
+        # so does the base model (GPT-2's would stop passing the KV cache to its layers, even when sampling).
+        for m in model.modules():
+            if isinstance(m, GradientCheckpointingLayer):
+                m.training = True
     if args.compile:
         model.forward = torch.compile(model.forward, dynamic=True)
     return model, tok
@@ -317,8 +324,8 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         if T > 1:  # the rest: feed completion tokens 0..T-2, which predict tokens 1..T-1
             rest = _forward(model, ids[:, P:-1], attention_mask[:, :-1], pos[:, P:-1], cache, use_cache=True).logits
             logits = torch.cat([logits, rest], 1)
-    else:
-        logits = _forward(model, ids, attention_mask, pos, logits_to_keep=T + 1).logits[:, :-1]  # t predicts t+1
+    else:  # one plain forward; position t predicts token t+1
+        logits = _forward(model, ids, attention_mask, pos, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]
     targets, lps, ents = ids[:, -T:], [], []
     chunk = max(1, chunk_elems // max(1, T * logits.shape[-1]))
     for i in range(0, B, chunk):
@@ -402,7 +409,8 @@ def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="a
     for i in range(0, len(seqs), micro_batch):
         ids, mask = left_pad(seqs[i:i + micro_batch], rm_tok.pad_token_id, device)
         # left padding: the last position is every row's last real token, where the RM reads its score
-        hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask)).last_hidden_state
+        hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                               use_cache=False).last_hidden_state
         scores.append(rm.score(hidden[:, -1]).float()[:, 0] if hasattr(rm, "score") else
                       rm(input_ids=ids, attention_mask=mask).logits.float()[:, 0])
     return torch.cat(scores)

@@ -174,7 +174,8 @@ def logprobs_and_entropy(model, ids, attention_mask, T, temperature, entropy_gra
     """common.token_logprobs; with entropy_grad (ent_coef > 0) our own forward, because its entropy is detached."""
     if not entropy_grad:
         return C.token_logprobs(model, ids, attention_mask, T, temperature, entropy=True)
-    logits = C._forward(model, ids, attention_mask, C.positions(attention_mask), logits_to_keep=T + 1).logits
+    logits = C._forward(model, ids, attention_mask, C.positions(attention_mask), use_cache=False,
+                       logits_to_keep=T + 1).logits
     lp = (logits[:, :-1].float() / temperature).log_softmax(-1)
     return lp.gather(-1, ids[:, -T:, None])[..., 0], -(lp.exp() * lp).sum(-1)
 

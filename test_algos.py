@@ -439,6 +439,45 @@ def test_help_documents_every_flag():
         assert f"--{field}" in out
 
 
+def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(tmp_path, tok):
+    """--gradient_checkpointing must really recompute the layers (HF only does so for layers in training mode, and
+    our models stay in eval mode), keep dropout off, and leave the gradients unchanged."""
+    cfg = tiny_config("gpt2")
+    cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.5  # dropout would show as noisy log-probs
+    cfg.architectures = ["GPT2LMHeadModel"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    grads, calls = [], []
+    for ckpt in (False, True):
+        args = C.SimpleNamespace(model=str(tmp_path / "m"), resume=None, trust_remote_code=False, compile=False,
+                                 gradient_checkpointing=ckpt)
+        model, _ = C.load_policy(None, args, torch.device("cpu"))
+        n = []
+        model.transformer.h[0].attn.register_forward_pre_hook(lambda *a: n.append(1))  # pre: recompute may stop early
+        roll = C.sample(model, tok, [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(2)], 6) if not grads \
+            else roll
+        T = roll.completion_mask.shape[1]
+        lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
+        lp2, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
+        assert torch.equal(lp, lp2)  # deterministic: dropout is off
+        n.clear()
+        (lp * roll.completion_mask).sum().backward()
+        calls.append(len(n))  # forwards of the layer during backward: 1 recompute with checkpointing, 0 without
+        grads.append([p.grad.clone() for p in model.parameters()])
+    assert calls == [0, 1]
+    greedy = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 8, greedy=True)  # the KV cache still works
+    ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, use_cache=False,
+                             pad_token_id=tok.pad_token_id)
+    for i in range(len(PROMPTS)):
+        n = int(greedy.completion_mask[i].sum())
+        assert greedy.ids[i, greedy.P:greedy.P + n].tolist() == ref[i, ids.shape[1]:ids.shape[1] + n].tolist()
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_nonfinite_update_is_skipped_and_counted():
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
