@@ -312,18 +312,21 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
     Only the completion positions go through the LM head; logits are divided by the sampling temperature and
     log-softmaxed in fp32 a few rows at a time (<= chunk_elems floats), never as one (B, T, V) fp32 tensor.
     When rows share prompts (GRPO groups, RLOO's k samples) and that saves a quarter of the tokens, each distinct
-    prompt runs once and its KV cache, gradients included, is indexed out to its rows; same numbers, less compute."""
+    prompt runs once and its KV cache, gradients included, is indexed out to its rows; same numbers, less compute.
+    Either way the LM head runs once on a (B, T, V) tensor of each row's own logits (hooks see per-row values)."""
     B, P = ids.shape[0], ids.shape[1] - T
     pos = positions(attention_mask)
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
-    if len(prompts) * P + B * T <= 0.75 * B * (P + T) and not getattr(model, "is_activation_checkpointing", False):
-        cache, p_ids, p_mask = DynamicCache(), prompts[:, :P], prompts[:, P:]
-        logits = _forward(model, p_ids, p_mask, positions(p_mask), cache, use_cache=True, logits_to_keep=1).logits
-        logits = logits[row_of]  # (B, 1, V): predicts the first completion token
-        cache.batch_select_indices(row_of)  # an indexing op: gradients flow back into the shared prompt forward
-        if T > 1:  # the rest: feed completion tokens 0..T-2, which predict tokens 1..T-1
-            rest = _forward(model, ids[:, P:-1], attention_mask[:, :-1], pos[:, P:-1], cache, use_cache=True).logits
-            logits = torch.cat([logits, rest], 1)
+    if P > 1 and len(prompts) * P + B * T <= 0.75 * B * (P + T) and \
+            not getattr(model, "is_activation_checkpointing", False):  # (checkpointed layers drop the cache)
+        # each distinct prompt, but its last token, runs once; its KV cache is indexed out to every row that shares
+        # it (an indexing op: gradients flow back into the one prompt forward) ...
+        cache, p_ids, p_mask = DynamicCache(), prompts[:, :P - 1], prompts[:, P:2 * P - 1]
+        _forward(model, p_ids, p_mask, positions(p_mask), cache, use_cache=True, logits_to_keep=1)
+        cache.batch_select_indices(row_of)
+        # ... then each row feeds its last prompt token and completion tokens 0..T-2, which predict tokens 0..T-1
+        logits = _forward(model, ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1], cache,
+                          use_cache=True).logits
     else:  # one plain forward; position t predicts token t+1
         logits = _forward(model, ids, attention_mask, pos, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]
     targets, lps, ents = ids[:, -T:], [], []

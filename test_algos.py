@@ -84,7 +84,7 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
     Values and parameter gradients must equal plain forwards over each unpadded row."""
     model = tiny_model(arch)
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(4)]
+    prompts = [p for p in C.encode_prompts(tok, PROMPTS) + [[1]] for _ in range(4)]  # [1]: a 1-token prompt
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     T = roll.completion_mask.shape[1]
     assert len({tuple(r) for r in roll.ids[:, roll.P:].tolist()}) > len(PROMPTS)  # rows differ within groups
@@ -678,11 +678,13 @@ def test_micro_batching_does_not_change_the_gradient(loss_agg, clipped, tok):
     torch.testing.assert_close(g1, g2, atol=1e-6, rtol=1e-4)
 
 
-def test_sample_grad_probe_equals_per_sample_backward(tok):
-    """The hook's row norms equal each sample's gradient w.r.t. its own logits, taken one sample at a time."""
+@pytest.mark.parametrize("k", [1, 3])
+def test_sample_grad_probe_equals_per_sample_backward(k, tok):
+    """The hook's row norms equal each sample's gradient w.r.t. its own logits, taken one sample at a time; also
+    when k samples share a prompt and token_logprobs shares the prompt's forward between them."""
     model = tiny_model("gpt_neox")
     norms = R.sample_grad_probe(model)
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 5)
+    roll = C.sample(model, tok, [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(k)], 5)
     mask, n, T = roll.completion_mask, len(roll.ids), roll.completion_mask.shape[1]
     adv = torch.randn(n, 1) * mask
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
