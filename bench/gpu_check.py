@@ -1,6 +1,7 @@
 """One prepared GPU check: CUDA + bf16 + torch.compile on a random-weight model of a real size, run once per lent GPU.
 
-  python bench/gpu_check.py                 # Qwen2-0.5B-shaped (494 M parameters), CUDA; about 6-8 minutes
+  python bench/gpu_check.py                 # Qwen2-0.5B-shaped (494 M parameters), CUDA; budget ~10 minutes
+  python bench/gpu_check.py --parts train   # only some parts (sampling,train,scripts), e.g. to rerun a failed one
   python bench/gpu_check.py --tiny          # a 2-layer toy (vocab 1,000) on any device: checks the script itself
 
 It needs no hub access: the model is built from a config with random weights, with a synthetic word-level tokenizer
@@ -156,8 +157,9 @@ def bench_scripts(path, steps, new_tokens):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true", help="a 2-layer toy: checks the script itself, on any device")
-    p.add_argument("--new_tokens", type=int, default=256, help="sampling benchmark completion length")
-    p.add_argument("--steps", type=int, default=6, help="training steps per script (the first 2 are not timed)")
+    p.add_argument("--new_tokens", type=int, default=128, help="sampling benchmark completion length")
+    p.add_argument("--steps", type=int, default=5, help="training steps per script (the first 2 are not timed)")
+    p.add_argument("--parts", default="sampling,train,scripts", help="which parts to run, comma-separated")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench"), "gpu_check.json"),
                    help="JSON results ($OUT/gpu_check.json when $OUT is set, as on the device machine)")
     a = p.parse_args()
@@ -174,7 +176,9 @@ def main():
         print(f"model: Qwen2-0.5B-shaped, {n_params / 1e6:.0f} M parameters, random weights")
         for part, fn in (("sampling", lambda: bench_sampling(path, device, a.new_tokens)),
                          ("train", lambda: bench_train(path, device, n_params, n_embed, 512)),
-                         ("scripts", lambda: bench_scripts(path, a.steps, min(a.new_tokens, 128)))):
+                         ("scripts", lambda: bench_scripts(path, a.steps, min(a.new_tokens, 64)))):
+            if part not in a.parts.split(","):
+                continue
             try:
                 res[part] = fn()
             except Exception as e:  # one failing part must not lose the others' numbers
