@@ -10,7 +10,6 @@ from dataclasses import asdict
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           DynamicCache, HfArgumentParser)

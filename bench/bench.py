@@ -17,12 +17,20 @@ sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # CUDA runs asynchronously: time the work, not its launch
+
+
 def timed(fn, repeats):
-    fn()  # warm-up (allocations, lazy init, compile)
+    """(fn's result, best wall time of `repeats` runs) after one warm-up run (allocations, lazy init, compile)."""
+    fn()
+    sync()
     best = float("inf")
     for _ in range(repeats):
         t = time.perf_counter()
         n = fn()
+        sync()
         best = min(best, time.perf_counter() - t)
     return n, best
 
@@ -36,6 +44,7 @@ def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tok
     rows = C.load_data("").eval_rows[:batch // group]
     prompts = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(group)])
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
+    eos = torch.tensor(C.eos_ids(model, tok), device=device)
     out = {}
     for T in new_tokens:
         torch.manual_seed(0)
@@ -46,7 +55,7 @@ def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tok
         def hf():
             g = model.generate(ids, attention_mask=mask, max_new_tokens=T, do_sample=True, temperature=1.0, top_k=0,
                                top_p=1.0, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
-            ended = torch.isin(g, torch.tensor(C.eos_ids(model, tok), device=device)).int()
+            ended = torch.isin(g, eos).int()
             first = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0], g.shape[1]))
             return int(first.sum())
         n_ours, t_ours = timed(ours, repeats)
@@ -74,17 +83,21 @@ def random_qwen2(device, layers=4, hidden=256):
 
 
 def run_script(script, args, tmp):
+    """Run one training script to its own folder; its mean s/step (steps 3 on), first step, peak memory, evals."""
     out = os.path.join(tmp, script.replace(".py", "") + "-" + str(abs(hash(tuple(args))) % 10**6))
     t = time.time()
-    subprocess.run([sys.executable, os.path.join(ROOT, script), "--output_dir", out, *args], check=True, cwd=ROOT,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, script), "--output_dir", out, *args], cwd=ROOT,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{script} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
     wall = time.time() - t
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
         metrics = [json.loads(l) for l in f]
     times = [m["step_time"] for m in metrics[2:]] or [m["step_time"] for m in metrics]
-    return {"s_per_step": sum(times) / len(times), "peak_mem_mb": summary["peak_mem_mb"],
+    return {"s_per_step": sum(times) / len(times), "first_step_s": metrics[0]["step_time"],
+            "peak_mem_mb": summary["peak_mem_mb"], "tokens_per_s": summary["tokens_per_s"],
             "eval_before": summary["eval_before"], "eval_after": summary["eval_after"], "wall_s": wall}
 
 

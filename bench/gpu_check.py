@@ -15,13 +15,14 @@ over the same 151,936-token vocabulary (EOS almost never fires, so every row dec
 Prints a table per part and writes everything as JSON to --out (bench/gpu_check.json, or $OUT/). The numbers go into
 bench/RESULTS.md with the date and the GPU's name.
 """
-import argparse, json, os, subprocess, sys, tempfile, time
+import argparse, json, os, tempfile, time
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-import common as C  # noqa: E402
+import bench as B  # bench/bench.py, beside this script: timed() and run_script()
+import common as C  # bench.py puts the repository root on sys.path
+
+ROOT = B.ROOT
 
 PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
 
@@ -51,23 +52,6 @@ def build_model(path, tiny):
     return sum(p.numel() for p in model.parameters()), model.model.embed_tokens.weight.numel()
 
 
-def sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def timed(fn, repeats=3):
-    fn()  # warm-up: allocations, autotuning, compilation
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        n = fn()
-        sync()
-        best = min(best, time.perf_counter() - t)
-    return n, best
-
-
 def bench_sampling(path, device, new_tokens):
     from transformers import AutoModelForCausalLM
     tok = C.load_tokenizer(path)
@@ -75,36 +59,37 @@ def bench_sampling(path, device, new_tokens):
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
     out = {}
     for compiled in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-        ours, hf = model, AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+        ours, hf = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
+                    for _ in range(2)]  # one copy each, so compiling one does not touch the other
         kw = {}
         if compiled:
             ours.forward = torch.compile(ours.forward, dynamic=True)
             hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
             kw = {"cache_implementation": "static"}
         t = time.perf_counter()
-        n_ours, t_ours = timed(lambda: int(C.sample(ours, tok, prompts, new_tokens).completion_mask.sum()))
+        n_ours, t_ours = B.timed(lambda: int(C.sample(ours, tok, prompts, new_tokens).completion_mask.sum()), 3)
         first_ours = time.perf_counter() - t
         t = time.perf_counter()
-        n_hf, t_hf = timed(lambda: int((hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
-                                                     top_k=0, pad_token_id=tok.pad_token_id, **kw)
-                                        [:, ids.shape[1]:] != tok.pad_token_id).sum()))
+        n_hf, t_hf = B.timed(lambda: int((hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
+                                                       do_sample=True, top_k=0, pad_token_id=tok.pad_token_id, **kw)
+                                          [:, ids.shape[1]:] != tok.pad_token_id).sum()), 3)
         first_hf = time.perf_counter() - t
         key = "compiled" if compiled else "eager"
         out[key] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf, "ratio": t_hf / t_ours * n_ours / n_hf,
                     "ours_warmup_plus_runs_s": first_ours, "generate_warmup_plus_runs_s": first_hf}
         print(f"sampling {key:8s} 8x8, {new_tokens} new tokens: common.sample {n_ours / t_ours:8.0f} tok/s   "
               f"model.generate {n_hf / t_hf:8.0f} tok/s   ratio {out[key]['ratio']:.2f}x")
-        del model, ours, hf
-        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+        ours = hf = None  # free both copies before the next pair is loaded
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return out
 
 
 def bench_train(path, device, n_params, n_embed, seq):
     model = C.load_model(path, "lm", device)
     amp = C.autocast(device, "bf16")
-    B, T = 8, seq // 2
-    ids = torch.randint(10, 1000, (B, seq), device=device)
+    rows, T = 8, seq // 2
+    ids = torch.randint(10, 1000, (rows, seq), device=device)
     mask = torch.ones_like(ids)
 
     def step():
@@ -112,15 +97,16 @@ def bench_train(path, device, n_params, n_embed, seq):
             lp, _ = C.token_logprobs(model, ids, mask, T)
         lp.sum().backward()
         model.zero_grad(set_to_none=True)
-        return B * seq
-    torch.cuda.reset_peak_memory_stats() if torch.cuda.is_available() else None
-    n, t = timed(step)
+        return rows * seq
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    n, t = B.timed(step, 3)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    flops = 6 * (n_params - n_embed) * n + 6 * n_embed * B * (T + 1)  # the tied LM head runs on T + 1 positions
-    out = {"batch": B, "seq": seq, "s": t, "tokens_per_s": n / t, "tflops": flops / t / 1e12,
+    flops = 6 * (n_params - n_embed) * n + 6 * n_embed * rows * (T + 1)  # the tied LM head runs on T + 1 positions
+    out = {"batch": rows, "seq": seq, "s": t, "tokens_per_s": n / t, "tflops": flops / t / 1e12,
            "mfu": flops / t / 1e12 / peak if peak else None, "peak_mem_mb": C.peak_mem_mb(device)}
-    print(f"train fwd+bwd  {B} x {seq} tokens (loss on the last {T}): {t * 1e3:.0f} ms, {n / t:,.0f} tok/s, "
+    print(f"train fwd+bwd  {rows} x {seq} tokens (loss on the last {T}): {t * 1e3:.0f} ms, {n / t:,.0f} tok/s, "
           f"{out['tflops']:.1f} TFLOP/s" + (f", MFU {out['mfu']:.1%} of {peak:.0f}" if peak else ""))
     return out
 
@@ -134,22 +120,14 @@ def bench_scripts(path, steps, new_tokens):
             "ppo (critic = policy copy)": ("ppo.py", ["--critic_init", "policy"])}
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, (script, extra)) in enumerate(runs.items()):
-            d = os.path.join(tmp, str(i))
-            t = time.time()
-            r = subprocess.run([sys.executable, os.path.join(ROOT, script), "--output_dir", d, *common, *extra],
-                               cwd=ROOT, capture_output=True, text=True)
-            if r.returncode != 0:
-                out[name] = {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
-                print(f"steps    {name:28s} FAILED: {out[name]['error']}")
+        for name, (script, extra) in runs.items():
+            try:
+                out[name] = B.run_script(script, common + extra, tmp)
+            except RuntimeError as e:  # one failing script must not lose the others' numbers
+                out[name] = {"error": str(e)}
+                print(f"steps    {name:28s} FAILED: {e}")
                 continue
-            metrics = [json.loads(l) for l in open(os.path.join(d, "metrics.jsonl"))]
-            summary = json.load(open(os.path.join(d, "summary.json")))
-            times = [m["step_time"] for m in metrics[2:]] or [m["step_time"] for m in metrics]
-            out[name] = {"s_per_step": sum(times) / len(times), "first_step_s": metrics[0]["step_time"],
-                         "peak_mem_mb": summary["peak_mem_mb"], "tokens_per_s": summary["tokens_per_s"],
-                         "run_wall_s": time.time() - t}
-            print(f"steps    {name:28s} {out[name]['s_per_step']:7.3f} s/step (first {metrics[0]['step_time']:.1f} s)"
+            print(f"steps    {name:28s} {out[name]['s_per_step']:7.3f} s/step (first {out[name]['first_step_s']:.1f} s)"
                   f"   peak memory {out[name]['peak_mem_mb']:8.0f} MB")
     return out
 
