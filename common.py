@@ -245,13 +245,14 @@ def eos_ids(model, tok):
 
 
 @torch.no_grad()
-def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, amp=None):
+def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False, amp=None, stop=()):
     """Batched sampling with a KV cache. Each distinct prompt is prefilled once and its cache copied to every row
     that asks for it (a GRPO group of G shares one prefill; HF's generate prefills all G copies). Rows that have
-    finished are dropped from the batch and the cache, so they stop costing compute. Returns a SimpleNamespace:
+    finished are dropped from the batch and the cache, so they stop costing compute. A row finishes at its first
+    EOS or at the token that completes one of the `stop` strings. Returns a SimpleNamespace:
       ids (B, P+T): left-padded prompt then completion; attention_mask (B, P+T) from lengths;
-      completion_mask (B, T) float: 1 on every generated token up to AND including the EOS, 0 after;
-      truncated (B,) bool: no EOS within max_new_tokens; sample_logprobs (B, T): log-probs the sampler used."""
+      completion_mask (B, T) float: 1 on every generated token up to AND including the EOS (or the stop string's
+      last token), 0 after; truncated (B,) bool: neither within max_new_tokens; sample_logprobs (B, T)."""
     device = next(model.parameters()).device
     distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompt_ids)))}
     row_of = torch.tensor([distinct[tuple(p)] for p in prompt_ids], device=device)  # row -> its distinct prompt
@@ -260,7 +261,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     B, P = len(prompt_ids), ids.shape[1]
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)
     out_lp = torch.zeros(B, max_new_tokens, device=device)
-    lengths = torch.full((B,), max_new_tokens, device=device)
+    lengths, finished = torch.full((B,), max_new_tokens, device=device), torch.zeros(B, dtype=torch.bool, device=device)
+    window = max(map(len, stop), default=0) + 2  # tokens: a stop string spans at most one token per character
     live = torch.arange(B, device=device)  # original row index of each row still being sampled
     cache = DynamicCache()
     with amp or torch.autocast(device.type, enabled=False):
@@ -283,7 +285,10 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             out[live, t] = nxt
             out_lp[live, t] = (logits / (1.0 if greedy else temperature)).log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
             ended = torch.isin(nxt, eos)
-            lengths[live[ended]] = t + 1
+            if stop:  # decode each row's last few tokens: does a stop string appear (so it ends at this token)?
+                tails = tok.batch_decode(out[live, max(0, t + 1 - window):t + 1])
+                ended |= torch.tensor([any(s in x for s in stop) for x in tails], device=device)
+            lengths[live[ended]], finished[live[ended]] = t + 1, True
             if ended.all() or t == max_new_tokens - 1:
                 break
             if ended.any():  # drop finished rows from the batch and the KV cache
@@ -296,7 +301,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()  # from lengths
     return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
                            attention_mask=torch.cat([prompt_mask, completion_mask.long()], 1),
-                           truncated=~torch.isin(out[torch.arange(B), lengths - 1], eos),
+                           truncated=~finished,
                            sample_logprobs=out_lp[:, :T] * completion_mask, P=P)
 
 
@@ -314,6 +319,11 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
     prompt runs once and its KV cache, gradients included, is indexed out to its rows; same numbers, less compute.
     Either way the LM head runs once on a (B, T, V) tensor of each row's own logits (hooks see per-row values)."""
     B, P = ids.shape[0], ids.shape[1] - T
+    if T > (Tb := max(1, int(attention_mask[:, P:].sum(-1).max()))):  # these rows' longest completion is shorter:
+        lp, ent = token_logprobs(model, ids[:, :P + Tb], attention_mask[:, :P + Tb], Tb, temperature, entropy,
+                                 chunk_elems)  # skip the columns that are padding in every row, pad the result
+        pad = torch.nn.functional.pad
+        return pad(lp, (0, T - Tb)), (pad(ent, (0, T - Tb)) if entropy else None)
     pos = positions(attention_mask)
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
     if P > 1 and len(prompts) * P + B * T <= 0.75 * B * (P + T) and \
@@ -435,7 +445,7 @@ def evaluate(model, tok, rows, args, amp, batch_size=128):
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         roll = sample(model, tok, encode_prompts(tok, [r["prompt"] for r in chunk], args.chat_template),
-                      args.max_new_tokens, greedy=True, amp=amp)
+                      args.max_new_tokens, greedy=True, amp=amp, stop=args.stop)
         comps = decode_completions(tok, roll)
         hits += [math_reward(c, r) for c, r in zip(comps, chunk)]
         shown += [{"prompt": r["prompt"], "completion": c, "answer": r.get("answer")} for c, r in zip(comps, chunk)][:2]
@@ -635,7 +645,7 @@ def sanity_check(model, ref, tok, rows, args, amp):
     Returns the list of what failed (empty when all is well)."""
     failed, device = [], next(model.parameters()).device
     roll = sample(model, tok, encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template),
-                  args.max_new_tokens, args.temperature, args.top_p, amp=amp)
+                  args.max_new_tokens, args.temperature, args.top_p, amp=amp, stop=args.stop)
     lp = batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
     tol = 1e-3 if device.type == "cpu" and args.dtype != "bf16" else 0.1
     if (d := float((lp - roll.sample_logprobs).abs().max())) > tol:

@@ -20,7 +20,7 @@ Run:  python grpo.py                                   # bundled tiny model and 
 Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to about 0.9 (README has the table).
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -41,6 +41,7 @@ class Args:
     max_new_tokens: int = 6  # completion length cap (TRL 256/512; the built-in task needs 4)
     temperature: float = 1.0  # sampling temperature; log-probs use the same one (N implementation details)
     top_p: float = 1.0  # nucleus sampling (TRL default 1.0)
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>": a row also ends at the token completing one
     # --- rewards
     rewards: str = "math"  # weighted components, e.g. "math=1,format=0.1,rm=0.5"; each logged as reward/<name>
     reward_model: str = ""  # AutoModelForSequenceClassification (num_labels=1) scoring prompt+completion, as 'rm'
@@ -138,14 +139,16 @@ def cat_rollouts(pieces):
 def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp):
     """G completions for each of prompts_per_step prompts, scored. With dynamic_sampling (DAPO), groups whose
     rewards are all equal are dropped and more prompts are sampled, up to max_resample_rounds extra rounds.
-    Returns the kept rollout, its rows, rewards, and logging info over everything sampled."""
+    Returns the kept rollout, its rows, completion texts, rewards, and logging info over everything sampled."""
     G, want = args.group_size, args.prompts_per_step * args.group_size
-    pieces, rows_kept, rewards_kept, seen = [], [], [], {"rewards": [], "parts": [], "zero_std": []}
+    pieces, rows_kept, texts_kept, rewards_kept = [], [], [], []
+    seen = {"rewards": [], "parts": [], "zero_std": []}
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         rows = [r for r in data.next_batch(rng, args.prompts_per_step) for _ in range(G)]
         roll = C.sample(model, tok, C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template),
-                        args.max_new_tokens, args.temperature, args.top_p, amp=amp)
-        rewards, parts = C.compute_rewards(rows, C.decode_completions(tok, roll), weights, rm, rm_tok)
+                        args.max_new_tokens, args.temperature, args.top_p, amp=amp, stop=args.stop)
+        texts = C.decode_completions(tok, roll)
+        rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok)
         if args.overlong_penalty:  # DAPO soft punishment: 0 until the last overlong_buffer tokens, then linear
             length = roll.completion_mask.sum(-1).cpu()
             rewards = rewards - args.overlong_penalty * ((length - args.max_new_tokens + args.overlong_buffer)
@@ -156,12 +159,14 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp):
         idx = keep.nonzero().squeeze(-1)[: want - len(rows_kept)]
         pieces.append((roll, idx.to(roll.ids.device)))
         rows_kept += [rows[i] for i in idx.tolist()]
+        texts_kept += [texts[i] for i in idx.tolist()]
         rewards_kept.append(rewards[idx])
         if len(rows_kept) >= want:
             break
     if not rows_kept:  # no group had a signal even after resampling: keep the last round (advantages are all 0)
-        pieces, rows_kept, rewards_kept = [(roll, torch.arange(len(rows), device=roll.ids.device))], rows, [rewards]
-    return cat_rollouts(pieces), rows_kept, torch.cat(rewards_kept), seen
+        pieces, rows_kept, texts_kept, rewards_kept = [(roll, torch.arange(len(rows), device=roll.ids.device))], \
+            rows, texts, [rewards]
+    return cat_rollouts(pieces), rows_kept, texts_kept, torch.cat(rewards_kept), seen
 
 
 # ---------------------------------------------------------------------------------------------- plumbing
@@ -204,7 +209,7 @@ def main():
     bar = run.bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo")
     for step in bar:
         t0 = time.time()
-        roll, rows, rewards, seen = sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp)
+        roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp)
         if not torch.isfinite(rewards).all():
             C.skip_nonfinite(run, "reward")
             continue
@@ -237,7 +242,7 @@ def main():
                 sums["loss"] += loss.item() / args.num_iterations
             grad_norm = C.finite_update(run, model, opt, args.max_grad_norm)
         # ---- log, eval, checkpoint --------------------------------------------------------------------------
-        all_rewards, completions = torch.cat(seen["rewards"]), C.decode_completions(tok, roll)
+        all_rewards = torch.cat(seen["rewards"])
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                    **{f"reward/{k}": float(torch.cat([p[k] for p in seen["parts"]]).mean()) for k in seen["parts"][0]},
                    "gold": sum(C.math_reward(c, r) for c, r in zip(completions, rows)) / n,

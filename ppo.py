@@ -42,7 +42,7 @@ Expect (bundled default, 2-core CPU, about 80 s): held-out greedy accuracy 0.29 
 With the rule reward (--rewards math --critic_init policy) 30 steps suffice: 0.29 -> 0.96 in 24 s.
 """
 import random, time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -65,6 +65,7 @@ class Args:
     max_new_tokens: int = 6  # completion length cap (N+ 53; the built-in task needs 4)
     temperature: float = 1.0  # N, N+, TRL use 0.7; 1.0 explores more on the tiny task. Log-probs use the same one
     top_p: float = 1.0  # N: top_k 0, top_p 1.0 (sample from the full distribution)
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>": a row also ends at the token completing one
     # --- rewards
     rewards: str = "rm"  # the score: 'rm' (the reward model), or rules/mixes as in grpo.py, e.g. "math" or "rm,math=1"
     missing_eos_penalty: float = 1.0  # subtracted from the score of completions with no EOS (N+ non_eos_penalty; TRL None)
@@ -240,7 +241,7 @@ def score_stats(model, tok, data, weights, rm, rm_tok, args, amp, n=256):
     this way, so kl_coef means the same for any RM's scale). A separate data rng leaves the training stream as is."""
     rows = data.next_batch(random.Random(args.seed + 1), n)
     roll = C.sample(model, tok, C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template),
-                    args.max_new_tokens, args.temperature, args.top_p, amp=amp)
+                    args.max_new_tokens, args.temperature, args.top_p, amp=amp, stop=args.stop)
     scores = C.compute_rewards(rows, C.decode_completions(tok, roll), weights, rm, rm_tok)[0]
     return float(scores.mean()), float(scores.std().clamp(min=1e-6))
 
@@ -329,7 +330,7 @@ def main():
         # ---- rollout: one completion per prompt, scored by the reward model -----------------------------------
         rows = data.next_batch(rng, args.batch_size)
         roll = C.sample(model, tok, C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template),
-                        args.max_new_tokens, args.temperature, args.top_p, amp=amp)
+                        args.max_new_tokens, args.temperature, args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok)
         if not torch.isfinite(scores).all():

@@ -37,7 +37,7 @@ Expect (bundled default, 2-core CPU, about 25 s): held-out greedy accuracy 0.29 
 0.950, 0.942, 0.954), most of it in the first 100 steps; README has the table.
 """
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from tqdm import tqdm
@@ -58,6 +58,7 @@ class Args:
     max_new_tokens: int = 6  # completion length cap (the built-in task needs 4)
     temperature: float = 1.0  # sampling temperature; log-probs use the same one (N implementation details)
     top_p: float = 1.0  # nucleus sampling (TRL default 1.0)
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>": a row also ends at the token completing one
     # --- rewards
     rewards: str = "math"  # weighted components, e.g. "math=1,format=0.1,rm=0.5"; each logged as reward/<name>
     reward_model: str = ""  # AutoModelForSequenceClassification (num_labels=1) scoring prompt+completion, as 'rm'
@@ -209,7 +210,7 @@ def main():
         t0 = time.time()
         rows = [r for r in data.next_batch(rng, args.prompts_per_step) for _ in range(k)]  # k contiguous per prompt
         roll = C.sample(model, tok, C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template),
-                        args.max_new_tokens, args.temperature, args.top_p, amp=amp)
+                        args.max_new_tokens, args.temperature, args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok)
         if not torch.isfinite(scores).all():

@@ -68,6 +68,8 @@ def test_logprobs_equal_plain_forward_with_left_padding(arch, tok):
     prompts = C.encode_prompts(tok, PROMPTS)
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 2, OFF)
+    # one row per micro-batch: rows shorter than the batch run on fewer columns; same values, zeros after
+    torch.testing.assert_close(C.batched_logprobs(model, roll, 0.7, 1, OFF), lp, atol=1e-5, rtol=1e-5)
     for i, p in enumerate(prompts):
         n = int(roll.completion_mask[i].sum())
         comp = roll.ids[i, roll.P:roll.P + n].tolist()
@@ -113,6 +115,27 @@ def test_greedy_sample_equals_generate(arch, tok):
     for i in range(len(prompts)):
         n = int(roll.completion_mask[i].sum())
         assert roll.ids[i, roll.P:roll.P + n].tolist() == ref[i, :n].tolist()
+
+
+def test_stop_strings_end_rows_as_generate_does(tok):
+    """A row ends at the token that completes a stop string (kept in the completion and its mask, not truncated);
+    greedy completions equal model.generate(stop_strings=...)."""
+    model = C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in C.load_data("").eval_rows[:64]])
+    stop = ["8", "12"]  # a one-token and a two-token stop string
+    roll = C.sample(model, tok, prompts, 6, greedy=True, stop=stop)
+    ids, mask = C.left_pad(prompts, tok.pad_token_id, "cpu")
+    ref = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, stop_strings=stop,
+                         tokenizer=tok, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+    texts, n_stopped = C.decode_completions(tok, roll), 0
+    for i, text in enumerate(texts):
+        n = int(roll.completion_mask[i].sum())
+        assert roll.ids[i, roll.P:roll.P + n].tolist() == ref[i, :n].tolist()
+        if any(s in text for s in stop):
+            n_stopped += 1
+            assert any(text.endswith(s) for s in stop) and not any(s in text[:-1] for s in stop)
+            assert not roll.truncated[i] and (n == ref.shape[1] or ref[i, n] == tok.pad_token_id)
+    assert 0 < n_stopped < len(texts) and "12" in "".join(texts)
 
 
 def test_completion_mask_includes_eos_and_nothing_after(tok):
@@ -275,9 +298,10 @@ def test_micro_batched_gradient_equals_full_batch_gradient(mode, tok):
             loss = grpo.per_token_loss(lp, old[s], adv[s], 0.2, 0.2)[0]
             grpo.aggregate(loss, mask[s], mode, mask.sum(), len(mask), 8).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
-    full, micro = grads(8), grads(3)
+    full, micro, single = grads(8), grads(3), grads(1)  # single: shorter rows run on fewer columns
     assert full.abs().max() > 0
     torch.testing.assert_close(micro, full, atol=1e-6, rtol=1e-4)
+    torch.testing.assert_close(single, full, atol=1e-6, rtol=1e-4)
 
 
 def test_clipping_zeroes_the_gradient_exactly_where_it_should():
@@ -528,7 +552,7 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tok):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg).train()  # dropout on: log-probs are noisy, ratio != 1
     args = C.SimpleNamespace(chat_template="none", max_new_tokens=6, temperature=1.0, top_p=1.0, micro_batch_size=8,
-                             dtype="fp32")
+                             dtype="fp32", stop=[])
     failed = C.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args, OFF)
     assert any("ratio" in f for f in failed)
 
