@@ -13,6 +13,7 @@ import torch
 from tqdm import tqdm
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           DynamicCache, HfArgumentParser)
+from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -26,12 +27,17 @@ class UserError(Exception):
 
 
 def main_guard(main):
-    """Run main(); bad input exits 2 with one line, everything else keeps its traceback."""
+    """Run main(); bad input exits 2 with one line, out of memory exits 1 with what to change, anything else keeps
+    its traceback. The last checkpoint and metrics.jsonl stay intact either way."""
     try:
         main()
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except torch.OutOfMemoryError as e:  # the most common complaint of big-trainer users (trl#2972)
+        print(f"error: out of memory ({str(e).splitlines()[0][:100]}): lower --micro_batch_size (activations and "
+              f"logits grow with it) or add --gradient_checkpointing; the last checkpoint is intact", file=sys.stderr)
+        sys.exit(1)
 
 
 def parse_args(args_cls):
@@ -341,11 +347,18 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
     targets, lps, ents = ids[:, -T:], [], []
     chunk = max(1, chunk_elems // max(1, T * logits.shape[-1]))
     for i in range(0, B, chunk):
-        lp = (logits[i:i + chunk].float() / temperature).log_softmax(-1)
-        lps.append(lp.gather(-1, targets[i:i + chunk, :, None])[..., 0])
-        if entropy:
-            ents.append(-(lp.exp() * lp).sum(-1).detach())
+        x = (logits[i:i + chunk], targets[i:i + chunk], temperature, entropy)
+        # with gradients and more than one chunk, backward keeps only these logits (bf16 under autocast) and
+        # recomputes their fp32 log-softmax one chunk at a time, instead of holding the whole batch's fp32 copy
+        lp, ent = checkpoint(_chunk_logprobs, *x, use_reentrant=False) \
+            if logits.requires_grad and logits.numel() > chunk_elems else _chunk_logprobs(*x)
+        lps.append(lp), ents.append(ent.detach() if entropy else None)
     return torch.cat(lps), (torch.cat(ents) if entropy else None)
+
+
+def _chunk_logprobs(logits, targets, temperature, entropy):
+    lp = (logits.float() / temperature).log_softmax(-1)
+    return lp.gather(-1, targets[..., None])[..., 0], (-(lp.exp() * lp).sum(-1) if entropy else None)
 
 
 @torch.no_grad()
@@ -578,6 +591,12 @@ def end_of_step(run, step, metrics, samples=None, extra=None, kl_warn=10.0):
     if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
         metrics["eval"] = evaluate(run.model, run.tok, run.data.eval_rows, args, run.amp)[0]
     log_step(run, metrics, run.bar if hasattr(run, "bar") else None, samples if step % 25 == 0 else None)
+    if step == 0:  # AdamW creates its moments at the end of the first step; say what they add to later steps, so
+        device = next(run.model.parameters()).device  # that an out-of-memory at step 2 is no surprise (trl#2972)
+        moments = 8 * sum(p.numel() for g in run.opt.param_groups for p in g["params"]) / 2**20
+        gpu = torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else 0
+        tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB{f' of {gpu:,.0f}' if gpu else ''} in the first step; "
+                   f"AdamW's moments, created at its end, add {moments:,.0f} MB from the next step on")
     if (step + 1) % args.save_every == 0 or last:
         save_checkpoint(run, run.model, run.tok, step + 1, run.opt, run.rng, {"eval_before": run.eval_before, **(extra or {})})
     return STOP["requested"]

@@ -5,6 +5,7 @@ import json, os, random, signal, subprocess, sys
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPTNeoXConfig, LlamaConfig,
                           LlamaForSequenceClassification, Qwen2Config)
 
@@ -101,6 +102,31 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
         ref.sum().backward()
     for g, p in zip(grads, model.parameters()):
         torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
+
+
+def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradients(monkeypatch, tok):
+    """Spread over several chunks, the training log-probs keep only the logits for backward and recompute their
+    fp32 log-softmax there, chunk by chunk: same values, entropies and gradients as one plain chunk."""
+    model = tiny_model("llama")
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
+    T, V = roll.completion_mask.shape[1], model.config.vocab_size
+    recomputed = []
+    monkeypatch.setattr(C, "checkpoint", lambda *a, **kw: recomputed.append(1) or checkpoint(*a, **kw))
+
+    def run(chunk_elems, dtype):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
+            lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True, chunk_elems=chunk_elems)
+        (lp * roll.completion_mask).sum().backward()
+        return lp, ent, torch.cat([p.grad.flatten() for p in model.parameters()])
+    for dtype in ("fp32", "bf16"):
+        one = run(2**24, dtype)
+        assert recomputed == []
+        many = run(3 * T * V, dtype)  # three rows per chunk
+        assert len(recomputed) == -(-len(roll.ids) // 3)
+        for a, b in zip(many, one):
+            torch.testing.assert_close(a, b)
+        recomputed.clear()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -403,11 +429,35 @@ def test_grpo_learns_on_the_bundled_task(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary, metrics = check_outputs(out, 40)
     assert summary["eval_after"] >= summary["eval_before"] + 0.2, summary
+    n_params = sum(p.numel() for p in C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu")).parameters())
+    assert f"AdamW's moments, created at its end, add {8 * n_params / 2**20:,.0f} MB" in r.stdout + r.stderr
     first, last = [m["reward"] for m in metrics[:10]], [m["reward"] for m in metrics[-10:]]
     assert sum(last) / 10 >= sum(first) / 10 + 0.15
 
 
 # ------------------------------------------------------------------------------------------------- reliability
+def test_out_of_memory_exits_1_with_advice_and_keeps_the_checkpoint(monkeypatch, tmp_path, capsys):
+    """An OOM at step 3 (faked: no GPU here) ends with one line saying what to change; steps 1-2 stay saved."""
+    calls, real_sample = [], C.sample
+
+    def sample(*a, **kw):
+        calls.append(1)
+        if len(calls) == 4:  # 1: the eval before training, 2-3: steps 1-2
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
+        return real_sample(*a, **kw)
+    monkeypatch.setattr(C, "sample", sample)
+    monkeypatch.setattr(C.signal, "signal", lambda *a: None)  # keep pytest's own Ctrl-C handler
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--eval_size", "20", "--save_every", "1", "--output_dir", str(out)])
+    with pytest.raises(SystemExit) as e:
+        C.main_guard(grpo.main)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 1 and "out of memory (CUDA out of memory. Tried to allocate 20.00 GiB)" in err
+    assert "--micro_batch_size" in err and "--gradient_checkpointing" in err
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    assert C.load_model(str(out / "checkpoint"), "lm", torch.device("cpu")) is not None
+
+
 def run_script(script, *args, timeout=600, env=None):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})}
     return subprocess.run([sys.executable, script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout,

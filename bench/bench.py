@@ -2,6 +2,7 @@
 
   python bench/bench.py sample          common.sample vs model.generate, tokens/s, same model/batch/lengths/temperature
   python bench/bench.py steps           seconds per step and peak memory: grpo (beta=0, beta>0), reinforce, ppo
+  python bench/bench.py logprobs        memory held for backward by the training log-probs, one chunk vs chunked
   python bench/bench.py trl             grpo.py vs TRL's GRPOTrainer on the bundled model and task (needs `pip install
                                         trl`, used only here, never a project dependency)
   python bench/bench.py all
@@ -119,8 +120,52 @@ def bench_steps(steps=20, model=None, label="bundled"):
     return out
 
 
+def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
+    """MB that autograd holds between a training log-prob forward (bf16 autocast, entropy on, as in grpo.py) and
+    its backward, on a 2-layer random Qwen2 with Qwen's vocabulary; run in a fresh process per setting."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    device = C.pick_device()
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).to(device)
+    ids = torch.randint(3, vocab, (rows, 8 + T), device=device)
+
+    def used():  # MB allocated now (CUDA) or resident now (CPU)
+        if device.type == "cuda":
+            return torch.cuda.memory_allocated() / 2**20
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    def forward():
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            return C.token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True, chunk_elems=chunk_elems)[0]
+    forward().sum().backward()  # warm-up: gradients and allocator caches exist before we measure
+    base, t = used(), time.perf_counter()
+    lp = forward()
+    held = used() - base
+    lp.sum().backward()
+    sync()
+    return {"held_for_backward_mb": held, "fwd_bwd_s": time.perf_counter() - t,
+            "fp32_rows_T_V_mb": rows * T * vocab * 4 / 2**20}
+
+
+def bench_logprob_memory():
+    """One chunk (the log-softmax is a plain autograd op: its fp32 output is kept) vs the default chunking (only
+    the bf16 logits are kept; the fp32 log-softmax is recomputed chunk by chunk in backward)."""
+    out = {}
+    for name, chunk_elems in (("one chunk", 2**40), ("default chunks", 2**24)):
+        r = subprocess.run([sys.executable, __file__, "_logprob_memory", str(chunk_elems)], capture_output=True,
+                           text=True, check=True)
+        out[name] = json.loads(r.stdout.strip().splitlines()[-1])
+        print(f"logprobs {name:15s} held for backward {out[name]['held_for_backward_mb']:6.0f} MB   fwd+bwd "
+              f"{out[name]['fwd_bwd_s']:.2f} s   (8 x 64 x 151,936 in fp32: {out[name]['fp32_rows_T_V_mb']:.0f} MB)")
+    return out
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
+    if what == "_logprob_memory":  # the child process of bench_logprob_memory
+        return print(json.dumps(logprob_memory(int(sys.argv[2]))))
     device = C.pick_device()
     torch.set_num_threads(os.cpu_count() or 1)
     result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda"
@@ -134,6 +179,8 @@ def main():
         result["steps"] = bench_steps()
         big = random_qwen2(device, layers=4, hidden=512)  # 15.8 M parameters: 63 MB of fp32 weights
         result["steps_random_qwen2_16M"] = bench_steps(steps=3, model=big, label="qwen2-16M")
+    if what in ("logprobs", "all"):
+        result["logprob_memory"] = bench_logprob_memory()
     if what in ("trl", "all"):
         r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trl_grpo.py")], capture_output=True, text=True)
         print(r.stdout.strip() or r.stderr.strip().splitlines()[-1])
