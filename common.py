@@ -317,17 +317,19 @@ def decode_completions(tok, roll):
 
 
 # -------------------------------------------------------------------------------------------------- log-probs
-def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, chunk_elems=2**24):
+def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, entropy_grad=False,
+                   chunk_elems=2**24):
     """log pi(token_t | tokens_<t) for the last T positions of ids: gradients flow.
     Only the completion positions go through the LM head; logits are divided by the sampling temperature and
     log-softmaxed in fp32 a few rows at a time (<= chunk_elems floats), never as one (B, T, V) fp32 tensor.
     When rows share prompts (GRPO groups, RLOO's k samples) and that saves a quarter of the tokens, each distinct
     prompt runs once and its KV cache, gradients included, is indexed out to its rows; same numbers, less compute.
-    Either way the LM head runs once on a (B, T, V) tensor of each row's own logits (hooks see per-row values)."""
-    B, P = ids.shape[0], ids.shape[1] - T
+    Either way the LM head runs once on a (B, T, V) tensor of each row's own logits (hooks see per-row values).
+    entropy: also each position's entropy, detached, or with entropy_grad differentiable (PPO's entropy bonus)."""
+    B, P, entropy = ids.shape[0], ids.shape[1] - T, entropy or entropy_grad
     if T > (Tb := max(1, int(attention_mask[:, P:].sum(-1).max()))):  # these rows' longest completion is shorter:
         lp, ent = token_logprobs(model, ids[:, :P + Tb], attention_mask[:, :P + Tb], Tb, temperature, entropy,
-                                 chunk_elems)  # skip the columns that are padding in every row, pad the result
+                                 entropy_grad, chunk_elems)  # skip the columns that are padding in every row
         pad = torch.nn.functional.pad
         return pad(lp, (0, T - Tb)), (pad(ent, (0, T - Tb)) if entropy else None)
     pos = positions(attention_mask)
@@ -352,7 +354,7 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         # recomputes their fp32 log-softmax one chunk at a time, instead of holding the whole batch's fp32 copy
         lp, ent = checkpoint(_chunk_logprobs, *x, use_reentrant=False) \
             if logits.requires_grad and logits.numel() > chunk_elems else _chunk_logprobs(*x)
-        lps.append(lp), ents.append(ent.detach() if entropy else None)
+        lps.append(lp), ents.append(ent if entropy_grad or ent is None else ent.detach())
     return torch.cat(lps), (torch.cat(ents) if entropy else None)
 
 

@@ -171,16 +171,6 @@ def critic_values(critic, ids, attention_mask, T):
     return critic.score(hidden[:, -T - 1:-1]).float()[..., 0]
 
 
-def logprobs_and_entropy(model, ids, attention_mask, T, temperature, entropy_grad):
-    """common.token_logprobs; with entropy_grad (ent_coef > 0) our own forward, because its entropy is detached."""
-    if not entropy_grad:
-        return C.token_logprobs(model, ids, attention_mask, T, temperature, entropy=True)
-    logits = C._forward(model, ids, attention_mask, C.positions(attention_mask), use_cache=False,
-                       logits_to_keep=T + 1).logits
-    lp = (logits[:, :-1].float() / temperature).log_softmax(-1)
-    return lp.gather(-1, ids[:, -T:, None])[..., 0], -(lp.exp() * lp).sum(-1)
-
-
 def ppo_update(model, critic, opt, run, roll, batch, args, amp):
     """ppo_epochs passes over the batch in shuffled minibatches, one optimizer step per minibatch (gradients summed
     over micro-batches with the minibatch's token count as normaliser). Stops early, dropping that minibatch's
@@ -199,8 +189,8 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
                 j = idx[i:i + micro]
                 m = mask[j]
                 with amp:
-                    logprobs, entropy = logprobs_and_entropy(model, roll.ids[j], roll.attention_mask[j], T,
-                                                             args.temperature, args.ent_coef > 0)
+                    logprobs, entropy = C.token_logprobs(model, roll.ids[j], roll.attention_mask[j], T, args.temperature,
+                                                         entropy=True, entropy_grad=args.ent_coef > 0)
                     values = critic_values(critic, roll.ids[j], roll.attention_mask[j], T)
                 pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j], batch["advantages"][j], args.clip_eps)
                 vf, v_clipped = value_loss(values, batch["old_values"][j], batch["returns"][j], args.clip_eps_value)

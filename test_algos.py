@@ -129,6 +129,27 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
         recomputed.clear()
 
 
+def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
+    """entropy_grad (PPO's entropy bonus) keeps the entropy differentiable: its value and parameter gradient equal
+    -sum p log p of a plain forward's (logits / temperature), also when the log-softmax is chunked."""
+    model = tiny_model("gpt2")
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
+    T, mask = roll.completion_mask.shape[1], roll.completion_mask
+    logits = model(roll.ids, attention_mask=roll.attention_mask, position_ids=C.positions(roll.attention_mask)).logits
+    lp = (logits[:, -T - 1:-1] / 0.7).log_softmax(-1)
+    ref = -(lp.exp() * lp).sum(-1)
+    (ref * mask).sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    for chunk_elems in (2**24, 3 * T * model.config.vocab_size):
+        model.zero_grad()
+        _, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy_grad=True, chunk_elems=chunk_elems)
+        torch.testing.assert_close(ent * mask, ref.detach() * mask, atol=1e-5, rtol=1e-5)
+        (ent * mask).sum().backward()
+        for g, p in zip(want, model.parameters()):
+            torch.testing.assert_close(p.grad, g, atol=1e-5, rtol=1e-4)
+    assert C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True)[1].grad_fn is None
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_greedy_sample_equals_generate(arch, tok):
     model = tiny_model(arch, seed=1)
