@@ -352,7 +352,7 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         x = (logits[i:i + chunk], targets[i:i + chunk], temperature, entropy)
         # with gradients and more than one chunk, backward keeps only these logits (bf16 under autocast) and
         # recomputes their fp32 log-softmax one chunk at a time, instead of holding the whole batch's fp32 copy
-        lp, ent = checkpoint(_chunk_logprobs, *x, use_reentrant=False) \
+        lp, ent = checkpoint(_chunk_logprobs, *x, use_reentrant=False, preserve_rng_state=False) \
             if logits.requires_grad and logits.numel() > chunk_elems else _chunk_logprobs(*x)
         lps.append(lp), ents.append(ent if entropy_grad or ent is None else ent.detach())
     return torch.cat(lps), (torch.cat(ents) if entropy else None)
