@@ -11,9 +11,9 @@ from types import SimpleNamespace
 
 import torch
 from tqdm import tqdm
+from torch.utils.checkpoint import checkpoint
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer,
                           DynamicCache, HfArgumentParser)
-from torch.utils.checkpoint import checkpoint
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -35,8 +35,9 @@ def main_guard(main):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except torch.OutOfMemoryError as e:  # the most common complaint of big-trainer users (trl#2972)
-        print(f"error: out of memory ({str(e).splitlines()[0][:100]}): lower --micro_batch_size (activations and "
-              f"logits grow with it) or add --gradient_checkpointing; the last checkpoint is intact", file=sys.stderr)
+        what = (str(e).splitlines() or ["?"])[0][:100]
+        print(f"error: out of memory ({what}): lower --micro_batch_size (activations and logits grow with it) or add "
+              f"--gradient_checkpointing; the last checkpoint is intact", file=sys.stderr)
         sys.exit(1)
 
 
