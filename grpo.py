@@ -16,7 +16,8 @@ Switches: Dr. GRPO (Liu et al. 2025) = --scale_rewards none --loss_agg seq-sum-n
 --clip_eps_high 0.28 --loss_agg token-mean --dynamic_sampling --overlong_penalty 1 --beta 0.
 
 Run:  python grpo.py                                   # bundled tiny model and task, CPU, under a minute
-      python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl --max_new_tokens 256 --group_size 8
+      python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl --max_new_tokens 256 --lr 1e-6 \\
+          --micro_batch_size 16           # micro-batches change memory, not the gradient
 Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to about 0.9 (README has the table).
 """
 import time
