@@ -364,15 +364,23 @@ def _chunk_logprobs(logits, targets, temperature, entropy):
     return lp.gather(-1, targets[..., None])[..., 0], (-(lp.exp() * lp).sum(-1) if entropy else None)
 
 
+def micro_batches(completion_mask, size):
+    """Row indices of each micro-batch. With more than one, rows go in order of completion length, so that each
+    micro-batch runs on fewer padding columns (token_logprobs drops the columns that are padding in all its rows).
+    Losses are normalised over the whole step, so the order does not change the gradient."""
+    B = len(completion_mask)
+    order = completion_mask.sum(-1).argsort(stable=True) if size < B else torch.arange(B, device=completion_mask.device)
+    return [order[i:i + size] for i in range(0, B, size)]
+
+
 @torch.no_grad()
 def batched_logprobs(model, roll, temperature, micro_batch, amp):
     """token_logprobs without gradients, micro-batched: for old, reference and sanity log-probs."""
-    T, out = roll.completion_mask.shape[1], []
+    out = torch.zeros_like(roll.completion_mask)
     with amp:
-        for i in range(0, len(roll.ids), micro_batch):
-            out.append(token_logprobs(model, roll.ids[i:i + micro_batch], roll.attention_mask[i:i + micro_batch],
-                                      T, temperature)[0])
-    return torch.cat(out) * roll.completion_mask
+        for mb in micro_batches(roll.completion_mask, micro_batch):
+            out[mb] = token_logprobs(model, roll.ids[mb], roll.attention_mask[mb], out.shape[1], temperature)[0]
+    return out * roll.completion_mask
 
 
 def kl_estimate(logprobs, ref_logprobs, estimator):

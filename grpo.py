@@ -227,8 +227,8 @@ def main():
         n, T = len(rows), mask.shape[1]
         n_tokens, sums = mask.sum().clamp(min=1), dict.fromkeys(("loss", "kl", "ratio", "clip_frac", "entropy"), 0.0)
         for it in range(args.num_iterations):
-            for i in range(0, n, args.micro_batch_size):
-                mb, m = slice(i, i + args.micro_batch_size), mask[i:i + args.micro_batch_size]
+            for mb in C.micro_batches(roll.completion_mask, args.micro_batch_size):  # rows of similar lengths
+                m = mask[mb]
                 with amp:
                     logprobs, entropy = C.token_logprobs(model, roll.ids[mb], roll.attention_mask[mb], T,
                                                          args.temperature, entropy=it == 0)

@@ -339,13 +339,14 @@ def test_micro_batched_gradient_equals_full_batch_gradient(mode, tok):
 
     def grads(mb):
         model.zero_grad()
-        for i in range(0, len(mask), mb):
-            s = slice(i, i + mb)
+        for s in C.micro_batches(mask, mb):  # as grpo.py and reinforce.py split a step
             lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
             loss = grpo.per_token_loss(lp, old[s], adv[s], 0.2, 0.2)[0]
             grpo.aggregate(loss, mask[s], mode, mask.sum(), len(mask), 8).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
-    full, micro, single = grads(8), grads(3), grads(1)  # single: shorter rows run on fewer columns
+    rows = torch.cat(C.micro_batches(mask, 3))  # every row once, shortest completions first
+    assert sorted(rows.tolist()) == list(range(len(mask))) and (mask.sum(-1)[rows].diff() >= 0).all()
+    full, micro, single = grads(8), grads(3), grads(1)  # shorter micro-batches run on fewer columns
     assert full.abs().max() > 0
     torch.testing.assert_close(micro, full, atol=1e-6, rtol=1e-4)
     torch.testing.assert_close(single, full, atol=1e-6, rtol=1e-4)
