@@ -1,7 +1,7 @@
 """minrl tests, CPU only, minutes not hours (minGPT style): our pieces against plain, obvious reference computations
 on tiny random models of real architectures; learning on the bundled task; the scripts end to end; bad input.
 Run: python -m pytest -q test_algos.py"""
-import json, os, random, signal, subprocess, sys
+import json, os, random, re, signal, subprocess, sys
 
 import pytest
 import torch
@@ -527,6 +527,19 @@ def test_bad_input_exits_2_with_one_clear_line(bad_inputs, tmp_path, args, messa
     assert r.returncode == 2, r.stderr[-2000:]
     assert message in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_readme_line_references_point_at_their_functions():
+    """The README maps equations to code as `name()  file.py:N` (or `:N` for the same file): line N defines name."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        refs, last = [], None
+        for name, file, line in re.findall(r"`?(\w+)\(\)`?\s+(\w+\.py)?:(\d+)", f.read()):
+            last = file or last
+            refs.append((name, last, int(line)))
+    assert len(refs) >= 6
+    for name, file, line in refs:
+        with open(os.path.join(ROOT, file)) as f:
+            assert f.read().splitlines()[line - 1].startswith(f"def {name}("), (name, file, line)
 
 
 def test_help_documents_every_flag():
