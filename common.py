@@ -261,8 +261,9 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
       completion_mask (B, T) float: 1 on every generated token up to AND including the EOS (or the stop string's
       last token), 0 after; truncated (B,) bool: neither within max_new_tokens; sample_logprobs (B, T)."""
     device = next(model.parameters()).device
-    distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompt_ids)))}
-    row_of = torch.tensor([distinct[tuple(p)] for p in prompt_ids], device=device)  # row -> its distinct prompt
+    keys = [tuple(p) for p in prompt_ids]
+    distinct = {p: i for i, p in enumerate(dict.fromkeys(keys))}
+    row_of = torch.tensor([distinct[k] for k in keys], device=device)  # row -> its distinct prompt
     ids, prompt_mask = left_pad(list(distinct), tok.pad_token_id, device)
     eos = torch.tensor(eos_ids(model, tok), device=device)
     B, P = len(prompt_ids), ids.shape[1]
