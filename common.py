@@ -498,8 +498,10 @@ def start_run(args, algo):
     """Output folder, metrics/samples files (appended line by line and flushed), Ctrl-C handler, and resume state.
     With --resume DIR, metrics.jsonl is cut back to the checkpoint's step so no step is duplicated or missing."""
     if args.resume:
-        args.output_dir = args.resume
-        if not os.path.isfile(os.path.join(args.resume, "checkpoint", "trainer_state.pt")):
+        args.output_dir, ckpt = args.resume, os.path.join(args.resume, "checkpoint")
+        if not os.path.isdir(ckpt) and os.path.isfile(os.path.join(ckpt + ".old", "trainer_state.pt")):
+            os.replace(ckpt + ".old", ckpt)  # killed between save_checkpoint's two renames: the previous one
+        if not os.path.isfile(os.path.join(ckpt, "trainer_state.pt")):
             raise UserError(f"--resume {args.resume!r}: no checkpoint/trainer_state.pt in that folder")
     args.output_dir = args.output_dir or os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(args.output_dir, exist_ok=True)
@@ -551,9 +553,11 @@ def finite_update(run, model, opt, max_grad_norm):
 
 def save_checkpoint(run, model, tok, step, opt, rng, extra=None):
     """Atomic: write checkpoint.tmp/, then swap it in by rename, so a kill while saving leaves the previous
-    checkpoint loadable. Holds the policy and tokenizer (from_pretrained loads it) plus trainer_state.pt."""
+    checkpoint loadable (start_run recovers it from checkpoint.old/ if the kill fell between the two renames).
+    Holds the policy and tokenizer (from_pretrained loads it) plus trainer_state.pt."""
     final, tmp, old = (os.path.join(run.dir, n) for n in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
-    shutil.rmtree(tmp, ignore_errors=True)
+    for leftover in (tmp, old):  # of a save that was killed (os.replace cannot overwrite a non-empty folder)
+        shutil.rmtree(leftover, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
     torch.save({"step": step, "args": asdict(run.args), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),

@@ -624,6 +624,17 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, stopped + 4))  # no step duplicated or missing
+    # killed while saving: a half-deleted checkpoint.old/ must not break the next save, and a kill between the two
+    # renames (checkpoint/ already moved to checkpoint.old/, the new one not yet in place) must still resume
+    (out / "checkpoint.old").mkdir()
+    (out / "checkpoint.old" / "partial.bin").write_bytes(b"x")
+    r = run_script("grpo.py", "--resume", str(out), "--max_steps", str(stopped + 4))
+    assert r.returncode == 0 and not (out / "checkpoint.old").exists(), r.stderr[-2000:]
+    os.replace(out / "checkpoint", out / "checkpoint.old")
+    r = run_script("grpo.py", "--resume", str(out), "--max_steps", str(stopped + 5))
+    assert r.returncode == 0 and f"resumed {out} at step {stopped + 4}" in r.stdout, r.stderr[-2000:]
+    steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == list(range(1, stopped + 6))
     before = (out / "metrics.jsonl").read_text()
     r = run_script("grpo.py", "--output_dir", str(out), "--max_steps", "2")  # a new run may not reuse the folder
     assert r.returncode == 2 and "already holds a run" in r.stderr and (out / "metrics.jsonl").read_text() == before
