@@ -73,30 +73,40 @@ def task_train_pairs(rng, k):
     return out
 
 
-def read_jsonl(path):
-    """Rows {"prompt": str, "answer": str (optional)}; errors name the file, the line and the field."""
+def read_jsonl(path, need_answer=False):
+    """Rows {"prompt": str, "answer": str (optional, unless need_answer: --rewards math checks completions against
+    it)}; errors name the file, the line and the field."""
     if not os.path.isfile(path):
         raise UserError(f"data file {path!r} not found")
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8-sig")  # -sig: a byte-order mark (Windows editors) is not an error
+                if not line.strip():
+                    continue
                 row = json.loads(line)
+            except UnicodeDecodeError:
+                raise UserError(f"{path}, line {n}: not UTF-8 text") from None
             except json.JSONDecodeError as e:
                 raise UserError(f"{path}, line {n}: not valid JSON ({e.msg})") from None
             if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"]:
                 raise UserError(f"{path}, line {n}: field 'prompt' is missing or not a non-empty string")
-            if "answer" in row:
-                row["answer"] = str(row["answer"])
+            answer = row.pop("answer", None)
+            if isinstance(answer, (bool, list, dict)):
+                raise UserError(f"{path}, line {n}: field 'answer' must be a string or a number")
+            if answer is not None:
+                row["answer"] = str(answer)
+            if need_answer and final_number(row.get("answer", "")) is None:
+                raise UserError(f"{path}, line {n}: field 'answer' is missing or has no number, which the math "
+                                f"reward compares with each completion's final number (or choose other --rewards)")
             rows.append(row)
     if not rows:
         raise UserError(f"data file {path!r} is empty")
     return rows
 
 
-def load_data(spec, eval_size=TASK_EVAL_SIZE):
+def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False):
     """'' -> the built-in task; 'file.jsonl' -> its rows; 'hf:NAME[:CONFIG]' -> a hub dataset (needs `datasets`).
     Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch keeps no state
     but the rng it is given, so saving that rng's state resumes the data stream exactly."""
@@ -111,8 +121,11 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE):
             raise UserError("--data hf:... needs the optional package `datasets` (pip install datasets)") from None
         ds = datasets.load_dataset(*spec[3:].split(":"), split="train")
         rows = [{"prompt": r.get("prompt", r.get("question")), "answer": str(r.get("answer", ""))} for r in ds]
+        if need_answer and (bad := [i for i, r in enumerate(rows) if final_number(r["answer"]) is None]):
+            raise UserError(f"--data {spec}: {len(bad)} rows (the first: row {bad[0]}) have no number in 'answer', "
+                            f"which the math reward checks completions against")
     else:
-        rows = read_jsonl(spec)
+        rows = read_jsonl(spec, need_answer)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
     n_eval = min(eval_size, len(rows) // 5)
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]

@@ -286,7 +286,7 @@ def main():
     run = C.start_run(args, "ppo")  # on --resume, restores the run's saved args ...
     weights = C.parse_rewards(args.rewards, args.reward_model)  # ... so the rewards are read from them
     rng = C.seed_everything(args.seed)
-    data = C.load_data(args.data, args.eval_size)
+    data = C.load_data(args.data, args.eval_size, need_answer="math" in weights)  # math checks answers
     device, amp = C.pick_device(), C.autocast(C.pick_device(), args.dtype)
     model, tok = C.load_policy(run, args, device)
     C.check_prompts(tok, model, data.rows, args)

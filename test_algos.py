@@ -260,14 +260,27 @@ def test_kl_estimators_against_exact_kl():
     assert (C.kl_estimate(p.log_prob(x), q.log_prob(x), "k2") >= 0).all()
 
 
-@pytest.mark.parametrize("text,expect", [("{\"prompt\": \"a\"}\nnot json\n", "line 2: not valid JSON"),
-                                         ("{\"prompt\": \"a\"}\n{\"answer\": \"1\"}\n", "line 2: field 'prompt'"),
-                                         ("\n\n", "is empty")])
-def test_jsonl_errors_name_the_line(tmp_path, text, expect):
+@pytest.mark.parametrize("text,need_answer,expect", [
+    ('{"prompt": "a"}\nnot json\n', False, "line 2: not valid JSON"),
+    ('{"prompt": "a"}\n{"answer": "1"}\n', False, "line 2: field 'prompt'"),
+    ("\n\n", False, "is empty"),
+    ('{"prompt": "a"}\n{"prompt": "caf\xe9"}\n'.encode("latin-1"), False, "line 2: not UTF-8 text"),
+    ('{"prompt": "a", "answer": 3}\n{"prompt": "b", "answer": [3]}\n', False, "line 2: field 'answer' must be a"),
+    ('{"prompt": "a", "answer": "#### 0"}\n{"prompt": "b", "answer": null}\n', True, "line 2: field 'answer' is missing"),
+    ('{"prompt": "a", "answer": "7"}\n{"prompt": "b", "answer": "seven"}\n', True, "line 2: field 'answer' is missing")])
+def test_jsonl_errors_name_the_line(tmp_path, text, need_answer, expect):
     f = tmp_path / "d.jsonl"
-    f.write_text(text)
+    f.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(C.UserError, match=expect):
-        C.read_jsonl(str(f))
+        C.read_jsonl(str(f), need_answer)
+
+
+def test_jsonl_reads_numbers_nulls_and_a_byte_order_mark(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": 2}\r\n\r\n{"prompt": "x", "answer": null}\r\n')
+    assert C.read_jsonl(str(f)) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x"}]
+    with pytest.raises(C.UserError, match="line 3: field 'answer'"):  # null is no answer: the math reward refuses
+        C.read_jsonl(str(f), need_answer=True)
 
 
 def test_builtin_task_split_is_held_out():
@@ -492,6 +505,7 @@ def bad_inputs(tmp_path_factory):
     (d / "empty.jsonl").write_text("")
     (d / "notjson.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
     (d / "noprompt.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "1+2=", "answer": "3"}\n')
+    (d / "noanswer.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2="}\n')
     (d / "long.jsonl").write_text("".join(json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"}) + "\n"
                                           for _ in range(10)))
     t = C.load_tokenizer(C.DEFAULT_POLICY)
@@ -514,6 +528,7 @@ BAD = [(["--model", "/no/such/folder"], "no such local folder"),
        (["--data", "{d}/empty.jsonl"], "is empty"),
        (["--data", "{d}/notjson.jsonl"], "notjson.jsonl, line 2: not valid JSON"),
        (["--data", "{d}/noprompt.jsonl"], "noprompt.jsonl, line 2: field 'prompt'"),
+       (["--data", "{d}/noanswer.jsonl"], "noanswer.jsonl, line 2: field 'answer' is missing"),  # math reward
        (["--data", "{d}/long.jsonl"], "10 of 10 prompts are too long"),
        (["--group_size", "1"], "--group_size must be >= 2"),
        (["--reward_model", "{d}/rm2", "--rewards", "rm"], "num_labels=2"),
