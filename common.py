@@ -476,18 +476,28 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None):
 
 
 # ------------------------------------------------------------------------------------------------------ eval
+def eval_metric(rows):
+    return "accuracy" if all("answer" in r for r in rows) else "mean reward"
+
+
+def gold(completions, rows):
+    """{"gold": the true task score of these completions} when every row has an answer to check, else {}."""
+    return {"gold": sum(map(math_reward, completions, rows)) / len(rows)} if eval_metric(rows) == "accuracy" else {}
+
+
 @torch.no_grad()
-def evaluate(model, tok, rows, args, amp, batch_size=128):
-    """Held-out greedy accuracy (math_reward, 0-1) and a few decoded samples."""
-    hits, shown = [], []
+def evaluate(model, tok, rows, args, amp, rm=None, rm_tok=None, batch_size=128):
+    """Held-out greedy score: accuracy (math_reward, 0-1) when every row has an answer, else the mean of the run's
+    --rewards (e.g. the reward model's score, for prompts that come without answers)."""
+    scores, accuracy = [], eval_metric(rows) == "accuracy"
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         roll = sample(model, tok, encode_prompts(tok, [r["prompt"] for r in chunk], args.chat_template),
                       args.max_new_tokens, greedy=True, amp=amp, stop=args.stop)
         comps = decode_completions(tok, roll)
-        hits += [math_reward(c, r) for c, r in zip(comps, chunk)]
-        shown += [{"prompt": r["prompt"], "completion": c, "answer": r.get("answer")} for c, r in zip(comps, chunk)][:2]
-    return sum(hits) / max(len(hits), 1), shown
+        scores += [math_reward(c, r) for c, r in zip(comps, chunk)] if accuracy else \
+            compute_rewards(chunk, comps, parse_rewards(args.rewards, args.reward_model), rm, rm_tok)[0].tolist()
+    return sum(scores) / max(len(scores), 1)
 
 
 # ---------------------------------------------------------------------------------------------- run plumbing
@@ -583,13 +593,13 @@ def save_checkpoint(run, model, tok, step, opt, rng, extra=None):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def resume_or_eval(run, model, tok, opt, rng, data, args, amp):
+def resume_or_eval(run, model, tok, opt, rng, data, args, amp, rm=None, rm_tok=None):
     """Keep what the loop's plumbing needs on `run`; then either restore optimizer, RNG states and counters from
     the checkpoint (resume) or run the first held-out eval. Returns (start_step, eval_before)."""
-    run.__dict__.update(model=model, tok=tok, opt=opt, rng=rng, data=data, args=args, amp=amp)
+    run.__dict__.update(model=model, tok=tok, opt=opt, rng=rng, data=data, args=args, amp=amp, rm=rm, rm_tok=rm_tok)
     if not run.state:
-        run.eval_before = evaluate(model, tok, data.eval_rows, args, amp)[0]
-        print(f"held-out greedy accuracy before training: {run.eval_before:.3f}")
+        run.eval_before = evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok)
+        print(f"held-out greedy {eval_metric(data.eval_rows)} before training: {run.eval_before:.3f}")
         return 0, run.eval_before
     s = run.state
     opt.load_state_dict(s["optimizer"])
@@ -618,7 +628,7 @@ def end_of_step(run, step, metrics, samples=None, extra=None, kl_warn=10.0):
     if metrics.get("kl", 0.0) > kl_warn:
         tqdm.write(f"warning: KL per token is {metrics['kl']:.2f} at step {step + 1}: the policy is running away")
     if args.eval_every and (step + 1) % args.eval_every == 0 and not last:
-        metrics["eval"] = evaluate(run.model, run.tok, run.data.eval_rows, args, run.amp)[0]
+        metrics["eval"] = evaluate(run.model, run.tok, run.data.eval_rows, args, run.amp, run.rm, run.rm_tok)
     log_step(run, metrics, run.bar if hasattr(run, "bar") else None, samples if step % 25 == 0 else None)
     if step == 0:  # AdamW creates its moments at the end of the first step; say what they add to later steps, so
         device = next(run.model.parameters()).device  # that an out-of-memory at step 2 is no surprise (trl#2972)
@@ -656,7 +666,8 @@ def spark(values, width=60):
 def finish_run(run, args, device, eval_before, eval_after):
     """summary.json, the before/after table and text charts of reward and KL; curves.png if matplotlib is there."""
     steps = [m["step"] for m in run.history]
-    summary = {"algo": run.algo, "args": asdict(args), "eval_before": eval_before, "eval_after": eval_after,
+    summary = {"algo": run.algo, "args": asdict(args), "eval_metric": eval_metric(run.data.eval_rows),
+               "eval_before": eval_before, "eval_after": eval_after,
                "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
                "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
                "interrupted": STOP["requested"],
@@ -664,7 +675,8 @@ def finish_run(run, args, device, eval_before, eval_after):
     with open(os.path.join(run.dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     run.metrics.close(), run.samples.close()
-    print(f"\n{'':18}{'before':>10}{'after':>10}\n{'held-out accuracy':18}{eval_before:>10.3f}{eval_after:>10.3f}")
+    print(f"\n{'':21}{'before':>10}{'after':>10}\n{'held-out ' + eval_metric(run.data.eval_rows):21}"
+          f"{eval_before:>10.3f}{eval_after:>10.3f}")
     for key in ("reward", "gold", "kl"):
         if any(key in m for m in run.history):
             print(f"{key:>8} {spark([m[key] for m in run.history if key in m])}")

@@ -203,7 +203,7 @@ def main():
         raise SystemExit(2 if C.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # one kernel for all parameters (CPU and CUDA)
-    start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp)
+    start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp, rm, rm_tok)
     if args.num_iterations == 1:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged loss stays near 0 "
               "by construction while its gradient does not. Watch reward, kl and clip_frac.")
@@ -246,7 +246,7 @@ def main():
         all_rewards = torch.cat(seen["rewards"])
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()), "reward_std": float(all_rewards.std()),
                    **{f"reward/{k}": float(torch.cat([p[k] for p in seen["parts"]]).mean()) for k in seen["parts"][0]},
-                   "gold": sum(C.math_reward(c, r) for c, r in zip(completions, rows)) / n,
+                   **C.gold(completions, rows),
                    "frac_zero_std": float(torch.cat(seen["zero_std"]).float().mean()), **sums, "grad_norm": grad_norm,
                    "completion_len": float(roll.completion_mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
@@ -255,7 +255,7 @@ def main():
                    zip(rows[::args.group_size][:4], completions[::args.group_size][:4], rewards[::args.group_size][:4])]
         if C.end_of_step(run, step, metrics, samples):
             break
-    C.finish_run(run, args, device, eval_before, C.evaluate(model, tok, data.eval_rows, args, amp)[0])
+    C.finish_run(run, args, device, eval_before, C.evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok))
 
 
 if __name__ == "__main__":

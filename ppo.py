@@ -306,7 +306,7 @@ def main():
     # one optimizer, two parameter groups: the critic has its own lr; checkpoints keep both groups' Adam state
     opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},
                              {"params": list(critic.parameters()), "lr": args.critic_lr}], eps=args.adam_eps, fused=True)
-    start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp)
+    start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp, rm, rm_tok)
     kl_coef = args.kl_coef
     if run.state:  # the critic's weights and kl_coef travel in the checkpoint's `extra`
         critic.load_state_dict(run.state["extra"]["critic"])
@@ -352,7 +352,7 @@ def main():
         # ---- log, eval, checkpoint ------------------------------------------------------------------------------
         metrics = {"step": step + 1, "reward": float(raw_scores.mean()), "reward_std": float(raw_scores.std()),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
-                   "gold": sum(C.math_reward(c, r) for c, r in zip(completions, rows)) / len(rows),
+                   **C.gold(completions, rows),
                    "kl": float(C.masked_mean(kl, mask)), "kl_seq": kl_seq, "kl_coef": metrics_kl_coef, **stats,
                    "explained_var": explained_variance(old_values, returns, mask),
                    "returns": float(C.masked_mean(returns, mask)), "values": float(C.masked_mean(old_values, mask)),
@@ -364,7 +364,7 @@ def main():
         if C.end_of_step(run, step, metrics, samples, extra={"kl_coef": kl_coef, "score_norm": norm,
                                                              "critic": critic.state_dict()}):
             break
-    C.finish_run(run, args, device, eval_before, C.evaluate(model, tok, data.eval_rows, args, amp)[0])
+    C.finish_run(run, args, device, eval_before, C.evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok))
 
 
 if __name__ == "__main__":

@@ -201,7 +201,7 @@ def main():
         raise SystemExit(2 if C.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # one kernel for all parameters (CPU and CUDA)
-    start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp)
+    start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp, rm, rm_tok)
     ema = run.state["extra"].get("ema") if run.state else None  # the ema baseline's running value
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
@@ -249,7 +249,7 @@ def main():
         g = torch.cat(grad_norms)[:n] * n  # g_i: each sample's own term of the (first) update's gradient
         metrics = {"step": step + 1, "reward": float(scores.mean()), "reward_std": float(scores.std()),
                    **{f"reward/{key}": float(v.mean()) for key, v in parts.items()},
-                   "gold": sum(C.math_reward(c, r) for c, r in zip(completions, rows)) / n,
+                   **C.gold(completions, rows),
                    "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean()) if k > 1 else 0.0,
                    "kl": float(C.masked_mean(kl, mask)) if kl is not None else 0.0, **sums, "grad_norm": grad_norm,
                    "adv_mean": float(adv[valid].mean()), "adv_std": float(adv[valid].std()),
@@ -262,7 +262,7 @@ def main():
                    zip(rows[::k][:4], completions[::k][:4], scores[::k][:4])]
         if C.end_of_step(run, step, metrics, samples, extra={"ema": ema}):
             break
-    C.finish_run(run, args, device, eval_before, C.evaluate(model, tok, data.eval_rows, args, amp)[0])
+    C.finish_run(run, args, device, eval_before, C.evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok))
 
 
 if __name__ == "__main__":

@@ -470,6 +470,33 @@ def test_grpo_learns_on_the_bundled_task(tmp_path):
     assert sum(last) / 10 >= sum(first) / 10 + 0.15
 
 
+def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path):
+    """Prompts with no answers (e.g. for a reward model): the held-out score is the mean of the run's --rewards on
+    greedy completions (checked against HF generate and hand-written rewards), and no `gold` is made up."""
+    rows = [{"prompt": f"{a}+{b}="} for a, b in C.task_train_pairs(random.Random(5), 12)]
+    tok, model = C.load_tokenizer(C.DEFAULT_POLICY), C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"))
+    args = C.SimpleNamespace(chat_template="auto", max_new_tokens=6, stop=[], rewards="format=1,length=0.5",
+                             reward_model="")
+    want = []
+    for r in rows:
+        ids = torch.tensor([tok(r["prompt"])["input_ids"]])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=tok.pad_token_id)
+        text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+        want.append(float(re.search(r"\d", text) is not None) - 0.5 * len(text) / 100)
+    assert C.evaluate(model, tok, rows, args, OFF, batch_size=5) == pytest.approx(sum(want) / len(want), abs=1e-6)
+    assert C.gold(["5", "4"], [{"prompt": "x", "answer": "5"}] * 2) == {"gold": 0.5}
+    assert C.gold(["5", "4"], [{"prompt": "x", "answer": "5"}, {"prompt": "y"}]) == {}
+    data, out = tmp_path / "d.jsonl", tmp_path / "out"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
+    r = run_script("grpo.py", "--data", str(data), "--rewards", "format", "--max_steps", "2", "--eval_size", "4",
+                   "--output_dir", str(out))
+    assert r.returncode == 0 and "held-out mean reward" in r.stdout, r.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_metric"] == "mean reward" and summary["eval_before"] > 0.5  # the model answers with numbers
+    assert not any("gold" in json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines())
+
+
 # ------------------------------------------------------------------------------------------------- reliability
 def test_out_of_memory_exits_1_with_advice_and_keeps_the_checkpoint(monkeypatch, tmp_path, capsys):
     """An OOM at step 3 (faked: no GPU here) ends with one line saying what to change; steps 1-2 stay saved."""

@@ -103,7 +103,7 @@ def run_trl(a, out_dir, device):
 def accuracy(model, tok, device):
     model.eval()
     args = SimpleNamespace(chat_template="auto", max_new_tokens=NEW_TOKENS, stop=[])
-    return C.evaluate(model, tok, C.load_data("").eval_rows, args, C.autocast(device, "auto"))[0]
+    return C.evaluate(model, tok, C.load_data("").eval_rows, args, C.autocast(device, "auto"))
 
 
 def mean(xs):
