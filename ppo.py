@@ -64,7 +64,7 @@ class Args:
     batch_size: int = 64  # prompts (= completions, one each) per step (N+ 512 on 8 GPUs; TRL 64)
     max_new_tokens: int = 6  # completion length cap (N+ 53; the built-in task needs 4)
     temperature: float = 1.0  # N, N+, TRL use 0.7; 1.0 explores more on the tiny task. Log-probs use the same one
-    top_p: float = 1.0  # N: top_k 0, top_p 1.0 (sample from the full distribution)
+    top_p: float = 1.0  # N: top_k 0, top_p 1.0 (sample from the full distribution the log-probs are taken on)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>": a row also ends at the token completing one
     # --- rewards
     rewards: str = "rm"  # the score: 'rm' (the reward model), or rules/mixes as in grpo.py, e.g. "math" or "rm,math=1"
@@ -165,10 +165,13 @@ def adaptive_kl(kl_coef, kl, target, horizon, n_steps):
 
 def critic_values(critic, ids, attention_mask, T):
     """V(s_t) for the last T positions: the head reads the hidden state BEFORE token t (the same shift as the
-    log-probs), i.e. positions -T-1 .. -2 of prompt + completion."""
+    log-probs), i.e. positions -T-1 .. -2 of prompt + completion. Completion columns that are padding in every
+    row are not run (their values are 0, and masked out everywhere)."""
+    Tb = max(1, int(attention_mask[:, -T:].sum(-1).max()))  # these rows' longest completion
+    ids, attention_mask = ids[:, :ids.shape[1] - T + Tb], attention_mask[:, :ids.shape[1] - T + Tb]  # prompt + Tb
     hidden = critic.base_model(input_ids=ids, attention_mask=attention_mask, position_ids=C.positions(attention_mask),
                                use_cache=False).last_hidden_state
-    return critic.score(hidden[:, -T - 1:-1]).float()[..., 0]
+    return torch.nn.functional.pad(critic.score(hidden[:, -Tb - 1:-1]).float()[..., 0], (0, T - Tb))
 
 
 def ppo_update(model, critic, opt, run, roll, batch, args, amp):
@@ -185,8 +188,7 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
         for start in range(0, B, mb_size):
             idx = perm[start:start + mb_size]
             n_tokens, mb = mask[idx].sum().clamp(min=1), dict.fromkeys(keys, 0.0)
-            for i in range(0, mb_size, micro):
-                j = idx[i:i + micro]
+            for j in (idx[k] for k in C.micro_batches(mask[idx], micro)):  # rows of similar lengths together
                 m = mask[j]
                 with amp:
                     logprobs, entropy = C.token_logprobs(model, roll.ids[j], roll.attention_mask[j], T, args.temperature,
@@ -333,10 +335,10 @@ def main():
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
         ref_logprobs = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp) \
             if ref is not None else old_logprobs
+        old_values = torch.zeros_like(mask)
         with torch.no_grad(), amp:
-            old_values = torch.cat([critic_values(critic, roll.ids[i:i + args.micro_batch_size],
-                                                  roll.attention_mask[i:i + args.micro_batch_size], T)
-                                    for i in range(0, len(rows), args.micro_batch_size)]) * mask
+            for mb in C.micro_batches(mask, args.micro_batch_size):  # like batched_logprobs: similar lengths together
+                old_values[mb] = critic_values(critic, roll.ids[mb], roll.attention_mask[mb], T) * mask[mb]
         # ---- rewards, GAE, whitening ----------------------------------------------------------------------------
         rewards, kl = shaped_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef, args.kl_estimator)
         if args.whiten_rewards:

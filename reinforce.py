@@ -57,7 +57,7 @@ class Args:
     prompts_per_step: int = 8  # prompts per optimizer step, so k * prompts_per_step completions
     max_new_tokens: int = 6  # completion length cap (the built-in task needs 4)
     temperature: float = 1.0  # sampling temperature; log-probs use the same one (N implementation details)
-    top_p: float = 1.0  # nucleus sampling (TRL default 1.0)
+    top_p: float = 1.0  # nucleus sampling (TRL default 1.0); below 1 the log-probs stay the full softmax's (off-policy)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>": a row also ends at the token completing one
     # --- rewards
     rewards: str = "math"  # weighted components, e.g. "math=1,format=0.1,rm=0.5"; each logged as reward/<name>

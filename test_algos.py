@@ -1016,12 +1016,20 @@ def test_critic_values_read_the_state_before_each_token_with_left_padding(tok):
         n = int(roll.completion_mask[i].sum())
         L = ids.shape[1]  # prompt + n completion tokens: token t's value is read at position L - n + t - 1
         torch.testing.assert_close(values[i, :n], per_pos[L - n - 1:L - 1], atol=1e-4, rtol=1e-4)
+    # three more completion columns that are padding in every row: not run, the same values, zeros there
+    pad = torch.nn.functional.pad
+    wide = ppo.critic_values(critic, pad(roll.ids, (0, 3)), pad(roll.attention_mask, (0, 3)), T + 3)
+    torch.testing.assert_close(wide, pad(values, (0, 3)), atol=1e-5, rtol=1e-5)
 
 
-def make_update_inputs(tok, seed=0):
+def make_update_inputs(tok, seed=0, varied=False):
     torch.manual_seed(seed)
     model, critic = tiny_model("llama"), tiny_rm()
     roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 4), 5)
+    if varied:  # the random model never ends early: give rows lengths 1..5, as EOS would (masks from lengths)
+        lengths = torch.arange(len(roll.ids)) % 5 + 1
+        roll.completion_mask = (torch.arange(5)[None] < lengths[:, None]).float()
+        roll.attention_mask = torch.cat([roll.attention_mask[:, :roll.P], roll.completion_mask.long()], 1)
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
     old_lp = C.batched_logprobs(model, roll, 1.0, 8, OFF)
     with torch.no_grad():
@@ -1043,6 +1051,20 @@ def test_target_kl_stops_the_epochs(tok, target_kl, expect_updates):
     assert stats["ppo_updates"] == expect_updates
     assert any((p != b).any() for p, b in zip(model.parameters(), before))  # the first update did happen
     assert all(p.grad is None for p in model.parameters())  # a dropped update leaves no gradient behind
+
+
+def test_ppo_micro_batches_do_not_change_the_update(tok):
+    """One minibatch as one micro-batch, or as micro-batches of 3 rows taken in order of length: the same step."""
+    after = []
+    for micro in (20, 3):
+        model, critic, roll, batch = make_update_inputs(tok, seed=2, varied=True)  # so the order of rows matters
+        args = SimpleNamespace(ppo_epochs=1, num_minibatches=1, micro_batch_size=micro, temperature=1.0, ent_coef=0.01,
+                               clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.5, target_kl=0.0, max_grad_norm=1e9)
+        opt = torch.optim.SGD([*model.parameters(), *critic.parameters()], lr=1.0)
+        ppo.ppo_update(model, critic, opt, SimpleNamespace(nonfinite=0, nonfinite_in_row=0), roll, batch, args, OFF)
+        after.append([p.detach().clone() for p in (*model.parameters(), *critic.parameters())])
+    for a, b in zip(*after):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_ppo_update_lowers_value_loss_and_raises_advantaged_logprobs(tok):
