@@ -707,7 +707,9 @@ def sanity_check(model, ref, tok, rows, args, amp):
     roll = sample(model, tok, encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template),
                   args.max_new_tokens, args.temperature, args.top_p, amp=amp, stop=args.stop)
     lp = batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
-    tol = 1e-3 if device.type == "cpu" and args.dtype != "bf16" else 0.1
+    # fp32 on the CPU: equal up to float noise; bf16 autocast (and, on a GPU, a bf16 reference against fp32 master
+    # weights: measured 3e-5 KL on the bundled model, more on deep ones) rounds each forward a little differently
+    tol, kl_tol = (1e-3, 1e-4) if device.type == "cpu" and args.dtype != "bf16" else (0.1, 1e-2)
     if (d := float((lp - roll.sample_logprobs).abs().max())) > tol:
         failed.append(f"sampling log-probs differ from the training forward's by {d:.3g} (> {tol})")
     if (d := float(((batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp) - lp).exp() - 1)
@@ -716,11 +718,12 @@ def sanity_check(model, ref, tok, rows, args, amp):
     if ref is not None:
         kl = masked_mean(kl_estimate(lp, batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp),
                                      "k3"), roll.completion_mask)
-        if float(kl) > 1e-4:
+        if float(kl) > kl_tol:
             failed.append(f"KL(policy || reference) is {float(kl):.3g} before any update, not 0")
     ended = ~roll.truncated
     last = roll.completion_mask.sum(-1).long() - 1
-    if ended.any() and not torch.isin(roll.ids[:, roll.P:][ended, last[ended]], torch.tensor(eos_ids(model, tok))).all():
+    if ended.any() and not torch.isin(roll.ids[:, roll.P:][ended, last[ended]],
+                                     torch.tensor(eos_ids(model, tok), device=device)).all():
         failed.append("completion_mask does not end on the EOS token for every finished row")
     n_train = sum(p.numel() for p in model.parameters())
     n_frozen = sum(p.numel() * p.element_size() for m in (ref,) if m is not None for p in m.parameters())
