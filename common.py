@@ -648,7 +648,10 @@ def peak_mem_mb(device):
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
     except (OSError, StopIteration):
-        import resource
+        try:
+            import resource
+        except ImportError:  # Windows: neither /proc nor `resource`; unknown rather than a crash at step 1
+            return float("nan")
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
         return rss / 2**20 if sys.platform == "darwin" else rss / 1024
 

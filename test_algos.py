@@ -1,7 +1,7 @@
 """minrl tests, CPU only, minutes not hours (minGPT style): our pieces against plain, obvious reference computations
 on tiny random models of real architectures; learning on the bundled task; the scripts end to end; bad input.
 Run: python -m pytest -q test_algos.py"""
-import json, os, random, re, signal, subprocess, sys
+import json, math, os, random, re, signal, subprocess, sys
 
 import pytest
 import torch
@@ -627,6 +627,16 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
         assert greedy.ids[i, greedy.P:greedy.P + n].tolist() == ref[i, ids.shape[1]:ids.shape[1] + n].tolist()
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_peak_memory_without_proc_or_resource_is_unknown_not_a_crash(monkeypatch):
+    """Windows has neither /proc/self/status nor the `resource` module: the first step must not crash on it."""
+    import builtins
+    real_open = builtins.open
+    monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (_ for _ in ()).throw(FileNotFoundError(f))
+                        if str(f).startswith("/proc/") else real_open(f, *a, **k))
+    monkeypatch.setitem(sys.modules, "resource", None)  # `import resource` now raises ImportError
+    assert math.isnan(C.peak_mem_mb(torch.device("cpu")))
 
 
 def test_nonfinite_update_is_skipped_and_counted():
