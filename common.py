@@ -193,7 +193,7 @@ def load_policy(run, args, device):
     src = os.path.join(run.dir, "checkpoint") if args.resume else args.model
     tok, model = load_tokenizer(src, args.trust_remote_code), load_model(src, "lm", device, False, args.trust_remote_code)
     if args.gradient_checkpointing:
-        model.activation_checkpointing_enable()
+        (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # < 5.24
         # HF recomputes a layer only when that layer is in training mode. The model stays in eval mode (dropout off),
         # so only the checkpointed layers themselves are flagged as training; their dropouts (children) stay off, and
         # so does the base model (GPT-2's would stop passing the KV cache to its layers, even when sampling).
@@ -349,8 +349,9 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         return pad(lp, (0, T - Tb)), (pad(ent, (0, T - Tb)) if entropy else None)
     pos = positions(attention_mask)
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
-    if P > 1 and len(prompts) * P + B * T <= 0.75 * B * (P + T) and \
-            not getattr(model, "is_activation_checkpointing", False):  # (checkpointed layers drop the cache)
+    # checkpointed layers drop the KV cache; this is model.is_activation_checkpointing (named otherwise before 5.24)
+    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    if P > 1 and len(prompts) * P + B * T <= 0.75 * B * (P + T) and not checkpointed:
         # each distinct prompt, but its last token, runs once; its KV cache is indexed out to every row that shares
         # it (an indexing op: gradients flow back into the one prompt forward) ...
         cache, p_ids, p_mask = DynamicCache(), prompts[:, :P - 1], prompts[:, P:2 * P - 1]
