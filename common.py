@@ -120,8 +120,9 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False):
         except ImportError:
             raise UserError("--data hf:... needs the optional package `datasets` (pip install datasets)") from None
         ds = datasets.load_dataset(*spec[3:].split(":"), split="train")
-        rows = [{"prompt": r.get("prompt", r.get("question")), "answer": str(r.get("answer", ""))} for r in ds]
-        if need_answer and (bad := [i for i, r in enumerate(rows) if final_number(r["answer"]) is None]):
+        rows = [{"prompt": r.get("prompt", r.get("question")), **({} if r.get("answer") is None else
+                                                                  {"answer": str(r["answer"])})} for r in ds]
+        if need_answer and (bad := [i for i, r in enumerate(rows) if final_number(r.get("answer", "")) is None]):
             raise UserError(f"--data {spec}: {len(bad)} rows (the first: row {bad[0]}) have no number in 'answer', "
                             f"which the math reward checks completions against")
     else:

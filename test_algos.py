@@ -275,6 +275,19 @@ def test_jsonl_errors_name_the_line(tmp_path, text, need_answer, expect):
         C.read_jsonl(str(f), need_answer)
 
 
+def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
+    """--data hf:NAME reads 'question' (or 'prompt') and 'answer'; a missing answer is no answer, not the text 'None'."""
+    import types
+    fake = types.ModuleType("datasets")
+    fake.load_dataset = lambda *a, split: [{"question": "1+1=", "answer": "#### 2"}, {"question": "x", "answer": None}] * 5
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    data = C.load_data("hf:someone/set:main", eval_size=2)
+    assert sorted(map(str, data.rows)) == sorted(map(str, [{"prompt": "1+1=", "answer": "#### 2"}, {"prompt": "x"}] * 5))
+    assert C.eval_metric(data.rows) == "mean reward" and len(data.eval_rows) == 2
+    with pytest.raises(C.UserError, match="5 rows .* have no number in 'answer'"):
+        C.load_data("hf:someone/set:main", need_answer=True)
+
+
 def test_jsonl_reads_numbers_nulls_and_a_byte_order_mark(tmp_path):
     f = tmp_path / "d.jsonl"
     f.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": 2}\r\n\r\n{"prompt": "x", "answer": null}\r\n')
