@@ -659,13 +659,19 @@ def peak_mem_mb(device):
 
 
 def spark(values, width=60):
-    """A one-line text chart: the values binned to at most `width` columns, drawn with block characters."""
+    """A one-line text chart: the (finite) values binned to at most `width` columns, drawn with block characters,
+    or ASCII where stdout cannot print those (a Windows console code page, output redirected to a file)."""
+    values = [v for v in values if math.isfinite(v)]  # a skipped non-finite step logs NaN
     if not values:
         return ""
     k = math.ceil(len(values) / width)
     vs = [sum(values[i:i + k]) / len(values[i:i + k]) for i in range(0, len(values), k)]
-    lo, hi = min(vs), max(vs)
-    return "".join("▁▂▃▄▅▆▇█"[int(7 * (v - lo) / (hi - lo)) if hi > lo else 0] for v in vs) + f"  [{lo:.3g} .. {hi:.3g}]"
+    lo, hi, bars = min(vs), max(vs), "▁▂▃▄▅▆▇█"
+    try:
+        bars.encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        bars = "_.-~=+*#"
+    return "".join(bars[int(7 * (v - lo) / (hi - lo)) if hi > lo else 0] for v in vs) + f"  [{lo:.3g} .. {hi:.3g}]"
 
 
 def finish_run(run, args, device, eval_before, eval_after):

@@ -652,6 +652,14 @@ def test_peak_memory_without_proc_or_resource_is_unknown_not_a_crash(monkeypatch
     assert math.isnan(C.peak_mem_mb(torch.device("cpu")))
 
 
+def test_spark_skips_nan_and_prints_ascii_where_blocks_cannot_be_encoded(monkeypatch):
+    import io
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    assert C.spark([0.0, float("nan"), 1.0, 2.0]) == "▁▄█  [0 .. 2]"  # a NaN step (update skipped) is left out
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="cp1252"))  # Windows, redirected
+    assert C.spark([0.0, 1.0, 2.0]) == "_~#  [0 .. 2]"
+
+
 def test_nonfinite_update_is_skipped_and_counted():
     model = tiny_model("llama")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
