@@ -129,6 +129,8 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False):
         rows = read_jsonl(spec, need_answer)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
     n_eval = min(eval_size, len(rows) // 5)
+    if not n_eval:
+        print(f"note: {spec} has {len(rows)} rows, too few to hold a fifth out for eval: the eval score is nan")
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
     return SimpleNamespace(next_batch=lambda rng, k: [rng.choice(train_rows) for _ in range(k)],
                            eval_rows=eval_rows, rows=rows)
@@ -499,7 +501,7 @@ def evaluate(model, tok, rows, args, amp, rm=None, rm_tok=None, batch_size=128):
         comps = decode_completions(tok, roll)
         scores += [math_reward(c, r) for c, r in zip(comps, chunk)] if accuracy else \
             compute_rewards(chunk, comps, parse_rewards(args.rewards, args.reward_model), rm, rm_tok)[0].tolist()
-    return sum(scores) / max(len(scores), 1)
+    return sum(scores) / len(scores) if scores else float("nan")  # no held-out rows (a file of < 5): no score
 
 
 # ---------------------------------------------------------------------------------------------- run plumbing

@@ -286,6 +286,9 @@ def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
     assert C.eval_metric(data.rows) == "mean reward" and len(data.eval_rows) == 2
     with pytest.raises(C.UserError, match="5 rows .* have no number in 'answer'"):
         C.load_data("hf:someone/set:main", need_answer=True)
+    fake.load_dataset = lambda *a, split: [{"prompt": "1+1=", "answer": "2"}] * 4  # too few to hold a fifth out
+    assert C.load_data("hf:someone/set", eval_size=2).eval_rows == []
+    assert math.isnan(C.evaluate(None, None, [], None, OFF))  # no held-out rows: no score, rather than a made-up 0
 
 
 def test_jsonl_reads_numbers_nulls_and_a_byte_order_mark(tmp_path):
