@@ -5,7 +5,7 @@ rewards -> eval -> run plumbing (outputs, checkpoints, resume, guards, the end-o
 Conventions used everywhere (DESIGN.md section 4): masks come from lengths, never from token values; the EOS
 is a completion token and is in the loss; log-probs are taken on logits / the sampling temperature, in fp32.
 """
-import dataclasses, functools, inspect, json, math, os, random, re, shutil, signal, sys, time
+import dataclasses, difflib, functools, inspect, json, math, os, random, re, shutil, signal, sys, time
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -41,12 +41,26 @@ def main_guard(main):
         sys.exit(1)
 
 
+def check_ranges(a):
+    """Counts and sampling flags that would otherwise fail deep inside a step (NaN probabilities, empty batches)."""
+    for name in ("temperature", "max_new_tokens", "micro_batch_size", "prompts_per_step", "group_size",
+                 "samples_per_prompt", "batch_size", "num_minibatches", "ppo_epochs", "num_iterations"):
+        if hasattr(a, name) and not getattr(a, name) > 0:
+            raise UserError(f"--{name} must be > 0, not {getattr(a, name)}")
+    if not 0 < a.top_p <= 1:
+        raise UserError(f"--top_p must be in (0, 1], not {a.top_p}: it keeps the smallest set of tokens with that mass")
+
+
 def parse_args(args_cls):
     """HfArgumentParser over the Args dataclass; each flag's --help text is the comment beside its field."""
     comments = dict(re.findall(r"^    (\w+): .*?  # (.+)$", inspect.getsource(args_cls), re.M))
     for f in dataclasses.fields(args_cls):
         f.metadata = {**f.metadata, "help": comments.get(f.name, "")}
-    return HfArgumentParser(args_cls).parse_args_into_dataclasses()[0]
+    args, unknown = HfArgumentParser(args_cls).parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:  # e.g. a typo, or another script's flag
+        close = difflib.get_close_matches(unknown[0].split("=")[0], [f"--{f.name}" for f in dataclasses.fields(args)])
+        raise UserError(f"unknown argument {unknown[0]!r}{f' (did you mean {close[0]}?)' if close else ''}; see --help")
+    return args
 
 
 # ------------------------------------------------------------------------------ the built-in task and data

@@ -172,6 +172,7 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp):
 
 # ---------------------------------------------------------------------------------------------- plumbing
 def check_args(a):
+    C.check_ranges(a)
     if a.group_size < 2:
         raise C.UserError("--group_size must be >= 2: a group of one has no relative advantage")
     if (a.prompts_per_step * a.group_size) % a.micro_batch_size:

@@ -269,6 +269,7 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
 
 
 def check_args(a):
+    C.check_ranges(a)
     mb = a.batch_size // a.num_minibatches
     if a.batch_size % a.num_minibatches or mb % min(a.micro_batch_size, mb):
         raise C.UserError(f"--num_minibatches {a.num_minibatches} must divide --batch_size {a.batch_size}, and "

@@ -171,6 +171,7 @@ def sample_grad_probe(model):
 
 # ---------------------------------------------------------------------------------------------- plumbing
 def check_args(a):
+    C.check_ranges(a)
     if a.baseline == "rloo" and a.samples_per_prompt < 2:
         raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no other sample "
                           "to form the leave-one-out baseline")

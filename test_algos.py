@@ -574,6 +574,10 @@ BAD = [(["--model", "/no/such/folder"], "no such local folder"),
        (["--data", "{d}/noanswer.jsonl"], "noanswer.jsonl, line 2: field 'answer' is missing"),  # math reward
        (["--data", "{d}/long.jsonl"], "10 of 10 prompts are too long"),
        (["--group_size", "1"], "--group_size must be >= 2"),
+       (["--temperature", "0"], "--temperature must be > 0, not 0.0"),
+       (["--top_p", "0"], "--top_p must be in (0, 1]"),
+       (["--micro_batch_size", "0"], "--micro_batch_size must be > 0"),
+       (["--lrr", "1e-5"], "unknown argument '--lrr' (did you mean --lr?)"),
        (["--reward_model", "{d}/rm2", "--rewards", "rm"], "num_labels=2"),
        (["--micro_batch_size", "7"], "--micro_batch_size 7 must divide"),
        (["--loss_agg", "mean"], "--loss_agg 'mean': choose one of")]
