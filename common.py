@@ -41,14 +41,22 @@ def main_guard(main):
         sys.exit(1)
 
 
-def check_ranges(a):
-    """Counts and sampling flags that would otherwise fail deep inside a step (NaN probabilities, empty batches)."""
+def check_shared_args(a):
+    """Flags the three scripts share that would otherwise fail deep inside a step (NaN probabilities, empty
+    batches, a stop string that ends every row at once)."""
     for name in ("temperature", "max_new_tokens", "micro_batch_size", "prompts_per_step", "group_size",
                  "samples_per_prompt", "batch_size", "num_minibatches", "ppo_epochs", "num_iterations"):
         if hasattr(a, name) and not getattr(a, name) > 0:
             raise UserError(f"--{name} must be > 0, not {getattr(a, name)}")
+    for name in ("eval_every", "save_every"):
+        if getattr(a, name) < 0:
+            raise UserError(f"--{name} must be >= 0 (0 turns the periodic one off), not {getattr(a, name)}")
     if not 0 < a.top_p <= 1:
         raise UserError(f"--top_p must be in (0, 1], not {a.top_p}: it keeps the smallest set of tokens with that mass")
+    if "" in a.stop:
+        raise UserError("--stop: an empty stop string would end every completion at its first token")
+    if a.chat_template not in ("auto", "none"):
+        raise UserError(f"--chat_template {a.chat_template!r}: choose one of auto, none")
 
 
 def parse_args(args_cls):
@@ -457,7 +465,10 @@ def parse_rewards(spec, reward_model):
         name, _, w = part.partition("=")
         if name not in RULES and name != "rm":
             raise UserError(f"--rewards: unknown reward {name!r} (known: {', '.join(RULES)}, rm)")
-        weights[name] = float(w or 1.0)
+        try:
+            weights[name] = float(w or 1.0)
+        except ValueError:
+            raise UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") from None
     if "rm" in weights and not reward_model:
         raise UserError("--rewards names 'rm' but no --reward_model is given")
     return weights
@@ -654,7 +665,7 @@ def end_of_step(run, step, metrics, samples=None, extra=None, kl_warn=10.0):
         gpu = torch.cuda.get_device_properties(device).total_memory / 2**20 if device.type == "cuda" else 0
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB{f' of {gpu:,.0f}' if gpu else ''} in the first step; "
                    f"AdamW's moments, created at its end, add {moments:,.0f} MB from the next step on")
-    if (step + 1) % args.save_every == 0 or last:
+    if (args.save_every and (step + 1) % args.save_every == 0) or last:
         save_checkpoint(run, run.model, run.tok, step + 1, run.opt, run.rng, {"eval_before": run.eval_before, **(extra or {})})
     return STOP["requested"]
 

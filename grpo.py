@@ -72,7 +72,7 @@ class Args:
     seed: int = 0
     eval_every: int = 50  # steps between held-out greedy evals (0: only before and after)
     eval_size: int = 500  # held-out prompts per eval
-    save_every: int = 100  # steps between checkpoints (atomic; also on Ctrl-C and at the end)
+    save_every: int = 100  # steps between checkpoints (atomic; also on Ctrl-C and at the end; 0: only then)
     output_dir: str = ""  # default runs/grpo-<time>
     resume: str = ""  # a previous output_dir: continue from its checkpoint (optimizer, RNG, step, metrics)
     sanity: bool = False  # check log-probs, ratio, KL and masks on the real model and data, then exit
@@ -172,7 +172,7 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp):
 
 # ---------------------------------------------------------------------------------------------- plumbing
 def check_args(a):
-    C.check_ranges(a)
+    C.check_shared_args(a)
     if a.group_size < 2:
         raise C.UserError("--group_size must be >= 2: a group of one has no relative advantage")
     if (a.prompts_per_step * a.group_size) % a.micro_batch_size:

@@ -101,7 +101,7 @@ class Args:
     seed: int = 0
     eval_every: int = 40  # steps between held-out greedy evals (0: only before and after)
     eval_size: int = 500  # held-out prompts per eval
-    save_every: int = 40  # steps between checkpoints (atomic; also on Ctrl-C and at the end)
+    save_every: int = 40  # steps between checkpoints (atomic; also on Ctrl-C and at the end; 0: only then)
     output_dir: str = ""  # default runs/ppo-<time>
     resume: str = ""  # a previous output_dir: continue from its checkpoint (policy, critic, optimizer, kl_coef, RNG)
     sanity: bool = False  # check log-probs, ratio, KL and masks on the real model and data, then exit
@@ -269,7 +269,7 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
 
 
 def check_args(a):
-    C.check_ranges(a)
+    C.check_shared_args(a)
     mb = a.batch_size // a.num_minibatches
     if a.batch_size % a.num_minibatches or mb % min(a.micro_batch_size, mb):
         raise C.UserError(f"--num_minibatches {a.num_minibatches} must divide --batch_size {a.batch_size}, and "

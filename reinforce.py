@@ -85,7 +85,7 @@ class Args:
     seed: int = 0
     eval_every: int = 100  # steps between held-out greedy evals (0: only before and after)
     eval_size: int = 500  # held-out prompts per eval
-    save_every: int = 100  # steps between checkpoints (atomic; also on Ctrl-C and at the end)
+    save_every: int = 100  # steps between checkpoints (atomic; also on Ctrl-C and at the end; 0: only then)
     output_dir: str = ""  # default runs/reinforce-<time>
     resume: str = ""  # a previous output_dir: continue from its checkpoint (optimizer, RNG, step, EMA, metrics)
     sanity: bool = False  # check log-probs, ratio, KL and masks on the real model and data, then exit
@@ -171,7 +171,7 @@ def sample_grad_probe(model):
 
 # ---------------------------------------------------------------------------------------------- plumbing
 def check_args(a):
-    C.check_ranges(a)
+    C.check_shared_args(a)
     if a.baseline == "rloo" and a.samples_per_prompt < 2:
         raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no other sample "
                           "to form the leave-one-out baseline")

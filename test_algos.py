@@ -444,7 +444,7 @@ def test_grpo_end_to_end_on_tiny_random_models(tiny_dirs, tmp_path, arch):
     r = run_script("grpo.py", "--model", str(tiny_dirs / arch), "--data", str(tiny_dirs / "data.jsonl"),
                    "--max_steps", "3", "--group_size", "4", "--prompts_per_step", "2", "--micro_batch_size", "4",
                    "--max_new_tokens", "8", "--eval_size", "8", "--dynamic_sampling", "--loss_agg",
-                   "seq-mean-token-mean", "--num_iterations", "2", "--output_dir", str(out))
+                   "seq-mean-token-mean", "--num_iterations", "2", "--save_every", "0", "--output_dir", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     check_outputs(out, 3)
 
@@ -578,6 +578,9 @@ BAD = [(["--model", "/no/such/folder"], "no such local folder"),
        (["--top_p", "0"], "--top_p must be in (0, 1]"),
        (["--micro_batch_size", "0"], "--micro_batch_size must be > 0"),
        (["--lrr", "1e-5"], "unknown argument '--lrr' (did you mean --lr?)"),
+       (["--rewards", "math=abc"], "the weight of 'math' must be a number, not 'abc'"),
+       (["--stop", ""], "an empty stop string would end every completion"),
+       (["--chat_template", "chatml"], "--chat_template 'chatml': choose one of auto, none"),
        (["--reward_model", "{d}/rm2", "--rewards", "rm"], "num_labels=2"),
        (["--micro_batch_size", "7"], "--micro_batch_size 7 must divide"),
        (["--loss_agg", "mean"], "--loss_agg 'mean': choose one of")]
