@@ -559,6 +559,8 @@ def start_run(args, algo):
     os.makedirs(args.output_dir, exist_ok=True)
     state = torch.load(os.path.join(args.output_dir, "checkpoint", "trainer_state.pt"), weights_only=False) \
         if args.resume else None
+    if state and state.get("algo", algo) != algo:
+        raise UserError(f"--resume {args.resume!r}: that run was made by {state['algo']}.py; resume it with that script")
     if state:  # a resumed run keeps its own settings; only max_steps may be raised
         keep = {"resume": args.resume, "output_dir": args.output_dir, "max_steps": args.max_steps}
         args.__dict__.update({**state["args"], **keep})
@@ -612,7 +614,7 @@ def save_checkpoint(run, model, tok, step, opt, rng, extra=None):
         shutil.rmtree(leftover, ignore_errors=True)
     model.save_pretrained(tmp, safe_serialization=True)
     tok.save_pretrained(tmp)
-    torch.save({"step": step, "args": asdict(run.args), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+    torch.save({"step": step, "algo": run.algo, "args": asdict(run.args), "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
                 "data_rng": rng.getstate(), "nonfinite": run.nonfinite, "extra": extra or {}},
                os.path.join(tmp, "trainer_state.pt"))

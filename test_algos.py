@@ -718,6 +718,8 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert r.returncode == 0 and f"resumed {out} at step {stopped + 4}" in r.stdout, r.stderr[-2000:]
     steps = [json.loads(l)["step"] for l in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == list(range(1, stopped + 6))
+    r = run_script("ppo.py", "--resume", str(out), "--max_steps", str(stopped + 9))  # another script's run
+    assert r.returncode == 2 and "made by grpo.py" in r.stderr, r.stderr[-2000:]
     before = (out / "metrics.jsonl").read_text()
     r = run_script("grpo.py", "--output_dir", str(out), "--max_steps", "2")  # a new run may not reuse the folder
     assert r.returncode == 2 and "already holds a run" in r.stderr and (out / "metrics.jsonl").read_text() == before
