@@ -374,9 +374,10 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         return pad(lp, (0, T - Tb)), (pad(ent, (0, T - Tb)) if entropy else None)
     pos = positions(attention_mask)
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0, return_inverse=True)
-    # checkpointed layers drop the KV cache; this is model.is_activation_checkpointing (named otherwise before 5.24)
-    checkpointed = any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
-    if P > 1 and len(prompts) * P + B * T <= 0.75 * B * (P + T) and not checkpointed:
+    # (checkpointed layers drop the KV cache; the last test is model.is_activation_checkpointing, named otherwise
+    # before transformers 5.24, and runs only when the rest holds)
+    if P > 1 and len(prompts) * P + B * T <= 0.75 * B * (P + T) and \
+            not any(getattr(m, "gradient_checkpointing", False) for m in model.modules()):
         # each distinct prompt, but its last token, runs once; its KV cache is indexed out to every row that shares
         # it (an indexing op: gradients flow back into the one prompt forward) ...
         cache, p_ids, p_mask = DynamicCache(), prompts[:, :P - 1], prompts[:, P:2 * P - 1]
@@ -519,13 +520,14 @@ def evaluate(model, tok, rows, args, amp, rm=None, rm_tok=None, batch_size=128):
     """Held-out greedy score: accuracy (math_reward, 0-1) when every row has an answer, else the mean of the run's
     --rewards (e.g. the reward model's score, for prompts that come without answers)."""
     scores, accuracy = [], eval_metric(rows) == "accuracy"
+    weights = None if accuracy else parse_rewards(args.rewards, args.reward_model)
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
         roll = sample(model, tok, encode_prompts(tok, [r["prompt"] for r in chunk], args.chat_template),
                       args.max_new_tokens, greedy=True, amp=amp, stop=args.stop)
         comps = decode_completions(tok, roll)
         scores += [math_reward(c, r) for c, r in zip(comps, chunk)] if accuracy else \
-            compute_rewards(chunk, comps, parse_rewards(args.rewards, args.reward_model), rm, rm_tok)[0].tolist()
+            compute_rewards(chunk, comps, weights, rm, rm_tok)[0].tolist()
     return sum(scores) / len(scores) if scores else float("nan")  # no held-out rows (a file of < 5): no score
 
 
@@ -705,8 +707,8 @@ def spark(values, width=60):
 
 def finish_run(run, args, device, eval_before, eval_after):
     """summary.json, the before/after table and text charts of reward and KL; curves.png if matplotlib is there."""
-    steps = [m["step"] for m in run.history]
-    summary = {"algo": run.algo, "args": asdict(args), "eval_metric": eval_metric(run.data.eval_rows),
+    steps, metric = [m["step"] for m in run.history], eval_metric(run.data.eval_rows)
+    summary = {"algo": run.algo, "args": asdict(args), "eval_metric": metric,
                "eval_before": eval_before, "eval_after": eval_after,
                "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
                "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
@@ -715,7 +717,7 @@ def finish_run(run, args, device, eval_before, eval_after):
     with open(os.path.join(run.dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     run.metrics.close(), run.samples.close()
-    print(f"\n{'':21}{'before':>10}{'after':>10}\n{'held-out ' + eval_metric(run.data.eval_rows):21}"
+    print(f"\n{'':21}{'before':>10}{'after':>10}\n{'held-out ' + metric:21}"
           f"{eval_before:>10.3f}{eval_after:>10.3f}")
     for key in ("reward", "gold", "kl"):
         if any(key in m for m in run.history):
