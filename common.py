@@ -188,9 +188,10 @@ def load_tokenizer(name, trust_remote_code=False):
     return tok
 
 
-def load_model(name, kind, device, frozen=False, trust_remote_code=False):
+def load_model(name, kind, device, frozen=False, trust_remote_code=False, compile=False):
     """kind 'lm' -> AutoModelForCausalLM, 'rm' -> AutoModelForSequenceClassification (num_labels must be 1).
-    Frozen models (reference, reward model) live in bf16 on a GPU; trained ones keep fp32 master weights."""
+    Frozen models (reference, reward model) live in bf16 on a GPU; trained ones keep fp32 master weights.
+    compile: torch.compile the forward with dynamic shapes (new batch sizes and lengths reuse the same graphs)."""
     _check_source(name)
     try:
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -210,13 +211,17 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False):
     model.eval()  # dropout off in every model, trained ones too: it makes log-probs noisy and KL > 0 at step 0
     if frozen:
         model.requires_grad_(False)
+    if compile:  # policy and reference share HF's forward code, whose graphs dynamo counts together (limit 8):
+        torch._dynamo.config.recompile_limit = 32  # beyond the limit it would run them eager without a word
+        model.forward = torch.compile(model.forward, dynamic=True)
     return model
 
 
 def load_policy(run, args, device):
     """The trained policy and its tokenizer: from args.model, or from the run's checkpoint when resuming."""
     src = os.path.join(run.dir, "checkpoint") if args.resume else args.model
-    tok, model = load_tokenizer(src, args.trust_remote_code), load_model(src, "lm", device, False, args.trust_remote_code)
+    tok = load_tokenizer(src, args.trust_remote_code)
+    model = load_model(src, "lm", device, False, args.trust_remote_code, compile=args.compile)
     if args.gradient_checkpointing:
         (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()  # < 5.24
         # HF recomputes a layer only when that layer is in training mode. The model stays in eval mode (dropout off),
@@ -225,8 +230,6 @@ def load_policy(run, args, device):
         for m in model.modules():
             if isinstance(m, GradientCheckpointingLayer):
                 m.training = True
-    if args.compile:
-        model.forward = torch.compile(model.forward, dynamic=True)
     return model, tok
 
 
@@ -278,8 +281,11 @@ def _cache_kwarg(model_cls):
     return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
 
-def _forward(model, ids, mask, pos, cache=None, **kw):
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, **{_cache_kwarg(type(model)): cache}, **kw)
+def _forward(model, ids, mask, pos, cache=None, keep=0):
+    """Every forward passes the same arguments (keep = logits_to_keep, 0 = all), so that --compile's guards on the
+    call signature never fail and compile a graph again."""
+    return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=cache is not None, logits_to_keep=keep,
+                 **{_cache_kwarg(type(model)): cache})
 
 
 def eos_ids(model, tok):
@@ -312,9 +318,11 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     live = torch.arange(B, device=device)  # original row index of each row still being sampled
     cache = DynamicCache()
     with amp or torch.autocast(device.type, enabled=False):
-        logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, use_cache=True, logits_to_keep=1)\
+        logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)\
             .logits[:, -1][row_of]  # prefill: one forward per distinct prompt ...
-        cache.batch_select_indices(row_of)  # ... then every row gets its own copy of that prompt's KV cache
+        cache.batch_select_indices(row_of)  # ... then every row gets its own copy of that prompt's KV cache,
+        for layer in cache.layers:  # laid out as after a decode step (one decode graph under --compile, not two)
+            layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
         ids, prompt_mask = ids[row_of], prompt_mask[row_of]
         mask, pos = prompt_mask, positions(prompt_mask)[:, -1:]  # mask grows (and loses finished rows) as we go
         for t in range(max_new_tokens):
@@ -342,7 +350,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
                 cache.batch_select_indices(keep)
                 live, nxt, mask, pos = live[keep], nxt[keep], mask[keep], pos[keep]
             mask, pos = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1), pos + 1
-            logits = _forward(model, nxt[:, None], mask, pos, cache, use_cache=True).logits[:, -1]
+            logits = _forward(model, nxt[:, None], mask, pos, cache, keep=1).logits[:, -1]
     T = int(lengths.max())
     completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()  # from lengths
     return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
@@ -381,13 +389,12 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         # each distinct prompt, but its last token, runs once; its KV cache is indexed out to every row that shares
         # it (an indexing op: gradients flow back into the one prompt forward) ...
         cache, p_ids, p_mask = DynamicCache(), prompts[:, :P - 1], prompts[:, P:2 * P - 1]
-        _forward(model, p_ids, p_mask, positions(p_mask), cache, use_cache=True, logits_to_keep=1)
+        _forward(model, p_ids, p_mask, positions(p_mask), cache, keep=1)
         cache.batch_select_indices(row_of)
         # ... then each row feeds its last prompt token and completion tokens 0..T-2, which predict tokens 0..T-1
-        logits = _forward(model, ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1], cache,
-                          use_cache=True).logits
+        logits = _forward(model, ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1], cache).logits
     else:  # one plain forward; position t predicts token t+1
-        logits = _forward(model, ids, attention_mask, pos, use_cache=False, logits_to_keep=T + 1).logits[:, :-1]
+        logits = _forward(model, ids, attention_mask, pos, keep=T + 1).logits[:, :-1]
     targets, lps, ents = ids[:, -T:], [], []
     chunk = max(1, chunk_elems // max(1, T * logits.shape[-1]))
     for i in range(0, B, chunk):

@@ -95,7 +95,7 @@ class Args:
     max_steps: int = 120  # PPO steps (each: one batch, ppo_epochs * num_minibatches optimizer steps)
     micro_batch_size: int = 32  # rows per forward; the token-mean normaliser is the minibatch's, so results match
     gradient_checkpointing: bool = False  # trade compute for activation memory on real models
-    compile: bool = False  # torch.compile the policy forward (worth it on CUDA; compile time dominates tiny CPU runs)
+    compile: bool = False  # torch.compile policy and reference forwards: faster steps after a slow first one (README)
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or bf16 | fp32
     # --- run
     seed: int = 0
@@ -294,7 +294,8 @@ def main():
     model, tok = C.load_policy(run, args, device)
     C.check_prompts(tok, model, data.rows, args)
     use_ref = args.kl_coef > 0 or args.adaptive_kl  # kl_coef = 0 loads no reference model at all
-    ref = C.load_model(args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code) \
+    ref = C.load_model(args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
+                      compile=args.compile) \
         if use_ref or args.sanity else None
     if args.sanity:
         raise SystemExit(2 if C.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)

@@ -79,7 +79,7 @@ class Args:
     max_steps: int = 300  # optimizer steps
     micro_batch_size: int = 64  # rows per forward; gradients accumulate to the same result (normaliser is global)
     gradient_checkpointing: bool = False  # trade compute for activation memory on real models
-    compile: bool = False  # torch.compile the policy forward (worth it on CUDA; compile time dominates tiny CPU runs)
+    compile: bool = False  # torch.compile policy and reference forwards: faster steps after a slow first one (README)
     dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or bf16 | fp32
     # --- run
     seed: int = 0
@@ -195,7 +195,8 @@ def main():
     model, tok = C.load_policy(run, args, device)
     C.check_prompts(tok, model, data.rows, args)
     # beta = 0 loads no reference model at all (saves its memory and its forward pass)
-    ref = C.load_model(args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code) \
+    ref = C.load_model(args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
+                      compile=args.compile) \
         if args.beta > 0 or args.sanity else None
     rm, rm_tok = C.load_reward_model(args, device)
     if args.sanity:

@@ -453,7 +453,7 @@ def test_beta_zero_loads_no_reference_model(monkeypatch, tmp_path):
     """Run grpo.main up to the training loop and record which frozen models it loads."""
     loaded = []
 
-    def fake_load_model(name, kind, device, frozen=False, trust_remote_code=False):
+    def fake_load_model(name, kind, device, frozen=False, trust_remote_code=False, compile=False):
         loaded.append((kind, frozen))
         return tiny_model("llama")
 

@@ -2,6 +2,7 @@
 
   pip install trl                      # only for this benchmark; never a project dependency
   python bench/trl_grpo.py             # --steps 200 --seed 0 --warmup 3 --threads <cpu count>
+  python bench/trl_grpo.py --grpo_args=--compile   # grpo.py with torch.compile (its first step compiles)
 
 Both train models/tiny-adder for --steps optimizer steps: 8 prompts x 8 completions = 64 per step, at most 6 new
 tokens, temperature 1.0, constant lr 1e-4 (no warmup), beta 0.04 (k3 KL to a frozen reference), eps 0.2, group-std
@@ -50,7 +51,8 @@ def run_grpo_py(a, out_dir):
            "--max_new_tokens", str(NEW_TOKENS), "--temperature", str(TEMP), "--top_p", "1.0", "--lr", str(LR),
            "--beta", str(BETA), "--kl_estimator", "k3", "--loss_agg", "token-mean", "--scale_rewards", "group",
            "--num_iterations", "1", "--max_grad_norm", "1.0", "--weight_decay", "0", "--eval_every", "0",
-           "--save_every", str(a.steps), "--eval_size", "500", "--micro_batch_size", str(PROMPTS * GROUP)]
+           "--save_every", str(a.steps), "--eval_size", "500", "--micro_batch_size", str(PROMPTS * GROUP),
+           *a.grpo_args.split()]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
     subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
@@ -120,6 +122,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the s/step mean")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for both")
+    p.add_argument("--grpo_args", default="", help='more grpo.py flags, e.g. "--compile"')
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     device = C.pick_device()
@@ -143,11 +146,13 @@ def main():
         return {"s_per_step": mean(times), "s_per_step_median": median(times), "eval_after": acc, "steps_run": n,
                 "train_reward_last10pct": mean(rewards[-tail:]), "run_wall_s": wall}
     res = {"steps": a.steps, "seed": a.seed, "warmup": a.warmup, "threads": a.threads, "device": device.type,
+           "grpo_args": a.grpo_args,
            "trl_version": trl.__version__, "torch": torch.__version__, "eval_before": base_acc,
            "grpo_py": entry(ours_t, ours_acc, len(metrics), [m["reward"] for m in metrics], ours_wall),
            "trl": entry(trl_t, trl_acc, len(timer.times), timer.rewards, trl_wall)}
     res["trl_over_grpo_py_time"] = res["trl"]["s_per_step"] / res["grpo_py"]["s_per_step"]
-    print(f"\n{a.steps} steps x {PROMPTS * GROUP} completions, seed {a.seed}, {a.threads} threads, {device.type}; "
+    print(f"\n{a.steps} steps x {PROMPTS * GROUP} completions, seed {a.seed}, {a.threads} threads, {device.type}, "
+          f"grpo.py {a.grpo_args or '(no extra flags)'}; "
           f"s/step = mean over steps {a.warmup + 1}..{a.steps}; held-out greedy accuracy on 500 prompts "
           f"(before: {base_acc:.3f})")
     print(f"{'':12}{'s/step':>10}{'median':>10}{'accuracy':>10}{'reward':>10}{'run wall s':>12}")
