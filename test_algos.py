@@ -450,11 +450,12 @@ def test_grpo_end_to_end_on_tiny_random_models(tiny_dirs, tmp_path, arch):
 
 
 def test_beta_zero_loads_no_reference_model(monkeypatch, tmp_path):
-    """Run grpo.main up to the training loop and record which frozen models it loads."""
-    loaded = []
+    """Run grpo.main up to the training loop and record which frozen models it loads, and whether compiled."""
+    loaded, compiled = [], []
 
     def fake_load_model(name, kind, device, frozen=False, trust_remote_code=False, compile=False):
         loaded.append((kind, frozen))
+        compiled.append(compile)
         return tiny_model("llama")
 
     class Stop(Exception):
@@ -465,12 +466,14 @@ def test_beta_zero_loads_no_reference_model(monkeypatch, tmp_path):
     monkeypatch.setattr(C, "load_model", fake_load_model)
     monkeypatch.setattr(C, "resume_or_eval", stop)
     monkeypatch.setattr(C.signal, "signal", lambda *a: None)  # keep pytest's own Ctrl-C handler
-    for beta, frozen in (("0", []), ("0.04", [("lm", True)])):
-        loaded.clear()
-        monkeypatch.setattr(sys, "argv", ["grpo.py", "--beta", beta, "--output_dir", str(tmp_path / beta)])
+    for beta, frozen, flags in (("0", [], []), ("0.04", [("lm", True)], []), ("0.04", [("lm", True)], ["--compile"])):
+        loaded.clear(), compiled.clear()
+        monkeypatch.setattr(sys, "argv", ["grpo.py", "--beta", beta, "--output_dir", str(tmp_path / f"{beta}{flags}"),
+                                          *flags])
         with pytest.raises(Stop):
             grpo.main()
         assert [x for x in loaded if x[1]] == frozen and ("lm", False) in loaded
+        assert compiled == [bool(flags)] * len(loaded)  # --compile reaches policy and reference alike
 
 
 def test_grpo_learns_on_the_bundled_task(tmp_path):
