@@ -295,7 +295,7 @@ def main():
     C.check_prompts(tok, model, data.rows, args)
     use_ref = args.kl_coef > 0 or args.adaptive_kl  # kl_coef = 0 loads no reference model at all
     ref = C.load_model(args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
-                      compile=args.compile) \
+                       compile=args.compile) \
         if use_ref or args.sanity else None
     if args.sanity:
         raise SystemExit(2 if C.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)

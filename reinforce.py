@@ -196,7 +196,7 @@ def main():
     C.check_prompts(tok, model, data.rows, args)
     # beta = 0 loads no reference model at all (saves its memory and its forward pass)
     ref = C.load_model(args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
-                      compile=args.compile) \
+                       compile=args.compile) \
         if args.beta > 0 or args.sanity else None
     rm, rm_tok = C.load_reward_model(args, device)
     if args.sanity:
