@@ -190,8 +190,7 @@ def load_tokenizer(name, trust_remote_code=False):
 
 def load_model(name, kind, device, frozen=False, trust_remote_code=False, compile=False):
     """kind 'lm' -> AutoModelForCausalLM, 'rm' -> AutoModelForSequenceClassification (num_labels must be 1).
-    Frozen models (reference, reward model) live in bf16 on a GPU; trained ones keep fp32 master weights.
-    compile: torch.compile the forward with dynamic shapes (new batch sizes and lengths reuse the same graphs)."""
+    Frozen models (reference, reward model) live in bf16 on a GPU; trained ones keep fp32 master weights."""
     _check_source(name)
     try:
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
@@ -211,8 +210,8 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
     model.eval()  # dropout off in every model, trained ones too: it makes log-probs noisy and KL > 0 at step 0
     if frozen:
         model.requires_grad_(False)
-    if compile:  # policy and reference share HF's forward code, whose graphs dynamo counts together (limit 8):
-        torch._dynamo.config.recompile_limit = 32  # beyond the limit it would run them eager without a word
+    if compile:  # dynamic shapes: new batch sizes and lengths reuse the graphs. Policy and reference share HF's code,
+        torch._dynamo.config.recompile_limit = 32  # whose graphs dynamo counts together; past 8 it would run eager
         model.forward = torch.compile(model.forward, dynamic=True)
     return model
 
@@ -282,8 +281,7 @@ def _cache_kwarg(model_cls):
 
 
 def _forward(model, ids, mask, pos, cache=None, keep=0):
-    """Every forward passes the same arguments (keep = logits_to_keep, 0 = all), so that --compile's guards on the
-    call signature never fail and compile a graph again."""
+    """The same arguments on every call (keep = logits_to_keep, 0 = all): --compile's signature guards then hold."""
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=cache is not None, logits_to_keep=keep,
                  **{_cache_kwarg(type(model)): cache})
 
