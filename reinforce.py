@@ -1,165 +1,179 @@
-"""reinforce.py: REINFORCE (Williams, 1992) for LLMs, and the baselines that tame its variance: EMA, RLOO
-(Ahmadian et al., "Back to Basics", 2024) and REINFORCE++ (Hu, 2025).
+"""reinforce.py: REINFORCE (Williams, 1992) for LLMs, and the baselines that tame its variance:
+EMA, RLOO (Ahmadian et al., "Back to Basics", 2024) and REINFORCE++ (Hu, 2025).
 
-Sample k completions o_1..o_k for each prompt q, score each with a reward s_i (rule or reward model), and push up
-the log-probability of every token of o_i in proportion to how good the whole trajectory was:
+Sample k completions o_1..o_k for each prompt q (k contiguous rows of the batch), score each with a
+reward s_i (rule or reward model), and push up the log-probability of every token of o_i in
+proportion to how good the whole trajectory was:
 
-    r_i,t = -beta KL_t(pi_old || pi_ref)  on every token,  + s_i  on the last one      (KL in the reward, k1)
-    G_i,t = sum_{t' >= t} r_i,t'   (gamma = 1: the reward-to-go; --kl_in_reward sequence gives every token G_i,0)
-                                                                                              kl_returns()
-    A_i,t = G_i,t - b_i                                                                        advantages()
-        none          b = 0: vanilla REINFORCE, unbiased; its variance grows with the reward's offset
-        ema           b = moving average of earlier steps' mean return (Williams' "reinforcement comparison")
-        rloo          b_i = mean whole return G_j,0 of the k - 1 OTHER samples of the same prompt (leave-one-out:
-                      b_i does not depend on o_i, so the estimate stays unbiased)
-        reinforce_pp  A = (G - mean) / std over every valid token of the batch (REINFORCE++ global whitening)
-    loss = -(1/N) sum_i sum_t A_i,t log pi(o_i,t | q, o_i,<t)      N = sequences in the optimizer step     loss()
+    r_i,t = -beta KL_t(pi_old || pi_ref) on every token, + s_i on the last one  (KL in the reward)
+    G_i,t = sum_{t' >= t} r_i,t'   (gamma = 1: the reward-to-go; --kl_in_reward sequence gives
+            every token G_i,0, the whole sequence's return)                        kl_returns()
+    A_i,t = G_i,t - b_i                                                            advantages()
+        none          b = 0: vanilla REINFORCE, unbiased; its variance grows with the offset
+        ema           b = moving average of earlier steps' mean return (Williams' "reinforcement
+                      comparison")
+        rloo          b_i = mean reward of the k - 1 OTHER samples of its prompt (leave-one-out:
+                      b_i does not depend on o_i, so the estimate stays unbiased). The reward
+                      compared is the score s_j when KL is paid per token (OpenRLHF), the whole
+                      KL-penalised return G_j,0 when it is summed per sequence (TRL RLOO)
+        reinforce_pp  A = (G - mean) / std over every valid token of the batch (REINFORCE++)
+    loss  = -(1/N) sum_i sum_t A_i,t log pi_theta(o_i,t | q, o_i,<t)            reinforce_loss()
+            N = sequences in the optimizer step
 
-The gradient of that loss is the Monte-Carlo policy gradient E[A grad log pi(o)]. A baseline that does not depend
-on the sample's own actions leaves its mean unchanged (E[b grad log pi] = 0) and can cut its variance. Without one
-the update depends on the reward's offset: add c to every reward and each sample's gradient gains c grad log pi,
-pure noise. Logged proxies: `adv_mean` / `adv_std` and `sample_grad_rms` (the RMS of each sample's own gradient,
-see sample_grad_probe). Measured on the bundled task: with 0/1 rewards b = 0 already is the failure reward, so
-`none` is only a little noisier than rloo at first, and quieter once most answers are right (a mean baseline gives
-the rare, unlikely failures large negative advantages); with --rewards math,format (+1 for any number) vanilla's
-gradient variance triples while every baseline's stays put.
+pi_theta is the policy being trained, pi_old the one that sampled the batch, pi_ref a frozen copy
+of the starting policy. The gradient of that loss is the Monte-Carlo policy gradient
+E[A grad log pi(o)]. A baseline that does not depend on the sample's own actions leaves its mean
+unchanged (E[b grad log pi] = 0) and can cut its variance. Without one, the update depends on the
+reward's offset: add c to every reward and each sample's gradient gains c grad log pi, pure noise.
+Logged proxies: adv_mean, adv_std and sample_grad_rms (the RMS of each sample's own gradient, see
+sample_grad_probe). Measured on the bundled task: with 0/1 rewards b = 0 already is the failure
+reward, so `none` is only a little noisier than rloo at first, and quieter once most answers are
+right; with --rewards math,format (+1 for any number) vanilla's gradient variance triples while
+every baseline's stays put.
 
-Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO paper); num_iterations > 1 turns on a
-PPO-style clipped token ratio. --whiten whitens the advantages after any baseline (TRL RLOO normalize_advantages;
-with beta = 0, --baseline rloo --whiten is exactly REINFORCE++-baseline: leave-one-out and group-mean advantages
-differ by the factor k/(k-1), which whitening removes).
+Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO paper);
+num_iterations > 1 turns on a PPO-style clipped token ratio. --whiten whitens the advantages after
+any baseline (TRL RLOO's normalize_advantages; with beta = 0, --baseline rloo --whiten is exactly
+REINFORCE++-baseline: leave-one-out and group-mean advantages differ by the factor k/(k-1), which
+whitening removes).
 
-Run:  python reinforce.py --baseline rloo        # bundled tiny model and task, 2-core CPU, about 1-2 minutes
-      python reinforce.py --baseline none --rewards math,format   # vs rloo, same flags: watch sample_grad_rms
-      python reinforce.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl --max_new_tokens 256 \\
-          --baseline rloo --beta 0.05 --lr 1e-6 --compile
-Expect (bundled default, 2-core CPU, about 25 s): held-out greedy accuracy 0.29 -> about 0.95 with rloo (seeds 0-2:
-0.950, 0.942, 0.954), most of it in the first 100 steps; README has the table.
+Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-core CPU, ~30 s
+      python reinforce.py --baseline none --rewards math,format   # vs rloo: see sample_grad_rms
+      python reinforce.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl \\
+          --max_new_tokens 256 --baseline rloo --beta 0.05 --lr 1e-6 --compile
+Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.95 with rloo.
 """
 import time
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from tqdm import tqdm
 
 import common as C
+import runs as R
 
 
 @dataclass
 class Args:
     # --- model and data
     model: str = C.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    data: str = ""  # '' = the built-in addition task; or a JSONL file of {"prompt", "answer"}; or hf:NAME[:CONFIG]
-    chat_template: str = "auto"  # auto: use the tokenizer's chat template when it has one; none: raw prompts
-    trust_remote_code: bool = False  # never run a repo's own code unless asked
+    data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
+    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
+    trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    samples_per_prompt: int = 8  # k per prompt (RLOO paper 2-4, TRL RLOO 2; 8 = grpo.py's batch); rloo needs >= 2
-    prompts_per_step: int = 8  # prompts per optimizer step, so k * prompts_per_step completions
+    samples_per_prompt: int = 8  # k per prompt (RLOO paper 2-4, TRL RLOO 2); rloo needs >= 2
+    prompts_per_step: int = 8  # prompts per optimizer step: k * prompts_per_step completions
     max_new_tokens: int = 6  # completion length cap (the built-in task needs 4)
-    temperature: float = 1.0  # sampling temperature; log-probs use the same one (N implementation details)
-    top_p: float = 1.0  # nucleus sampling (TRL default 1.0); below 1 the log-probs stay the full softmax's (off-policy)
-    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>": a row also ends at the token completing one
+    temperature: float = 1.0  # sampling temperature; log-probs divide by the same one (N details)
+    top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, log-probs stay the full softmax's
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
-    rewards: str = "math"  # weighted components, e.g. "math=1,format=0.1,rm=0.5"; each logged as reward/<name>
-    reward_model: str = ""  # AutoModelForSequenceClassification (num_labels=1) scoring prompt+completion, as 'rm'
+    rewards: str = "math"  # weighted components, e.g. "math=1,format=0.1,rm=0.5"; logged each
+    reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the REINFORCE objective
-    baseline: str = "none"  # none (vanilla REINFORCE) | ema | rloo (Ahmadian et al. 2024) | reinforce_pp (Hu 2025)
-    ema_decay: float = 0.9  # ema baseline: b <- decay * b + (1 - decay) * mean return (common practice)
-    whiten: bool = False  # whiten advantages over the batch after the baseline (TRL RLOO normalize_advantages False)
-    beta: float = 0.0  # KL-in-reward coefficient; 0 loads no reference model (TRL RLOO 0.05, OpenRLHF 0.01)
-    kl_estimator: str = "k1"  # k1 | k2 | k3 (Schulman 2020); k1 in the reward as TRL RLOO, OpenRLHF, REINFORCE++
-    kl_in_reward: str = "token"  # token: reward-to-go of per-token penalties (REINFORCE++); sequence: summed (TRL RLOO)
-    loss_agg: str = "seq-sum"  # seq-sum: sum over tokens / sequences (the REINFORCE estimator, TRL RLOO) | token-mean
-    num_iterations: int = 1  # mu: updates per batch (RLOO paper 1); > 1 clips the token ratio as PPO does
-    clip_eps: float = 0.2  # ratio clipped to [1 - eps, 1 + eps] when num_iterations > 1 (PPO, TRL RLOO)
+    baseline: Literal["none", "ema", "rloo", "reinforce_pp"] = "none"  # b in A = G - b (docstring)
+    ema_decay: float = 0.9  # ema baseline: b <- decay * b + (1 - decay) * mean return
+    whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
+    beta: float = 0.0  # KL-in-reward weight; 0 loads no reference (TRL RLOO 0.05, OpenRLHF 0.01)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
+    kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
+    loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
+    num_iterations: int = 1  # mu: updates per batch (RLOO paper 1); > 1 clips the ratio like PPO
+    clip_eps: float = 0.2  # the ratio is clipped to [1 - eps, 1 + eps] when mu > 1 (PPO, TRL)
     # --- optimisation
-    lr: float = 1e-4  # tiny model (measured: 0.29 -> 0.94 held-out); real models use ~1e-6 (TRL RLOO, OpenRLHF)
-    weight_decay: float = 0.0  # TRL/verl use 0 / 0.01
-    max_grad_norm: float = 1.0  # TRL, verl, OpenRLHF
-    max_steps: int = 300  # optimizer steps
-    micro_batch_size: int = 64  # rows per forward; gradients accumulate to the same result (normaliser is global)
-    gradient_checkpointing: bool = False  # trade compute for activation memory on real models
-    compile: bool = False  # torch.compile policy and reference forwards: faster steps after a slow first one (README)
-    dtype: str = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU; or bf16 | fp32
+    lr: float = 1e-4  # tiny-model value (0.29 -> 0.94 held-out); real models ~1e-6 (TRL, OpenRLHF)
+    weight_decay: float = 0.0  # AdamW weight decay (TRL 0, verl 0.01)
+    max_grad_norm: float = 1.0  # gradient clipping (TRL, verl, OpenRLHF)
+    max_steps: int = 300  # optimizer steps (times num_iterations)
+    micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory
+    compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     # --- run
-    seed: int = 0
+    seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
     eval_every: int = 100  # steps between held-out greedy evals (0: only before and after)
     eval_size: int = 500  # held-out prompts per eval
-    save_every: int = 100  # steps between checkpoints (atomic; also on Ctrl-C and at the end; 0: only then)
+    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
     output_dir: str = ""  # default runs/reinforce-<time>
-    resume: str = ""  # a previous output_dir: continue from its checkpoint (optimizer, RNG, step, EMA, metrics)
-    sanity: bool = False  # check log-probs, ratio, KL and masks on the real model and data, then exit
+    resume: str = ""  # a previous output_dir: continue its run from its checkpoint
+    sanity: bool = False  # check log-probs, ratio, KL and masks on the real model, then exit
 
 
-# ------------------------------------------------------------------------------------------- --- ALGORITHM ---
+# --------------------------------------------------------------------------- the algorithm
 def kl_returns(scores, mask, kl=None, beta=0.0, kl_in_reward="token"):
-    """G_i,t with gamma = 1: the score s_i (paid at the last token) minus beta * the KL still to come. With
-    kl_in_reward='sequence' every token gets the whole sequence's penalty (TRL RLOO). (B,) scores -> (B, T)."""
-    G = scores[:, None].to(mask) * mask
+    """G_i,t with gamma = 1: the score s_i (paid at the last token) minus beta * the KL still to
+    come. kl_in_reward='sequence': every token gets the whole sequence's penalty (TRL RLOO).
+    scores (B,), mask and kl (B, T) -> (B, T)."""
+    returns = scores[:, None].to(mask) * mask
     if kl is None or beta == 0:
-        return G
+        return returns
     kl = kl * mask
-    to_come = kl.flip(-1).cumsum(-1).flip(-1) if kl_in_reward == "token" else kl.sum(-1, keepdim=True)
-    return (G - beta * to_come) * mask
+    if kl_in_reward == "token":
+        to_come = kl.flip(-1).cumsum(-1).flip(-1)  # sum over t' >= t
+    else:
+        to_come = kl.sum(-1, keepdim=True)
+    return (returns - beta * to_come) * mask
 
 
-def whiten(x, mask, eps=1e-8):
-    """(x - mean) / std over the valid (mask = 1) entries only, biased std as in OpenRLHF / N details; 0 elsewhere."""
-    mean = C.masked_mean(x, mask)
-    var = C.masked_mean((x - mean) ** 2, mask)
-    return (x - mean) * torch.rsqrt(var + eps) * mask
-
-
-def rloo_baseline(returns, k):
-    """b_i = mean of the other k - 1 returns of the same prompt (groups are contiguous rows): (sum - own) / (k - 1)."""
+def rloo_baseline(rewards, k):
+    """b_i = mean of the other k - 1 rewards of the same prompt: (group sum - own) / (k - 1)."""
     if k < 2:
-        raise C.UserError("the rloo baseline needs --samples_per_prompt >= 2: with k = 1 there is no other sample")
-    R = returns.view(-1, k)
-    return ((R.sum(1, keepdim=True) - R) / (k - 1)).view(-1)
+        raise C.UserError("the rloo baseline needs --samples_per_prompt >= 2: with k = 1 there is "
+                          "no other sample")
+    r = rewards.view(-1, k)
+    return ((r.sum(1, keepdim=True) - r) / (k - 1)).view(-1)
 
 
-def advantages(returns, mask, baseline, k, ema=None, whiten_after=False):
-    """A = G - b for the chosen baseline, (B, T), 0 on padding. G[:, 0] is each sequence's whole return (every
-    completion has at least one token). ema is the running baseline from earlier steps (None at the first step:
-    this batch's mean is used once)."""
-    R = returns[:, 0]
+def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=None):
+    """A = G - b for the chosen baseline, (B, T), 0 on padding. returns[:, 0] is each sequence's
+    whole return (every completion has at least one token). ema: the running baseline of earlier
+    steps (None at the first step: this batch's mean, once). scores (B,): with per-token KL, RLOO
+    compares the other samples' scores, not their returns (OpenRLHF); None compares returns."""
+    whole = returns[:, 0]
     if baseline == "none":
-        b = torch.zeros_like(R)
+        b = torch.zeros_like(whole)
     elif baseline == "ema":
-        b = torch.full_like(R, float(R.mean()) if ema is None else ema)
+        b = torch.full_like(whole, float(whole.mean()) if ema is None else ema)
     elif baseline == "rloo":
-        b = rloo_baseline(R, k)
-    elif baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens is the baseline
-        return whiten(returns, mask)
+        b = rloo_baseline(whole if scores is None else scores.to(whole), k)
+    elif baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens
+        return C.whiten(returns, mask)
     else:
         raise ValueError(baseline)
     adv = (returns - b[:, None]) * mask
-    return whiten(adv, mask) if whiten_after else adv
+    return C.whiten(adv, mask) if whiten_after else adv
 
 
-def loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum", old_logprobs=None, clip_eps=0.2):
-    """This micro-batch's share of -(1/N) sum A log pi. n_seqs / n_tokens count the whole optimizer step, so
-    micro-batching does not change the gradient (TRL #3021). With old_logprobs (mu > 1) the PPO clipped surrogate
-    -min(rho A, clip(rho) A) replaces A log pi; both have gradient A grad log pi while rho = 1.
-    Returns the loss, the ratio and the clipped mask (for logging)."""
+def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum",
+                   old_logprobs=None, clip_eps=0.2):
+    """This micro-batch's share of -(1/N) sum A log pi. n_seqs / n_tokens count the whole optimizer
+    step, so micro-batching does not change the gradient (TRL issue #3021). With old_logprobs
+    (mu > 1) the PPO clipped surrogate -min(rho A, clip(rho) A) replaces A log pi: both have the
+    gradient A grad log pi while rho = 1. Returns the loss, the ratio and the clipped mask."""
     if old_logprobs is None:
-        per_token, ratio = -advantages * logprobs, torch.ones_like(logprobs)
+        per_token = -advantages * logprobs
+        ratio = torch.ones_like(logprobs)
         clipped = torch.zeros_like(logprobs)
     else:
         ratio = torch.exp(logprobs - old_logprobs)
-        unclipped, clipped_obj = ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
-        per_token, clipped = -torch.min(unclipped, clipped_obj), (clipped_obj < unclipped).float()
-    return (per_token * mask).sum() / (n_seqs if loss_agg == "seq-sum" else n_tokens), ratio, clipped
+        unclipped = ratio * advantages
+        clipped_obj = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
+        per_token = -torch.min(unclipped, clipped_obj)
+        clipped = (clipped_obj < unclipped).float()
+    norm = n_seqs if loss_agg == "seq-sum" else n_tokens
+    return (per_token * mask).sum() / norm, ratio, clipped
 
 
 def sample_grad_probe(model):
-    """Variance proxy. A hook on the LM head's output records, at every backward, each row's gradient of the step's
-    loss w.r.t. its own logits: exact per-sample gradients (the rows of a batch do not interact), at no extra pass.
-    Times N (sequences per step) this is g_i, the sample's term of the batch gradient mean_i g_i, and
-    sample_grad_rms = sqrt(mean ||g_i||^2) bounds the gradient's variance (tr Var(mean g) <= E||g||^2 / N).
-    It is measured in logit space, not parameter space (per-parameter per-sample gradients cost a backward per
-    sample): the parameter gradient is J_i^T g_i. Checked on the bundled model against the batch gradient's
-    covariance over 30 batches: it ranks the baselines in the same order. Returns the list it fills."""
+    """Variance proxy. A hook on the LM head's output records, at every backward, each row's
+    gradient of the step's loss w.r.t. its own logits: exact per-sample gradients (the rows of a
+    batch do not interact), at no extra pass. Times N (sequences per step) this is g_i, the
+    sample's term of the batch gradient mean_i g_i, and sample_grad_rms = sqrt(mean ||g_i||^2)
+    bounds the gradient's variance (tr Var(mean g) <= E||g||^2 / N). It is measured in logit space,
+    not parameter space (per-parameter per-sample gradients cost a backward each): the parameter
+    gradient is J_i^T g_i. On the bundled model it ranks the baselines in the same order as the
+    batch gradient's covariance over 30 batches. Returns the list it fills, in micro-batch order."""
     norms = []
 
     def on_forward(module, inputs, logits):
@@ -169,103 +183,133 @@ def sample_grad_probe(model):
     return norms
 
 
-# ---------------------------------------------------------------------------------------------- plumbing
-def check_args(a):
-    C.check_shared_args(a)
-    if a.baseline == "rloo" and a.samples_per_prompt < 2:
-        raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no other sample "
-                          "to form the leave-one-out baseline")
-    for name, value, choices in (("baseline", a.baseline, ("none", "ema", "rloo", "reinforce_pp")),
-                                 ("loss_agg", a.loss_agg, ("seq-sum", "token-mean")),
-                                 ("kl_in_reward", a.kl_in_reward, ("token", "sequence")),
-                                 ("kl_estimator", a.kl_estimator, ("k1", "k2", "k3")),
-                                 ("dtype", a.dtype, ("auto", "bf16", "fp32"))):
-        if value not in choices:
-            raise C.UserError(f"--{name} {value!r}: choose one of {', '.join(choices)}")
+def check_args(args):
+    R.check_args(args)
+    if args.baseline == "rloo" and args.samples_per_prompt < 2:
+        raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
+                          "other sample to form the leave-one-out baseline")
 
 
+# -------------------------------------------------------------------------- the training loop
 def main():
-    args = C.parse_args(Args)
-    check_args(args), C.parse_rewards(args.rewards, args.reward_model)  # bad input fails before a folder is made
-    run = C.start_run(args, "reinforce")  # on --resume, restores the run's saved args ...
-    weights = C.parse_rewards(args.rewards, args.reward_model)  # ... so the rewards are read from them
-    rng = C.seed_everything(args.seed)
-    data = C.load_data(args.data, args.eval_size, need_answer="math" in weights)  # math checks answers
-    device, amp = C.pick_device(), C.autocast(C.pick_device(), args.dtype)
-    model, tok = C.load_policy(run, args, device)
+    args = R.parse_args(Args, "reinforce", __doc__)  # --resume DIR: that run's own settings
+    check_args(args)
+    weights = C.parse_rewards(args.rewards, args.reward_model)
+    data = C.load_data(args.data, args.eval_size, need_answer="math" in weights)
+    run = R.start_run(args, "reinforce")  # output folder, lock, metrics.jsonl, Ctrl-C handler
+    rng = R.seed_everything(args.seed)
+    device = C.pick_device()
+    amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    policy_src = f"{run.dir}/checkpoint" if args.resume else args.model
+    model, tok = C.load_policy(policy_src, device, args)
     C.check_prompts(tok, model, data.rows, args)
-    # beta = 0 loads no reference model at all (saves its memory and its forward pass)
-    ref = C.load_model(args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
-                       compile=args.compile) \
-        if args.beta > 0 or args.sanity else None
-    rm, rm_tok = C.load_reward_model(args, device)
+    ref = None  # beta = 0 loads no reference model at all (its memory and forward pass saved)
+    if args.beta > 0 or args.sanity:
+        ref = C.load_model(args.model, "lm", device, frozen=True,
+                           trust_remote_code=args.trust_remote_code, compile=args.compile)
+    rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
-        raise SystemExit(2 if C.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
+        raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                            fused=True)  # one kernel for all parameters (CPU and CUDA)
-    start, eval_before = C.resume_or_eval(run, model, tok, opt, rng, data, args, amp, rm, rm_tok)
-    ema = run.state["extra"].get("ema") if run.state else None  # the ema baseline's running value
+                            fused=True)  # fused: one kernel for all parameters
+
+    def evaluate():
+        return C.evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok)
+    metric = C.eval_metric(data.eval_rows)
+    start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric)
+    ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
-    bar = run.bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="reinforce")
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="reinforce")
     for step in bar:
         t0 = time.time()
-        rows = [r for r in data.next_batch(rng, args.prompts_per_step) for _ in range(k)]  # k contiguous per prompt
-        roll = C.sample(model, tok, C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template),
-                        args.max_new_tokens, args.temperature, args.top_p, amp=amp, stop=args.stop)
+        # 1. sample k completions per prompt (k contiguous rows each) and score them
+        rows = [r for r in data.next_batch(rng, args.prompts_per_step) for _ in range(k)]
+        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+        roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
+                        amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
-        scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok)
+        scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok)  # (B,)
         if not torch.isfinite(scores).all():
-            C.skip_nonfinite(run, "reward")
+            R.skip_update(run, "reward")
             continue
-        mask, n, T = roll.completion_mask, len(rows), roll.completion_mask.shape[1]
-        # pi_old: the policy that sampled, recomputed with the training forward (needed for KL and for mu > 1)
-        old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp) \
-            if ref is not None or args.num_iterations > 1 else None
-        kl = C.kl_estimate(old_logprobs, C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp),
-                           args.kl_estimator) * mask if ref is not None else None
+        mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
+        B, T = mask.shape
+        # log pi_old, recomputed with the training forward: needed for the KL and for mu > 1
+        old_logprobs = None
+        if ref is not None or args.num_iterations > 1:
+            old_logprobs = C.batched_logprobs(model, roll, args.temperature,
+                                              args.micro_batch_size, amp)
+        kl = None
+        if ref is not None:
+            ref_logprobs = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size,
+                                              amp)
+            kl = C.kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask
+        # 2. returns and advantages, (B, T)
         returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
-        adv = advantages(returns, mask, args.baseline, k, ema, args.whiten)
-        if args.baseline == "ema":  # updated after use, so b never depends on this batch's own samples
-            R = float(returns[:, 0].mean())
-            ema = R if ema is None else args.ema_decay * ema + (1 - args.ema_decay) * R
-        # ---- mu optimizer steps; each sums micro-batch losses that share the step's global normaliser --------
-        n_tokens, sums = mask.sum().clamp(min=1), dict.fromkeys(("loss", "ratio", "clip_frac", "entropy"), 0.0)
+        per_token_kl = kl is not None and args.kl_in_reward == "token"
+        adv = advantages(returns, mask, args.baseline, k, ema, args.whiten,
+                         scores if per_token_kl else None)
+        if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
+            mean_return = float(returns[:, 0].mean())
+            ema = mean_return if ema is None else \
+                args.ema_decay * ema + (1 - args.ema_decay) * mean_return
+        # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser
+        n_tokens = mask.sum().clamp(min=1)
+        sums = dict.fromkeys(("loss", "ratio", "clip_frac", "entropy"), 0.0)
         grad_norms.clear()
         for it in range(args.num_iterations):
-            for mb in C.micro_batches(roll.completion_mask, args.micro_batch_size):  # rows of similar lengths
-                m = mask[mb]
+            for mb in C.micro_batches(mask, args.micro_batch_size):
                 with amp:
-                    logprobs, entropy = C.token_logprobs(model, roll.ids[mb], roll.attention_mask[mb], T,
-                                                         args.temperature, entropy=it == 0)
-                step_loss, ratio, clipped = loss(logprobs, adv[mb], m, n, n_tokens, args.loss_agg,
-                                                 old_logprobs[mb] if args.num_iterations > 1 else None, args.clip_eps)
-                step_loss.backward()
-                for key, v in (("ratio", ratio), ("clip_frac", clipped)) + ((("entropy", entropy),) if it == 0 else ()):
-                    per_it = 1 if key == "entropy" else args.num_iterations  # entropy: first pass only
-                    sums[key] += float((v.detach() * m).sum() / n_tokens) / per_it
-                sums["loss"] += step_loss.item() / args.num_iterations
-            grad_norm = C.finite_update(run, model, opt, args.max_grad_norm)
-        # ---- log, eval, checkpoint --------------------------------------------------------------------------
+                    logprobs, entropy = C.token_logprobs(model, roll.ids[mb],
+                                                         roll.attention_mask[mb], T,
+                                                         args.temperature, entropy=True)
+                old = old_logprobs[mb] if args.num_iterations > 1 else None
+                loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], B, n_tokens,
+                                                      args.loss_agg, old, args.clip_eps)
+                loss.backward()  # gradients add up over the micro-batches
+                for key, x in (("ratio", ratio), ("clip_frac", clipped), ("entropy", entropy)):
+                    sums[key] += float((x.detach() * mask[mb]).sum() / n_tokens)
+                sums["loss"] += loss.item()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+                opt.step()
+                run.nonfinite_in_row = 0
+            else:
+                R.skip_update(run, "loss or gradient")
+            opt.zero_grad(set_to_none=True)
+        sums = {key: v / args.num_iterations for key, v in sums.items()}
+        # 4. log, eval, checkpoint
         valid = mask.bool()
-        g = torch.cat(grad_norms)[:n] * n  # g_i: each sample's own term of the (first) update's gradient
-        metrics = {"step": step + 1, "reward": float(scores.mean()), "reward_std": float(scores.std()),
+        g = torch.cat(grad_norms)[:B] * B  # g_i: each sample's term of the first update's gradient
+        elapsed = time.time() - t0
+        metrics = {"step": step + 1, "reward": float(scores.mean()),
+                   "reward_std": float(scores.std()),
                    **{f"reward/{key}": float(v.mean()) for key, v in parts.items()},
                    **C.gold(completions, rows),
-                   "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean()) if k > 1 else 0.0,
-                   "kl": float(C.masked_mean(kl, mask)) if kl is not None else 0.0, **sums, "grad_norm": grad_norm,
+                   "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean())
+                   if k > 1 else 0.0,
+                   "kl": float(C.masked_mean(kl, mask)) if kl is not None else 0.0,
+                   **sums, "grad_norm": float(grad_norm),
                    "adv_mean": float(adv[valid].mean()), "adv_std": float(adv[valid].std()),
                    "sample_grad_rms": float(g.pow(2).mean().sqrt()),
                    **({"baseline_ema": ema} if args.baseline == "ema" else {}),
-                   "completion_len": float(mask.sum(-1).mean()), "frac_truncated": float(roll.truncated.float().mean()),
-                   "lr": args.lr, "step_time": time.time() - t0,
-                   "tokens_per_s": float(mask.sum()) / (time.time() - t0)}
-        samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)} for r, c, x in
-                   zip(rows[::k][:4], completions[::k][:4], scores[::k][:4])]
-        if C.end_of_step(run, step, metrics, samples, extra={"ema": ema}):
+                   "completion_len": float(mask.sum(-1).mean()),
+                   "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
+                   "step_time": elapsed, "tokens_per_s": float(mask.sum()) / elapsed}
+        samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
+                   for r, c, x in zip(rows[::k][:4], completions[::k][:4], scores[::k][:4])]
+        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
+        if R.every(step, args.eval_every) and not last:
+            metrics["eval"] = evaluate()
+        R.log_step(run, metrics, bar, samples, opt)
+        if R.every(step, args.save_every) or last or R.STOP["requested"]:
+            R.save_checkpoint(run, model, tok, opt, rng, step + 1,
+                              {"eval_before": eval_before, "ema": ema})
+        if R.STOP["requested"]:
             break
-    C.finish_run(run, args, device, eval_before, C.evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok))
+    R.finish_run(run, device, metric, eval_before, evaluate)
 
 
 if __name__ == "__main__":
-    C.main_guard(main)
+    R.main_guard(main)

@@ -1,7 +1,16 @@
 """minrl tests, CPU only, minutes not hours (minGPT style): our pieces against plain, obvious reference computations
 on tiny random models of real architectures; learning on the bundled task; the scripts end to end; bad input.
 Run: python -m pytest -q test_algos.py"""
-import json, math, os, random, re, signal, subprocess, sys
+import ast
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -10,6 +19,7 @@ from transformers import (AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPTNe
                           LlamaForSequenceClassification, Qwen2Config)
 
 import common as C
+import runs
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(2)
@@ -21,7 +31,7 @@ def _keep_sigint():
     handler = signal.getsignal(signal.SIGINT)
     yield
     signal.signal(signal.SIGINT, handler)
-    C.STOP["requested"] = False
+    runs.STOP["requested"] = False
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +126,8 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
     def run(chunk_elems, dtype):
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
-            lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True, chunk_elems=chunk_elems)
+            lp, ent = C.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True,
+                                              chunk_elems=chunk_elems)
         (lp * roll.completion_mask).sum().backward()
         return lp, ent, torch.cat([p.grad.flatten() for p in model.parameters()])
     for dtype in ("fp32", "bf16"):
@@ -142,7 +153,8 @@ def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
     want = [p.grad.clone() for p in model.parameters()]
     for chunk_elems in (2**24, 3 * T * model.config.vocab_size):
         model.zero_grad()
-        _, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy_grad=True, chunk_elems=chunk_elems)
+        _, ent = C.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy_grad=True,
+                                       chunk_elems=chunk_elems)
         torch.testing.assert_close(ent * mask, ref.detach() * mask, atol=1e-5, rtol=1e-5)
         (ent * mask).sum().backward()
         for g, p in zip(want, model.parameters()):
@@ -464,8 +476,8 @@ def test_beta_zero_loads_no_reference_model(monkeypatch, tmp_path):
     def stop(*args):
         raise Stop
     monkeypatch.setattr(C, "load_model", fake_load_model)
-    monkeypatch.setattr(C, "resume_or_eval", stop)
-    monkeypatch.setattr(C.signal, "signal", lambda *a: None)  # keep pytest's own Ctrl-C handler
+    monkeypatch.setattr(runs, "resume_or_eval", stop)
+    monkeypatch.setattr(runs.signal, "signal", lambda *a: None)  # keep pytest's own Ctrl-C handler
     for beta, frozen, flags in (("0", [], []), ("0.04", [("lm", True)], []), ("0.04", [("lm", True)], ["--compile"])):
         loaded.clear(), compiled.clear()
         monkeypatch.setattr(sys, "argv", ["grpo.py", "--beta", beta, "--output_dir", str(tmp_path / f"{beta}{flags}"),
@@ -527,11 +539,11 @@ def test_out_of_memory_exits_1_with_advice_and_keeps_the_checkpoint(monkeypatch,
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB\nmore details")
         return real_sample(*a, **kw)
     monkeypatch.setattr(C, "sample", sample)
-    monkeypatch.setattr(C.signal, "signal", lambda *a: None)  # keep pytest's own Ctrl-C handler
+    monkeypatch.setattr(runs.signal, "signal", lambda *a: None)  # keep pytest's own Ctrl-C handler
     out = tmp_path / "out"
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--eval_size", "20", "--save_every", "1", "--output_dir", str(out)])
     with pytest.raises(SystemExit) as e:
-        C.main_guard(grpo.main)
+        runs.main_guard(grpo.main)
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert e.value.code == 1 and "out of memory (CUDA out of memory. Tried to allocate 20.00 GiB)" in err
     assert "--micro_batch_size" in err and "--gradient_checkpointing" in err
@@ -583,31 +595,85 @@ BAD = [(["--model", "/no/such/folder"], "no such local folder"),
        (["--lrr", "1e-5"], "unknown argument '--lrr' (did you mean --lr?)"),
        (["--rewards", "math=abc"], "the weight of 'math' must be a number, not 'abc'"),
        (["--stop", ""], "an empty stop string would end every completion"),
-       (["--chat_template", "chatml"], "--chat_template 'chatml': choose one of auto, none"),
+       (["--chat_template", "chatml"], "invalid choice: 'chatml' (choose from 'auto', 'none')"),
        (["--reward_model", "{d}/rm2", "--rewards", "rm"], "num_labels=2"),
        (["--micro_batch_size", "7"], "--micro_batch_size 7 must divide"),
-       (["--loss_agg", "mean"], "--loss_agg 'mean': choose one of")]
+       (["--loss_agg", "mean"], "invalid choice: 'mean' (choose from 'token-mean',"),
+       (["--kl_estimator", "k1"], "k1 in the loss has zero expected gradient"),
+       (["--lr", "-1"], "--lr must be > 0, not -1.0"),
+       (["--lr", "nan"], "--lr must be a finite number, not nan"),
+       (["--max_grad_norm", "-1"], "--max_grad_norm must be > 0"),
+       (["--beta", "-1"], "--beta must be >= 0, not -1.0"),
+       (["--max_steps", "0"], "--max_steps must be > 0, not 0"),
+       (["--data", "{d}"], "is a directory, not a file")]
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
-def test_bad_input_exits_2_with_one_clear_line(bad_inputs, tmp_path, args, message):
-    r = run_script("grpo.py", *[a.format(d=bad_inputs) for a in args], "--output_dir", str(tmp_path / "out"))
-    assert r.returncode == 2, r.stderr[-2000:]
-    assert message in r.stderr
-    assert "Traceback" not in r.stderr
+def test_bad_input_exits_2_with_one_clear_line(bad_inputs, tmp_path, args, message, monkeypatch,
+                                               capsys):
+    """In-process (no 9 s of imports per case): exit 2, one line, no folder left behind."""
+    monkeypatch.setattr(runs.signal, "signal", lambda *a: None)  # keep pytest's Ctrl-C handler
+    out = tmp_path / "out"
+    argv = [a.format(d=bad_inputs) for a in args]
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *argv, "--output_dir", str(out)])
+    with pytest.raises(SystemExit) as e:
+        runs.main_guard(grpo.main)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+    assert not out.exists()
 
 
-def test_readme_line_references_point_at_their_functions():
-    """The README maps equations to code as `name()  file.py:N` (or `:N` for the same file): line N defines name."""
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        refs, last = [], None
-        for name, file, line in re.findall(r"`?(\w+)\(\)`?\s+(\w+\.py)?:(\d+)", f.read()):
-            last = file or last
-            refs.append((name, last, int(line)))
+# What each equation in the README must show in the code it points at: the map cannot rot.
+KEY_SYMBOLS = {"group_advantages": ["mean", "std", "eps"],
+               "per_token_loss": ["ratio", "clamp", "torch.min", "beta", "kl_estimate"],
+               "aggregate": ["n_tokens", "n_seqs", "max_new_tokens"],
+               "kl_returns": ["beta", "cumsum", "scores"],
+               "advantages": ["returns - b", "rloo_baseline", "whiten"],
+               "reinforce_loss": ["-advantages * logprobs", "n_seqs", "clamp"],
+               "shaped_rewards": ["kl_coef", "scores", "lengths - 1"],
+               "gae": ["gamma", "lam", "advantages + values"],
+               "policy_loss": ["ratio", "clamp", "torch.max"],
+               "value_loss": ["clip_eps_value", "0.5", "torch.max"]}
+
+
+def check_code_map(text, folder):
+    """Every `file.py: name()` in text names a function defined in that file (found by name, so no
+    edit elsewhere in the file breaks it) whose source holds the equation's key symbols."""
+    refs = re.findall(r"(\w+\.py): (\w+)\(\)", text)
     assert len(refs) >= 10
-    for name, file, line in refs:
-        with open(os.path.join(ROOT, file)) as f:
-            assert f.read().splitlines()[line - 1].startswith(f"def {name}("), (name, file, line)
+    for file, name in refs:
+        source = open(os.path.join(folder, file)).read()
+        funcs = {n.name: ast.get_source_segment(source, n) for n in ast.parse(source).body
+                 if isinstance(n, ast.FunctionDef)}
+        assert name in funcs, f"README points at {file}: {name}(), which is not defined there"
+        missing = [k for k in KEY_SYMBOLS[name] if k not in funcs[name]]
+        assert not missing, f"{file}: {name}() no longer shows {missing}"
+
+
+def test_readme_code_map_names_functions_that_compute_its_equations():
+    check_code_map(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(), ROOT)
+
+
+def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
+    """The exercise kind of edit: three lines inserted above per_token_loss move every line below."""
+    for script in ("grpo.py", "reinforce.py", "ppo.py"):
+        shutil.copy(os.path.join(ROOT, script), tmp_path / script)
+    source = (tmp_path / "grpo.py").read_text()
+    edit = "def rank_advantages(rewards):\n    return rewards.argsort().argsort().float()\n\n\n"
+    (tmp_path / "grpo.py").write_text(source.replace("def per_token_loss(", edit + "def per_token_loss("))
+    check_code_map(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(), tmp_path)
+    (tmp_path / "grpo.py").write_text(source.replace("def aggregate(", "def aggregate_renamed("))
+    with pytest.raises(AssertionError, match="aggregate"):  # and a real rot is caught
+        check_code_map(open(os.path.join(ROOT, "README.md"), encoding="utf-8").read(), tmp_path)
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "runs.py"])
+def test_docstring_references_name_functions_that_exist(script):
+    """`name()` in a module docstring is defined in that file (`C.name()` in common.py)."""
+    source = open(os.path.join(ROOT, script)).read()
+    defined = {"": source, "C.": open(os.path.join(ROOT, "common.py")).read()}
+    for prefix, name in re.findall(r"\b(C\.)?(\w+)\(\)", ast.get_docstring(ast.parse(source))):
+        assert f"def {name}(" in defined[prefix], f"{script} docstring: {prefix}{name}()"
 
 
 def test_help_documents_every_flag():
@@ -629,7 +695,7 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
     for ckpt in (False, True):
         args = C.SimpleNamespace(model=str(tmp_path / "m"), resume=None, trust_remote_code=False, compile=False,
                                  gradient_checkpointing=ckpt)
-        model, _ = C.load_policy(None, args, torch.device("cpu"))
+        model, _ = C.load_policy(args.model, torch.device("cpu"), args)
         n = []
         model.transformer.h[0].attn.register_forward_pre_hook(lambda *a: n.append(1))  # pre: recompute may stop early
         roll = C.sample(model, tok, [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(2)], 6) if not grads \
@@ -662,30 +728,39 @@ def test_peak_memory_without_proc_or_resource_is_unknown_not_a_crash(monkeypatch
     monkeypatch.setattr(builtins, "open", lambda f, *a, **k: (_ for _ in ()).throw(FileNotFoundError(f))
                         if str(f).startswith("/proc/") else real_open(f, *a, **k))
     monkeypatch.setitem(sys.modules, "resource", None)  # `import resource` now raises ImportError
-    assert math.isnan(C.peak_mem_mb(torch.device("cpu")))
+    assert math.isnan(runs.peak_mem_mb(torch.device("cpu")))
 
 
 def test_spark_skips_nan_and_prints_ascii_where_blocks_cannot_be_encoded(monkeypatch):
     import io
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
-    assert C.spark([0.0, float("nan"), 1.0, 2.0]) == "▁▄█  [0 .. 2]"  # a NaN step (update skipped) is left out
+    assert runs.spark([0.0, float("nan"), 1.0, 2.0]) == "▁▄█  [0 .. 2]"  # a NaN step (update skipped) is left out
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="cp1252"))  # Windows, redirected
-    assert C.spark([0.0, 1.0, 2.0]) == "_~#  [0 .. 2]"
+    assert runs.spark([0.0, 1.0, 2.0]) == "_~#  [0 .. 2]"
 
 
-def test_nonfinite_update_is_skipped_and_counted():
-    model = tiny_model("llama")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    run = C.SimpleNamespace(nonfinite=0, nonfinite_in_row=0)
-    before = [p.detach().clone() for p in model.parameters()]
-    loss = model(torch.tensor([[1, 5, 6]])).logits.sum() * float("nan")
-    loss.backward()
-    C.finite_update(run, model, opt, 1.0)
-    assert run.nonfinite == 1 and all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
+    """A NaN reward at step 2 is skipped and counted (metrics keep steps 1 and 3); ten in a row stop."""
+    run = runs.Run(dir=str(tmp_path), algo="grpo", args=None, state=None, metrics=None, samples=None)
+    for _ in range(9):
+        runs.skip_update(run, "gradient")
     with pytest.raises(RuntimeError, match="non-finite updates in a row"):
-        for _ in range(10):
-            model(torch.tensor([[1, 5, 6]])).logits.sum().mul(float("inf")).backward()
-            C.finite_update(run, model, opt, 1.0)
+        runs.skip_update(run, "gradient")
+    calls, real = [], C.compute_rewards
+
+    def rewards(*a, **kw):
+        calls.append(1)
+        total, parts = real(*a, **kw)
+        return (total * float("nan") if len(calls) == 2 else total), parts
+    monkeypatch.setattr(C, "compute_rewards", rewards)
+    monkeypatch.setattr(runs.signal, "signal", lambda *a: None)  # keep pytest's Ctrl-C handler
+    out = tmp_path / "out"
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--max_steps", "3", "--eval_size", "10",
+                                      "--output_dir", str(out)])
+    grpo.main()
+    summary = json.loads((out / "summary.json").read_text())
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert summary["nonfinite_skips"] == 1 and steps == [1, 3]
 
 
 def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
@@ -737,7 +812,7 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tok):
     model = AutoModelForCausalLM.from_config(cfg).train()  # dropout on: log-probs are noisy, ratio != 1
     args = C.SimpleNamespace(chat_template="none", max_new_tokens=6, temperature=1.0, top_p=1.0, micro_batch_size=8,
                              dtype="fp32", stop=[])
-    failed = C.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args, OFF)
+    failed = runs.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args, OFF)
     assert any("ratio" in f for f in failed)
 
 
@@ -776,7 +851,7 @@ def test_whiten_has_mean_0_std_1_over_valid_entries():
     torch.manual_seed(0)
     x, mask = 3 + 5 * torch.randn(16, 7), random_mask(16, 7)
     x = x + 100 * (1 - mask)  # garbage on padding must not leak into the statistics
-    w = R.whiten(x, mask)
+    w = C.whiten(x, mask)
     v = w[mask.bool()]
     assert abs(float(v.mean())) < 1e-5
     assert abs(float(v.pow(2).mean().sqrt()) - 1) < 1e-4  # biased std = 1
@@ -831,7 +906,7 @@ def test_loss_gradient_equals_hand_derived_on_toy_categorical_policy(loss_agg):
     adv, mask = torch.randn(B, T), random_mask(B, T)
     logprobs = theta.log_softmax(-1).expand(B, T, V).gather(-1, actions[..., None])[..., 0]
     n_tokens = mask.sum()
-    R.loss(logprobs, adv, mask, B, n_tokens, loss_agg)[0].backward()
+    R.reinforce_loss(logprobs, adv, mask, B, n_tokens, loss_agg)[0].backward()
     Z = B if loss_agg == "seq-sum" else float(n_tokens)
     hand = torch.zeros(T, V)
     p = theta.detach().softmax(-1)
@@ -843,14 +918,14 @@ def test_loss_gradient_equals_hand_derived_on_toy_categorical_policy(loss_agg):
     # the clipped PPO surrogate (mu > 1) has the same gradient while the ratio is 1
     theta.grad = None
     logprobs = theta.log_softmax(-1).expand(B, T, V).gather(-1, actions[..., None])[..., 0]
-    R.loss(logprobs, adv, mask, B, n_tokens, loss_agg, old_logprobs=logprobs.detach())[0].backward()
+    R.reinforce_loss(logprobs, adv, mask, B, n_tokens, loss_agg, old_logprobs=logprobs.detach())[0].backward()
     torch.testing.assert_close(theta.grad, hand, atol=1e-6, rtol=1e-5)
 
 
 def test_clipping_stops_the_gradient_outside_the_trust_region():
     logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()  # ratios 1.5, 0.5, 1.1 vs old = 0
     adv, mask = torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3)
-    out, ratio, clipped = R.loss(logprobs, adv, mask, 1, 3, "seq-sum", torch.zeros(1, 3), 0.2)
+    out, ratio, clipped = R.reinforce_loss(logprobs, adv, mask, 1, 3, "seq-sum", torch.zeros(1, 3), 0.2)
     out.backward()
     assert clipped.tolist() == [[1.0, 1.0, 0.0]]
     assert logprobs.grad[0, :2].tolist() == [0.0, 0.0] and abs(float(logprobs.grad[0, 2]) + 1.1) < 1e-6
@@ -864,7 +939,7 @@ def _loss_and_grad(model, roll, adv, micro, loss_agg, old=None):
     for i in range(0, n, micro):
         s = slice(i, i + micro)
         lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
-        out = R.loss(lp, adv[s], mask[s], n, mask.sum(), loss_agg, None if old is None else old[s])[0]
+        out = R.reinforce_loss(lp, adv[s], mask[s], n, mask.sum(), loss_agg, None if old is None else old[s])[0]
         out.backward()
         total += out.item()
     return total, torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -896,7 +971,7 @@ def test_sample_grad_probe_equals_per_sample_backward(k, tok):
     mask, n, T = roll.completion_mask, len(roll.ids), roll.completion_mask.shape[1]
     adv = torch.randn(n, 1) * mask
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
-    R.loss(lp, adv, mask, n, mask.sum())[0].backward()
+    R.reinforce_loss(lp, adv, mask, n, mask.sum())[0].backward()
     got = torch.cat(norms)
     assert len(got) == n
     for i in range(n):
@@ -964,7 +1039,7 @@ def test_resume_reproduces_a_straight_run_with_ema_state(monkeypatch, neox_dir, 
 
 
 def test_bad_baseline_is_a_user_error(monkeypatch, tmp_path):
-    with pytest.raises(C.UserError, match="--baseline 'rlooo'"):
+    with pytest.raises(C.UserError, match="invalid choice: 'rlooo'"):
         run_main(monkeypatch, "--baseline", "rlooo", "--output_dir", str(tmp_path))
 
 
@@ -1035,10 +1110,10 @@ def test_value_loss_and_policy_loss_equal_scalar_reference():
 
 def test_whiten_over_valid_tokens_only():
     x, _, mask, _ = random_batch(seed=3)
-    w = ppo.whiten(x + 5.0, mask)
+    w = C.whiten(x + 5.0, mask)
     vals = w[mask.bool()]
     assert abs(float(vals.mean())) < 1e-5 and abs(float(vals.pow(2).mean()) - 1) < 1e-4 and (w[~mask.bool()] == 0).all()
-    kept = ppo.whiten(x + 5.0, mask, shift_mean=False)[mask.bool()]
+    kept = C.whiten(x + 5.0, mask, shift_mean=False)[mask.bool()]
     assert abs(float(kept.mean()) - float((x + 5.0)[mask.bool()].mean())) < 1e-4
 
 
@@ -1081,7 +1156,7 @@ def make_update_inputs(tok, seed=0, varied=False):
     with torch.no_grad():
         old_v = ppo.critic_values(critic, roll.ids, roll.attention_mask, T) * mask
     adv = torch.randn(mask.shape) * mask
-    batch = {"old_logprobs": old_lp, "old_values": old_v, "returns": old_v + adv, "advantages": ppo.whiten(adv, mask)}
+    batch = {"old_logprobs": old_lp, "old_values": old_v, "returns": old_v + adv, "advantages": C.whiten(adv, mask)}
     return model, critic, roll, batch
 
 
@@ -1182,6 +1257,7 @@ def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok):
         assert (out / f).exists()
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert "score.weight" in state["extra"]["critic"]
+    assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.0, 0.0]
     # resume: step 3 continues from the saved kl_coef (restored, not reset to 0.05), raised as KL > target
     subprocess.run([sys.executable, "ppo.py", "--resume", str(out), "--max_steps", "3"], check=True, cwd=ROOT,
                    capture_output=True)
@@ -1190,3 +1266,229 @@ def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok):
     # bad input: one line, exit code 2
     bad = subprocess.run(cmd + ["--batch_size", "15"], cwd=ROOT, capture_output=True, text=True)
     assert bad.returncode == 2 and bad.stderr.startswith("error: --num_minibatches")
+
+
+# ------------------------------------------------------------------- the correctness audit (#15)
+def expected_kl_term_gradient(estimator, logits, ref_logits):
+    """E_{y ~ pi}[grad of beta * k(y)] for a categorical policy pi = softmax(logits), by exact
+    summation over the vocabulary (no sampling noise), as grpo.per_token_loss computes the term:
+    each sampled token y is a row whose loss is differentiated with y held fixed."""
+    theta = logits.clone().requires_grad_(True)
+    logp = theta.log_softmax(-1)
+    ref_logp = ref_logits.log_softmax(-1)
+    V = len(logits)
+    zero = torch.zeros(V)
+    loss, _, _, _ = grpo.per_token_loss(logp[:, None], logp.detach()[:, None], zero, 0.2, 0.2,
+                                        ref_logp[:, None], beta=1.0, kl_estimator=estimator)
+    weights = logp.exp().detach()  # pi(y): the chance that the sampled token is y
+    (weights * loss[:, 0]).sum().backward()
+    return theta.grad
+
+
+def test_kl_in_grpo_loss_pulls_towards_the_kl_its_docstring_names():
+    torch.manual_seed(0)
+    logits, ref_logits = torch.randn(7), torch.randn(7)
+
+    def grad_of(f):
+        theta = logits.clone().requires_grad_(True)
+        f(theta).backward()
+        return theta.grad
+    p_ref = ref_logits.softmax(-1)
+    reverse = grad_of(lambda t: (t.softmax(-1) * (t.log_softmax(-1) - p_ref.log())).sum())
+    forward = grad_of(lambda t: (p_ref * (p_ref.log() - t.log_softmax(-1))).sum())
+    torch.testing.assert_close(expected_kl_term_gradient("k2", logits, ref_logits), reverse)
+    torch.testing.assert_close(expected_kl_term_gradient("k3", logits, ref_logits), forward)
+    assert expected_kl_term_gradient("k1", logits, ref_logits).abs().max() < 1e-6
+    assert (forward - reverse).abs().max() > 1e-2  # the two directions really differ here
+
+
+def test_grpo_refuses_k1_in_the_loss(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1"])
+    with pytest.raises(C.UserError, match="zero expected gradient"):
+        grpo.check_args(runs.parse_args(grpo.Args, "grpo"))
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1", "--beta", "0"])
+    grpo.check_args(runs.parse_args(grpo.Args, "grpo"))  # no KL term: nothing to refuse
+
+
+def test_only_k3_clamps_the_log_ratio():
+    lp, ref = torch.tensor([0.0, 0.0]), torch.tensor([-30.0, 30.0])  # log r = -30, 30
+    torch.testing.assert_close(C.kl_estimate(lp, ref, "k1"), torch.tensor([30.0, -30.0]))
+    torch.testing.assert_close(C.kl_estimate(lp, ref, "k2"), torch.tensor([450.0, 450.0]))
+    assert torch.isfinite(C.kl_estimate(lp, ref, "k3")).all()
+
+
+def test_rloo_with_per_token_kl_matches_the_slow_leave_one_out_of_scores():
+    """OpenRLHF's form: A_i,t = s_i - mean_{j != i} s_j - beta * (KL of o_i still to come)."""
+    torch.manual_seed(0)
+    k, B, T, beta = 4, 8, 5, 0.05
+    mask = random_mask(B, T)
+    scores, kl = torch.rand(B), torch.rand(B, T) * mask
+    returns = R.kl_returns(scores, mask, kl, beta, "token")
+    got = R.advantages(returns, mask, "rloo", k, scores=scores)
+    want = torch.zeros(B, T)
+    for i in range(B):
+        others = [scores[j] for j in range(i // k * k, i // k * k + k) if j != i]
+        for t in range(T):
+            if mask[i, t]:
+                want[i, t] = scores[i] - sum(others) / (k - 1) - beta * kl[i, t:].sum()
+    torch.testing.assert_close(got, want)
+
+
+def test_ppo_refuses_adaptive_kl_from_zero_and_has_no_weight_decay_by_default(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["ppo.py", "--adaptive_kl", "--kl_coef", "0"])
+    with pytest.raises(C.UserError, match="from --kl_coef 0 it would stay 0"):
+        ppo.check_args(runs.parse_args(ppo.Args, "ppo"))
+    assert ppo.Args().weight_decay == 0.0  # AdamW's own default is 0.01
+
+
+def test_shaped_rewards_leave_an_empty_row_alone():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    zeros = torch.zeros(2, 3)
+    rewards, _ = ppo.shaped_rewards(torch.tensor([2.0, 5.0]), zeros, zeros, mask, 0.1)
+    torch.testing.assert_close(rewards, torch.tensor([[0.0, 2.0, 0.0], [0.0, 0.0, 0.0]]))
+
+
+def test_gradient_checkpointing_reaches_the_ppo_critic(tok):
+    """The critic's layers are recomputed in backward (HF recomputes only layers in training
+    mode; the critic stays in eval mode), with the same gradients as without."""
+    grads, calls = [], []
+    for ckpt in (False, True):
+        args = SimpleNamespace(critic_init="reward_model", model=C.DEFAULT_POLICY,
+                               reward_model=C.DEFAULT_REWARD_MODEL, trust_remote_code=False,
+                               gradient_checkpointing=ckpt)
+        critic = ppo.load_critic(args, tok, torch.device("cpu"))
+        n = []
+        critic.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: n.append(1))
+        ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS[:4]), tok.pad_token_id, "cpu")
+        values = ppo.critic_values(critic, ids, mask, 2)
+        n.clear()
+        values.sum().backward()
+        calls.append(len(n))
+        grads.append([p.grad.clone() for p in critic.parameters()])
+    assert calls == [0, 1]
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# -------------------------------------------------------------------- reliability, round two (#21)
+FAST_GRPO = ["--prompts_per_step", "2", "--group_size", "4", "--micro_batch_size", "8",
+             "--eval_size", "10", "--eval_every", "0"]
+
+
+def test_resume_without_max_steps_continues_to_the_runs_own(monkeypatch, tmp_path, capsys):
+    """Interrupted at step 2 of 4 (Ctrl-C, faked), `--resume DIR` alone finishes steps 3-4: not the
+    script's default max_steps. Samples are cut back too, and changed settings are refused."""
+    out = tmp_path / "run"
+    real_log = runs.log_step
+
+    def log_step(run, metrics, *a):
+        real_log(run, metrics, *a)
+        if metrics["step"] == 2 and run.state is None:
+            runs.STOP["requested"] = True  # as Ctrl-C does
+    monkeypatch.setattr(runs, "log_step", log_step)
+    monkeypatch.setattr(runs.signal, "signal", lambda *a: None)  # keep pytest's Ctrl-C handler
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *FAST_GRPO, "--max_steps", "4",
+                                      "--output_dir", str(out)])
+    with pytest.raises(SystemExit) as e:
+        grpo.main()
+    assert e.value.code == 130
+    assert "final held-out eval is skipped" in capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["interrupted"] and summary["eval_after"] is None  # null, not a bare NaN
+    with open(out / "samples.jsonl", "a") as f:  # as if killed after a later step's samples
+        f.write(json.dumps({"step": 3, "samples": []}) + "\n")
+    runs.STOP["requested"] = False
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(out), "--lr", "0.5"])
+    with pytest.raises(C.UserError, match="--lr 0.5 differs from the resumed run's 0.0001"):
+        grpo.main()
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(out)])
+    grpo.main()
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
+    samples = [json.loads(line)["step"] for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert samples == [1]  # the stale step-3 line is gone
+    assert not (out / "run.lock").exists()
+
+
+def test_one_run_per_folder_and_stale_locks_are_taken(tmp_path):
+    busy, stale = tmp_path / "busy", tmp_path / "stale"
+    for folder, pid in ((busy, os.getppid()), (stale, 2**22 + 12345)):  # alive / no such process
+        folder.mkdir()
+        (folder / "run.lock").write_text(str(pid))
+    args = grpo.Args(output_dir=str(busy))
+    with pytest.raises(C.UserError, match=f"in use by a run in process {os.getppid()}"):
+        runs.start_run(args, "grpo")
+    run = runs.start_run(grpo.Args(output_dir=str(stale)), "grpo")
+    assert (stale / "run.lock").read_text() == str(os.getpid())
+    run.metrics.close()
+    run.samples.close()
+    runs._release_lock(run.dir)
+
+
+def test_filesystem_and_model_faults_get_one_line(tmp_path, tok, capsys, monkeypatch):
+    """An --output_dir that is a file, a damaged safetensors file, a truncated trainer_state.pt,
+    a causal LM or a head-less model as the reward model: each one line naming the problem, and
+    no empty run folder left behind."""
+    (tmp_path / "file").write_text("x")
+    broken = tmp_path / "broken"
+    shutil.copytree(C.DEFAULT_POLICY, broken)
+    (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    headless = tmp_path / "headless"
+    tiny_model("llama").save_pretrained(headless)
+    cfg = json.loads((headless / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForSequenceClassification"]
+    cfg["num_labels"] = 1
+    (headless / "config.json").write_text(json.dumps(cfg))
+    tok.save_pretrained(headless)
+    monkeypatch.setattr(runs.signal, "signal", lambda *a: None)
+    cases = [(["--output_dir", str(tmp_path / "file")], "File exists"),
+             (["--model", str(broken)], "could not be loaded as AutoModelForCausalLM"),
+             (["--reward_model", C.DEFAULT_POLICY, "--rewards", "rm"],
+              "is not a sequence-classification model"),
+             (["--reward_model", str(headless), "--rewards", "rm"], "no trained score head")]
+    for i, (argv, message) in enumerate(cases):
+        out = ["--output_dir", str(tmp_path / f"out{i}")] if i else []
+        monkeypatch.setattr(sys, "argv", ["grpo.py", *FAST_GRPO, *out, *argv])
+        with pytest.raises(SystemExit) as e:
+            runs.main_guard(grpo.main)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+        assert i == 0 or not (tmp_path / f"out{i}").exists()  # no empty folder left
+    run = tmp_path / "run"
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *FAST_GRPO, "--max_steps", "1",
+                                      "--output_dir", str(run)])
+    grpo.main()
+    state = run / "checkpoint" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(run), "--max_steps", "2"])
+    with pytest.raises(SystemExit):
+        runs.main_guard(grpo.main)
+    assert "trainer_state.pt is damaged" in capsys.readouterr().err
+
+
+def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    monkeypatch.setattr(runs.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(sys, "argv", ["grpo.py", *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+                                      "--output_dir", str(tmp_path / "run")])
+    real_save, calls = torch.save, []
+
+    def save(obj, path, *a, **kw):
+        calls.append(path)
+        if len(calls) == 2:
+            raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos")
+        return real_save(obj, path, *a, **kw)
+    monkeypatch.setattr(runs.torch, "save", save)
+    with pytest.raises(C.UserError, match="could not write the checkpoint .* free some space"):
+        grpo.main()
+    state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 1 and not (tmp_path / "run" / "checkpoint.tmp").exists()
+
+
+def test_every_python_line_fits_in_100_columns():
+    """The style rule of pyproject.toml, checked without needing ruff installed."""
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                           text=True).stdout.split() or [f for f in os.listdir(ROOT) if f.endswith(".py")]
+    long = [f"{f}:{i}" for f in files
+            for i, line in enumerate(open(os.path.join(ROOT, f), encoding="utf-8"), 1)
+            if len(line.rstrip("\n")) > 100]
+    assert not long, f"{len(long)} lines over 100 columns, e.g. {long[:5]}"

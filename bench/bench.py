@@ -1,15 +1,27 @@
-"""Speed and memory benchmarks, measured side by side in one run (these machines are noisy: quote ratios).
+"""Speed and memory benchmarks, measured side by side in one run (these machines are noisy: quote
+ratios).
 
-  python bench/bench.py sample          common.sample vs model.generate, tokens/s, same model/batch/lengths/temperature
-  python bench/bench.py steps           seconds per step and peak memory: grpo (beta=0, beta>0), reinforce, ppo
-  python bench/bench.py logprobs        memory held for backward by the training log-probs, one chunk vs chunked
-  python bench/bench.py trl             grpo.py vs TRL's GRPOTrainer on the bundled model and task (needs `pip install
-                                        trl`, used only here, never a project dependency)
+  python bench/bench.py sample     common.sample vs model.generate, tokens/s, same model, batch,
+                                   lengths and temperature
+  python bench/bench.py steps      seconds per step and peak memory: grpo (beta=0, beta>0),
+                                   reinforce, ppo
+  python bench/bench.py logprobs   memory held for backward by the training log-probs, one chunk
+                                   vs chunked
+  python bench/bench.py trl        grpo.py vs TRL's GRPOTrainer on the bundled model and task
+                                   (needs `pip install trl`, used only here, never a project
+                                   dependency)
   python bench/bench.py all
 
-Prints a table per part and a final JSON line. Results with date, hardware and commands: bench/RESULTS.md.
+Prints a table per part and a final JSON line. Results with date, hardware and commands:
+bench/RESULTS.md.
 """
-import json, os, platform, subprocess, sys, tempfile, time
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
 
 import torch
 
@@ -24,7 +36,8 @@ def sync():
 
 
 def timed(fn, repeats):
-    """(fn's result, best wall time of `repeats` runs) after one warm-up run (allocations, lazy init, compile)."""
+    """(fn's result, best wall time of `repeats` runs) after one warm-up run (allocations, lazy
+    init, compile)."""
     fn()
     sync()
     best = float("inf")
@@ -36,10 +49,12 @@ def timed(fn, repeats):
     return n, best
 
 
-def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tokens=(6, 32), repeats=5):
-    """Tokens/s of common.sample and model.generate on the same batch of `batch` rows, temperature 1, EOS stopping:
-    batch // group distinct prompts, each repeated `group` times in a row (group=8 is a GRPO batch, as TRL builds
-    it for generate). Generated tokens are counted up to and including each row's EOS (what RL uses)."""
+def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tokens=(6, 32),
+                 repeats=5):
+    """Tokens/s of common.sample and model.generate on the same batch of `batch` rows, temperature
+    1, EOS stopping: batch // group distinct prompts, each repeated `group` times in a row (group=8
+    is a GRPO batch, as TRL builds it for generate). Generated tokens are counted up to and
+    including each row's EOS (what RL uses)."""
     tok = C.load_tokenizer(model_name)
     model = C.load_model(model_name, "lm", device, frozen=True)
     rows = C.load_data("").eval_rows[:batch // group]
@@ -54,29 +69,35 @@ def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tok
             return int(C.sample(model, tok, prompts, T, temperature=1.0).completion_mask.sum())
 
         def hf():
-            g = model.generate(ids, attention_mask=mask, max_new_tokens=T, do_sample=True, temperature=1.0, top_k=0,
-                               top_p=1.0, pad_token_id=tok.pad_token_id)[:, ids.shape[1]:]
+            full = model.generate(ids, attention_mask=mask, max_new_tokens=T, do_sample=True,
+                                  temperature=1.0, top_k=0, top_p=1.0,
+                                  pad_token_id=tok.pad_token_id)
+            g = full[:, ids.shape[1]:]  # the generated columns
             ended = torch.isin(g, eos).int()
-            first = torch.where(ended.any(1), ended.argmax(1) + 1, torch.full_like(ended[:, 0], g.shape[1]))
+            no_eos = torch.full_like(ended[:, 0], g.shape[1])  # a row without EOS: all of it
+            first = torch.where(ended.any(1), ended.argmax(1) + 1, no_eos)
             return int(first.sum())
         n_ours, t_ours = timed(ours, repeats)
         n_hf, t_hf = timed(hf, repeats)
+        ours_tok_s = n_ours / t_ours
+        hf_tok_s = n_hf / t_hf
         key = f"{batch // group}x{group} T{T}"
-        out[key] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf,
-                    "speedup": (n_ours / t_ours) / (n_hf / t_hf)}
-        print(f"sample  {batch // group:2d} prompts x {group} samples  max_new_tokens {T:3d}:  common.sample "
-              f"{n_ours / t_ours:9.0f} tok/s   model.generate {n_hf / t_hf:9.0f} tok/s   ratio {out[key]['speedup']:.2f}x")
+        out[key] = {"ours_tok_s": ours_tok_s, "generate_tok_s": hf_tok_s,
+                    "speedup": ours_tok_s / hf_tok_s}
+        print(f"sample  {batch // group:2d} prompts x {group} samples  max_new_tokens {T:3d}:  "
+              f"common.sample {ours_tok_s:9.0f} tok/s   model.generate {hf_tok_s:9.0f} tok/s   "
+              f"ratio {out[key]['speedup']:.2f}x")
     return out
 
 
 def random_qwen2(device, layers=4, hidden=256):
-    """A random-weight Qwen2-shaped model with the bundled tokenizer: EOS almost never fires, so every row decodes
-    all max_new_tokens (pure decode speed)."""
+    """A random-weight Qwen2-shaped model with the bundled tokenizer: EOS almost never fires, so
+    every row decodes all max_new_tokens (pure decode speed)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=99, hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
-                      num_key_value_heads=2, intermediate_size=4 * hidden, max_position_embeddings=512,
-                      pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = Qwen2Config(vocab_size=99, hidden_size=hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=4 * hidden,
+                      max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     path = os.path.join(tempfile.mkdtemp(), "qwen2")
     Qwen2ForCausalLM(cfg).save_pretrained(path)
     C.load_tokenizer(C.DEFAULT_POLICY).save_pretrained(path)
@@ -84,31 +105,37 @@ def random_qwen2(device, layers=4, hidden=256):
 
 
 def run_script(script, args, tmp):
-    """Run one training script to its own folder; its mean s/step (steps 3 on), first step, peak memory, evals."""
+    """Run one training script to its own folder; its mean s/step (steps 3 on), first step, peak
+    memory, evals."""
     out = os.path.join(tmp, script.replace(".py", "") + "-" + str(abs(hash(tuple(args))) % 10**6))
+    cmd = [sys.executable, os.path.join(ROOT, script), "--output_dir", out, *args]
     t = time.time()
-    r = subprocess.run([sys.executable, os.path.join(ROOT, script), "--output_dir", out, *args], cwd=ROOT,
-                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    r = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"{script} failed: {(r.stderr.strip().splitlines() or ['?'])[-1]}")
+        last_line = (r.stderr.strip().splitlines() or ["?"])[-1]
+        raise RuntimeError(f"{script} failed: {last_line}")
     wall = time.time() - t
     with open(os.path.join(out, "summary.json")) as f:
         summary = json.load(f)
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        metrics = [json.loads(l) for l in f]
+        metrics = [json.loads(line) for line in f]
     times = [m["step_time"] for m in metrics[2:]] or [m["step_time"] for m in metrics]
     return {"s_per_step": sum(times) / len(times), "first_step_s": metrics[0]["step_time"],
             "peak_mem_mb": summary["peak_mem_mb"], "tokens_per_s": summary["tokens_per_s"],
-            "eval_before": summary["eval_before"], "eval_after": summary["eval_after"], "wall_s": wall}
+            "eval_before": summary["eval_before"], "eval_after": summary["eval_after"],
+            "wall_s": wall}
 
 
 def bench_steps(steps=20, model=None, label="bundled"):
-    """Seconds per training step and peak memory at equal settings (64 completions per step, same lengths).
-    With `model` (a bigger random model, so that model state shows above the ~470 MB of the torch runtime), PPO's
-    critic is a copy of the policy (--critic_init policy), as with real models."""
-    common = ["--max_steps", str(steps), "--eval_size", "100", "--eval_every", "0", "--save_every", "1000"]
+    """Seconds per training step and peak memory at equal settings (64 completions per step, same
+    lengths). With `model` (a bigger random model, so that model state shows above the ~470 MB of
+    the torch runtime), PPO's critic is a copy of the policy (--critic_init policy), as with real
+    models."""
+    common = ["--max_steps", str(steps), "--eval_size", "100", "--eval_every", "0",
+              "--save_every", "1000"]
     common += ["--model", model] if model else []
-    runs = {"grpo beta=0": ("grpo.py", ["--beta", "0"]), "grpo beta=0.04": ("grpo.py", ["--beta", "0.04"]),
+    runs = {"grpo beta=0": ("grpo.py", ["--beta", "0"]),
+            "grpo beta=0.04": ("grpo.py", ["--beta", "0.04"]),
             "reinforce rloo": ("reinforce.py", ["--baseline", "rloo"]),
             "ppo": ("ppo.py", ["--critic_init", "policy"] if model else [])}
     out = {}
@@ -121,13 +148,15 @@ def bench_steps(steps=20, model=None, label="bundled"):
 
 
 def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
-    """MB that autograd holds between a training log-prob forward (bf16 autocast, entropy on, as in grpo.py) and
-    its backward, on a 2-layer random Qwen2 with Qwen's vocabulary; run in a fresh process per setting."""
+    """MB that autograd holds between a training log-prob forward (bf16 autocast, entropy on, as in
+    grpo.py) and its backward, on a 2-layer random Qwen2 with Qwen's vocabulary; run in a fresh
+    process per setting."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     device = C.pick_device()
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2)).to(device)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = Qwen2ForCausalLM(cfg).to(device)
     ids = torch.randint(3, vocab, (rows, 8 + T), device=device)
 
     def used():  # MB allocated now (CUDA) or resident now (CPU)
@@ -138,9 +167,11 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            return C.token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True, chunk_elems=chunk_elems)[0]
+            return C.fast_token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True,
+                                         chunk_elems=chunk_elems)[0]
     forward().sum().backward()  # warm-up: gradients and allocator caches exist before we measure
-    base, t = used(), time.perf_counter()
+    base = used()
+    t = time.perf_counter()
     lp = forward()
     held = used() - base
     lp.sum().backward()
@@ -150,15 +181,18 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 
 
 def bench_logprob_memory():
-    """One chunk (the log-softmax is a plain autograd op: its fp32 output is kept) vs the default chunking (only
-    the bf16 logits are kept; the fp32 log-softmax is recomputed chunk by chunk in backward)."""
+    """One chunk (the log-softmax is a plain autograd op: its fp32 output is kept) vs the default
+    chunking (only the bf16 logits are kept; the fp32 log-softmax is recomputed chunk by chunk in
+    backward)."""
     out = {}
     for name, chunk_elems in (("one chunk", 2**40), ("default chunks", 2**24)):
-        r = subprocess.run([sys.executable, __file__, "_logprob_memory", str(chunk_elems)], capture_output=True,
-                           text=True, check=True)
+        cmd = [sys.executable, __file__, "_logprob_memory", str(chunk_elems)]
+        r = subprocess.run(cmd, capture_output=True, text=True, check=True)
         out[name] = json.loads(r.stdout.strip().splitlines()[-1])
-        print(f"logprobs {name:15s} held for backward {out[name]['held_for_backward_mb']:6.0f} MB   fwd+bwd "
-              f"{out[name]['fwd_bwd_s']:.2f} s   (8 x 64 x 151,936 in fp32: {out[name]['fp32_rows_T_V_mb']:.0f} MB)")
+        m = out[name]
+        print(f"logprobs {name:15s} held for backward {m['held_for_backward_mb']:6.0f} MB   "
+              f"fwd+bwd {m['fwd_bwd_s']:.2f} s   "
+              f"(8 x 64 x 151,936 in fp32: {m['fp32_rows_T_V_mb']:.0f} MB)")
     return out
 
 
@@ -168,10 +202,15 @@ def main():
         return print(json.dumps(logprob_memory(int(sys.argv[2]))))
     device = C.pick_device()
     torch.set_num_threads(os.cpu_count() or 1)
-    result = {"date": time.strftime("%Y-%m-%d"), "device": torch.cuda.get_device_name() if device.type == "cuda"
-              else platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__}
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name()
+    else:
+        device_name = platform.processor() or platform.machine()
+    result = {"date": time.strftime("%Y-%m-%d"), "device": device_name, "cpus": os.cpu_count(),
+              "torch": torch.__version__}
     if what in ("sample", "all"):
-        result["sample_bundled"] = {**bench_sample(device, group=8), **bench_sample(device, group=1)}
+        result["sample_bundled"] = {**bench_sample(device, group=8),
+                                    **bench_sample(device, group=1)}
         qwen2 = random_qwen2(device)
         result["sample_random_qwen2"] = {**bench_sample(device, qwen2, group=8, new_tokens=(64,)),
                                          **bench_sample(device, qwen2, group=1, new_tokens=(64,))}
@@ -182,7 +221,8 @@ def main():
     if what in ("logprobs", "all"):
         result["logprob_memory"] = bench_logprob_memory()
     if what in ("trl", "all"):
-        r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "trl_grpo.py")], capture_output=True, text=True)
+        trl_script = os.path.join(ROOT, "bench", "trl_grpo.py")
+        r = subprocess.run([sys.executable, trl_script], capture_output=True, text=True)
         print(r.stdout.strip() or r.stderr.strip().splitlines()[-1])
         result["trl"] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
     print(json.dumps(result))

@@ -1,35 +1,48 @@
-"""One prepared GPU check: CUDA + bf16 + torch.compile on a random-weight model of a real size, run once per lent GPU.
+"""One prepared GPU check: CUDA, bf16 and torch.compile on a random-weight model of a real size.
 
-  python bench/gpu_check.py                 # Qwen2-0.5B-shaped (494 M parameters), CUDA; budget ~10 minutes
-  python bench/gpu_check.py --parts train   # only some parts (sampling,train,scripts), e.g. to rerun a failed one
-  python bench/gpu_check.py --tiny          # a 2-layer toy (vocab 1,000) on any device: checks the script itself
+Run once per lent GPU (the full check's budget is about 10 minutes):
+  python bench/gpu_check.py                # Qwen2-0.5B-shaped (494 M parameters), CUDA
+  python bench/gpu_check.py --parts train  # only some parts (sampling,train,scripts), e.g. to
+                                           # rerun a failed one
+  python bench/gpu_check.py --tiny         # a 2-layer toy (vocab 1,000) on any device: checks
+                                           # the script itself
 
-It needs no hub access: the model is built from a config with random weights, with a synthetic word-level tokenizer
-over the same 151,936-token vocabulary (EOS almost never fires, so every row decodes all its tokens). Measured:
-  1. sampling tokens/s on a GRPO batch (8 prompts x 8): common.sample vs model.generate, bf16, eager and compiled
-     (ours: torch.compile of the forward; HF: generate with its static cache and a compiled forward);
-  2. training forward+backward of the policy (bf16 autocast, fp32 master weights): time, tokens/s and model FLOP
-     utilisation, MFU = 6 * N * tokens / time / peak (N = parameters, embeddings excluded; attention FLOPs ignored);
-  3. seconds per step and peak memory of grpo.py (beta 0 and 0.04), reinforce.py and ppo.py at equal settings,
-     eager, plus grpo.py with --compile.
-Prints a table per part and writes everything as JSON to --out (bench/gpu_check.json, or $OUT/). The numbers go into
-bench/RESULTS.md with the date and the GPU's name.
+It needs no hub access: the model is built from a config with random weights, with a synthetic
+word-level tokenizer over the same 151,936-token vocabulary (EOS almost never fires, so every row
+decodes all its tokens). Measured:
+  1. sampling tokens/s on a GRPO batch (8 prompts x 8): common.sample vs model.generate, bf16,
+     eager and compiled (ours: torch.compile of the forward; HF: generate with its static cache
+     and a compiled forward);
+  2. training forward+backward of the policy (bf16 autocast, fp32 master weights): time, tokens/s
+     and model FLOP utilisation, MFU = 6 * N * tokens / time / peak (N = parameters, embeddings
+     excluded; attention FLOPs ignored);
+  3. seconds per step and peak memory of grpo.py (beta 0 and 0.04), reinforce.py and ppo.py at
+     equal settings, eager, plus grpo.py with --compile.
+Prints a table per part and writes everything as JSON to --out (bench/gpu_check.json, or $OUT/).
+The numbers go into bench/RESULTS.md with the date and the GPU's name.
 """
-import argparse, json, os, tempfile, time
+import argparse
+import json
+import os
+import tempfile
+import time
 
 import torch
 
 import bench as B  # bench/bench.py, beside this script: timed() and run_script()
 import common as C  # bench.py puts the repository root on sys.path
+import runs as R  # peak_mem_mb()
 
 ROOT = B.ROOT
 
-PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0,
+                    "4090": 165.0}
 
 
 def build_model(path, tiny):
-    """Random Qwen2-0.5B-shaped policy (or a 2-layer toy) and a synthetic tokenizer: one token per character of
-    printable ASCII (so the built-in prompts tokenize) plus filler words up to the full vocabulary."""
+    """Random Qwen2-0.5B-shaped policy (or a 2-layer toy) and a synthetic tokenizer: one token per
+    character of printable ASCII (so the built-in prompts tokenize) plus filler words up to the
+    full vocabulary."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
     vocab_size = 1000 if tiny else 151936
@@ -38,13 +51,15 @@ def build_model(path, tiny):
     tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tk.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tk.decoder = decoders.Fuse()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>",
-                                  unk_token="<unk>", padding_side="left", model_max_length=32768)
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<bos>", eos_token="<eos>",
+                                  pad_token="<pad>", unk_token="<unk>", padding_side="left",
+                                  model_max_length=32768)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2) if tiny else \
         dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2-0.5B's
-    cfg = Qwen2Config(vocab_size=vocab_size, num_attention_heads=14 if not tiny else 4, num_key_value_heads=2,
-                      max_position_embeddings=32768, **shape,
-                      tie_word_embeddings=True, rope_theta=1e6, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    cfg = Qwen2Config(vocab_size=vocab_size, num_attention_heads=14 if not tiny else 4,
+                      num_key_value_heads=2, max_position_embeddings=32768, **shape,
+                      tie_word_embeddings=True, rope_theta=1e6, pad_token_id=0, bos_token_id=1,
+                      eos_token_id=2)
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
     model.save_pretrained(path)
@@ -55,30 +70,45 @@ def build_model(path, tiny):
 def bench_sampling(path, device, new_tokens):
     from transformers import AutoModelForCausalLM
     tok = C.load_tokenizer(path)
-    prompts = C.encode_prompts(tok, [r["prompt"] for r in C.load_data("").eval_rows[:8] for _ in range(8)])
+    rows = C.load_data("").eval_rows[:8]
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(8)])
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
+
+    def load_bf16():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        return model.to(device).eval()
     out = {}
     for compiled in (False, True):
-        ours, hf = [AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(device).eval()
-                    for _ in range(2)]  # one copy each, so compiling one does not touch the other
+        # one copy each, so compiling one does not touch the other
+        ours = load_bf16()
+        hf = load_bf16()
         kw = {}
-        if compiled:  # both copies share HF's forward code, whose graphs dynamo counts together (limit 8)
+        if compiled:
+            # both copies share HF's forward code, whose graphs dynamo counts together (limit 8)
             torch._dynamo.config.recompile_limit = 32
             ours.forward = torch.compile(ours.forward, dynamic=True)
             hf.forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
             kw = {"cache_implementation": "static"}
+
+        def run_ours():
+            return int(C.sample(ours, tok, prompts, new_tokens).completion_mask.sum())
+
+        def run_hf():
+            g = hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=True,
+                            top_k=0, pad_token_id=tok.pad_token_id, **kw)
+            return int((g[:, ids.shape[1]:] != tok.pad_token_id).sum())
         t = time.perf_counter()
-        n_ours, t_ours = B.timed(lambda: int(C.sample(ours, tok, prompts, new_tokens).completion_mask.sum()), 3)
+        n_ours, t_ours = B.timed(run_ours, 3)
         first_ours = time.perf_counter() - t
         t = time.perf_counter()
-        n_hf, t_hf = B.timed(lambda: int((hf.generate(ids, attention_mask=mask, max_new_tokens=new_tokens,
-                                                       do_sample=True, top_k=0, pad_token_id=tok.pad_token_id, **kw)
-                                          [:, ids.shape[1]:] != tok.pad_token_id).sum()), 3)
+        n_hf, t_hf = B.timed(run_hf, 3)
         first_hf = time.perf_counter() - t
         key = "compiled" if compiled else "eager"
-        out[key] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf, "ratio": t_hf / t_ours * n_ours / n_hf,
+        out[key] = {"ours_tok_s": n_ours / t_ours, "generate_tok_s": n_hf / t_hf,
+                    "ratio": t_hf / t_ours * n_ours / n_hf,
                     "ours_warmup_plus_runs_s": first_ours, "generate_warmup_plus_runs_s": first_hf}
-        print(f"sampling {key:8s} 8x8, {new_tokens} new tokens: common.sample {n_ours / t_ours:8.0f} tok/s   "
+        print(f"sampling {key:8s} 8x8, {new_tokens} new tokens: "
+              f"common.sample {n_ours / t_ours:8.0f} tok/s   "
               f"model.generate {n_hf / t_hf:8.0f} tok/s   ratio {out[key]['ratio']:.2f}x")
         ours = hf = None  # free both copies before the next pair is loaded
         if torch.cuda.is_available():
@@ -104,18 +134,22 @@ def bench_train(path, device, n_params, n_embed, seq):
     n, t = B.timed(step, 3)
     name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
-    flops = 6 * (n_params - n_embed) * n + 6 * n_embed * rows * (T + 1)  # the tied LM head runs on T + 1 positions
+    # the tied LM head runs on T + 1 positions only
+    flops = 6 * (n_params - n_embed) * n + 6 * n_embed * rows * (T + 1)
     out = {"batch": rows, "seq": seq, "s": t, "tokens_per_s": n / t, "tflops": flops / t / 1e12,
-           "mfu": flops / t / 1e12 / peak if peak else None, "peak_mem_mb": C.peak_mem_mb(device)}
-    print(f"train fwd+bwd  {rows} x {seq} tokens (loss on the last {T}): {t * 1e3:.0f} ms, {n / t:,.0f} tok/s, "
-          f"{out['tflops']:.1f} TFLOP/s" + (f", MFU {out['mfu']:.1%} of {peak:.0f}" if peak else ""))
+           "mfu": flops / t / 1e12 / peak if peak else None, "peak_mem_mb": R.peak_mem_mb(device)}
+    mfu = f", MFU {out['mfu']:.1%} of {peak:.0f}" if peak else ""
+    print(f"train fwd+bwd  {rows} x {seq} tokens (loss on the last {T}): {t * 1e3:.0f} ms, "
+          f"{n / t:,.0f} tok/s, {out['tflops']:.1f} TFLOP/s{mfu}")
     return out
 
 
 def bench_scripts(path, steps, new_tokens):
-    common = ["--model", path, "--max_steps", str(steps), "--max_new_tokens", str(new_tokens), "--dtype", "bf16",
-              "--eval_size", "16", "--eval_every", "0", "--save_every", str(10**6)]
-    runs = {"grpo beta=0": ("grpo.py", ["--beta", "0"]), "grpo beta=0.04": ("grpo.py", ["--beta", "0.04"]),
+    common = ["--model", path, "--max_steps", str(steps), "--max_new_tokens", str(new_tokens),
+              "--dtype", "bf16", "--eval_size", "16", "--eval_every", "0",
+              "--save_every", str(10**6)]
+    runs = {"grpo beta=0": ("grpo.py", ["--beta", "0"]),
+            "grpo beta=0.04": ("grpo.py", ["--beta", "0.04"]),
             "grpo beta=0.04 --compile": ("grpo.py", ["--beta", "0.04", "--compile"]),
             "reinforce rloo": ("reinforce.py", ["--baseline", "rloo"]),
             "ppo (critic = policy copy)": ("ppo.py", ["--critic_init", "policy"])}
@@ -128,30 +162,39 @@ def bench_scripts(path, steps, new_tokens):
                 out[name] = {"error": str(e)}
                 print(f"steps    {name:28s} FAILED: {e}")
                 continue
-            print(f"steps    {name:28s} {out[name]['s_per_step']:7.3f} s/step (first {out[name]['first_step_s']:.1f} s)"
-                  f"   peak memory {out[name]['peak_mem_mb']:8.0f} MB")
+            r = out[name]
+            print(f"steps    {name:28s} {r['s_per_step']:7.3f} s/step "
+                  f"(first {r['first_step_s']:.1f} s)   peak memory {r['peak_mem_mb']:8.0f} MB")
     return out
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tiny", action="store_true", help="a 2-layer toy: checks the script itself, on any device")
-    p.add_argument("--new_tokens", type=int, default=128, help="sampling benchmark completion length")
-    p.add_argument("--steps", type=int, default=5, help="training steps per script (the first 2 are not timed)")
-    p.add_argument("--parts", default="sampling,train,scripts", help="which parts to run, comma-separated")
-    p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or os.path.join(ROOT, "bench"), "gpu_check.json"),
-                   help="JSON results ($OUT/gpu_check.json when $OUT is set, as on the device machine)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a 2-layer toy: checks the script itself, on any device")
+    p.add_argument("--new_tokens", type=int, default=128,
+                   help="sampling benchmark completion length")
+    p.add_argument("--steps", type=int, default=5,
+                   help="training steps per script (the first 2 are not timed)")
+    p.add_argument("--parts", default="sampling,train,scripts",
+                   help="which parts to run, comma-separated")
+    out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench")
+    p.add_argument("--out", default=os.path.join(out_dir, "gpu_check.json"),
+                   help="JSON results ($OUT/gpu_check.json when $OUT is set, as on the "
+                        "device machine)")
     a = p.parse_args()
     device = C.pick_device()
-    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": torch.cuda.get_device_name() if device.type == "cuda"
-           else "cpu", "torch": torch.__version__, "tiny": a.tiny}
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    res = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": device_name,
+           "torch": torch.__version__, "tiny": a.tiny}
     import transformers
     res["transformers"] = transformers.__version__
     print(json.dumps(res))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "qwen2-0.5b-random")
         n_params, n_embed = build_model(path, a.tiny)
-        res["params"], res["embedding_params"] = n_params, n_embed
+        res["params"] = n_params
+        res["embedding_params"] = n_embed
         print(f"model: Qwen2-0.5B-shaped, {n_params / 1e6:.0f} M parameters, random weights")
         for part, fn in (("sampling", lambda: bench_sampling(path, device, a.new_tokens)),
                          ("train", lambda: bench_train(path, device, n_params, n_embed, 512)),

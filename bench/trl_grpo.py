@@ -1,25 +1,37 @@
-"""grpo.py vs TRL's GRPOTrainer on the bundled tiny model and the built-in 2-digit addition task, same settings.
+"""grpo.py vs TRL's GRPOTrainer, same settings: bundled tiny model, built-in 2-digit addition task.
 
   pip install trl                      # only for this benchmark; never a project dependency
   python bench/trl_grpo.py             # --steps 200 --seed 0 --warmup 3 --threads <cpu count>
-  python bench/trl_grpo.py --grpo_args=--compile   # grpo.py with torch.compile (its first step compiles)
+  python bench/trl_grpo.py --grpo_args=--compile   # grpo.py under torch.compile (slow 1st step)
 
-Both train models/tiny-adder for --steps optimizer steps: 8 prompts x 8 completions = 64 per step, at most 6 new
-tokens, temperature 1.0, constant lr 1e-4 (no warmup), beta 0.04 (k3 KL to a frozen reference), eps 0.2, group-std
-reward scaling, token-mean loss ("dapo" in TRL), one update per batch, grad clip 1.0, no weight decay, dropout off.
-Both see the same prompt stream: common.task_train_pairs(random.Random(seed), ...) in order (grpo.py draws 8 per step
-from that rng; TRL gets the same 8 * steps rows as a plain-text "prompt" column, unshuffled, no chat template).
+Both train models/tiny-adder for --steps optimizer steps: 8 prompts x 8 completions = 64 per step,
+at most 6 new tokens, temperature 1.0, constant lr 1e-4 (no warmup), beta 0.04 (k3 KL to a frozen
+reference), eps 0.2, group-std reward scaling, token-mean loss ("dapo" in TRL), one update per
+batch, grad clip 1.0, no weight decay, dropout off. Both see the same prompt stream:
+common.task_train_pairs(random.Random(seed), ...) in order (grpo.py draws 8 per step from that
+rng; TRL gets the same 8 * steps rows as a plain-text "prompt" column, unshuffled, no chat
+template).
 
 What is timed (wall clock, mean over steps after --warmup):
-  grpo.py  `step_time` from its metrics.jsonl: sampling, rewards, reference log-probs, forward/backward, clip,
-           optimizer step and the step's metric bookkeeping; not the before/after evals or the checkpoint.
-  TRL      on_step_begin -> on_step_end of a TrainerCallback: generation, rewards, reference log-probs,
-           forward/backward, clip, optimizer and scheduler step; not data loading, logging or saving.
-Accuracy: common.evaluate (greedy, max_new_tokens 6, math_reward) on common.load_data("").eval_rows (500 held-out
-prompts), run here in the same process on the base model, grpo.py's final checkpoint and TRL's final model.
+  grpo.py  `step_time` from its metrics.jsonl: sampling, rewards, reference log-probs,
+           forward/backward, clip, optimizer step and the step's metric bookkeeping; not the
+           before/after evals or the checkpoint.
+  TRL      on_step_begin -> on_step_end of a TrainerCallback: generation, rewards, reference
+           log-probs, forward/backward, clip, optimizer and scheduler step; not data loading,
+           logging or saving.
+Accuracy: common.evaluate (greedy, max_new_tokens 6, math_reward) on
+common.load_data("").eval_rows (500 held-out prompts), run here in the same process on the base
+model, grpo.py's final checkpoint and TRL's final model.
 Prints a table, then one JSON line (the last line of stdout).
 """
-import argparse, json, os, random, subprocess, sys, tempfile, time
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
 from types import SimpleNamespace
 
 try:
@@ -45,16 +57,20 @@ def sync():
 
 
 def run_grpo_py(a, out_dir):
-    """grpo.py in a subprocess with the same thread count; returns its per-step metrics and checkpoint folder."""
-    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--output_dir", out_dir, "--max_steps", str(a.steps),
-           "--seed", str(a.seed), "--prompts_per_step", str(PROMPTS), "--group_size", str(GROUP),
-           "--max_new_tokens", str(NEW_TOKENS), "--temperature", str(TEMP), "--top_p", "1.0", "--lr", str(LR),
-           "--beta", str(BETA), "--kl_estimator", "k3", "--loss_agg", "token-mean", "--scale_rewards", "group",
-           "--num_iterations", "1", "--max_grad_norm", "1.0", "--weight_decay", "0", "--eval_every", "0",
-           "--save_every", str(a.steps), "--eval_size", "500", "--micro_batch_size", str(PROMPTS * GROUP),
-           *a.grpo_args.split()]
+    """grpo.py in a subprocess with the same thread count; returns its per-step metrics, its
+    summary and its checkpoint folder."""
+    cmd = [sys.executable, os.path.join(ROOT, "grpo.py"), "--output_dir", out_dir,
+           "--max_steps", str(a.steps), "--seed", str(a.seed),
+           "--prompts_per_step", str(PROMPTS), "--group_size", str(GROUP),
+           "--max_new_tokens", str(NEW_TOKENS), "--temperature", str(TEMP), "--top_p", "1.0",
+           "--lr", str(LR), "--beta", str(BETA), "--kl_estimator", "k3",
+           "--loss_agg", "token-mean", "--scale_rewards", "group", "--num_iterations", "1",
+           "--max_grad_norm", "1.0", "--weight_decay", "0", "--eval_every", "0",
+           "--save_every", str(a.steps), "--eval_size", "500",
+           "--micro_batch_size", str(PROMPTS * GROUP), *a.grpo_args.split()]
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "MKL_NUM_THREADS": str(a.threads)}
-    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     with open(os.path.join(out_dir, "summary.json")) as f:
@@ -82,22 +98,26 @@ class StepTimer(TrainerCallback):
 def run_trl(a, out_dir, device):
     tok = C.load_tokenizer(C.DEFAULT_POLICY)  # left padding, our pad token; no chat template
     model = C.load_model(C.DEFAULT_POLICY, "lm", device)
-    rows = [C.addition_row(x, y) for x, y in C.task_train_pairs(random.Random(a.seed), PROMPTS * a.steps)]
+    pairs = C.task_train_pairs(random.Random(a.seed), PROMPTS * a.steps)
+    rows = [C.addition_row(x, y) for x, y in pairs]
 
-    def math(prompts, completions, answer, **kw):  # common.math_reward on each completion vs its row's answer
+    def math(prompts, completions, answer, **kw):  # common.math_reward vs each row's answer
         return [C.math_reward(c, {"answer": ans}) for c, ans in zip(completions, answer)]
     cfg = GRPOConfig(
-        output_dir=out_dir, max_steps=a.steps, per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
-        gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS, temperature=TEMP, top_p=1.0, top_k=0,
-        learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        beta=BETA, epsilon=0.2, loss_type="dapo", scale_rewards="group", num_iterations=1,
+        output_dir=out_dir, max_steps=a.steps, per_device_train_batch_size=PROMPTS * GROUP,
+        num_generations=GROUP, gradient_accumulation_steps=1, max_completion_length=NEW_TOKENS,
+        temperature=TEMP, top_p=1.0, top_k=0, learning_rate=LR, lr_scheduler_type="constant",
+        warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, beta=BETA, epsilon=0.2,
+        loss_type="dapo", scale_rewards="group", num_iterations=1,
         mask_truncated_completions=False, disable_dropout=True, gradient_checkpointing=False,
-        shuffle_dataset=False, seed=a.seed, use_cpu=device.type == "cpu", bf16=device.type == "cuda",
-        report_to="none", save_strategy="no", logging_steps=1, disable_tqdm=True, log_completions=False)
+        shuffle_dataset=False, seed=a.seed, use_cpu=device.type == "cpu",
+        bf16=device.type == "cuda", report_to="none", save_strategy="no", logging_steps=1,
+        disable_tqdm=True, log_completions=False)
     timer = StepTimer()
     trainer = GRPOTrainer(model=model, reward_funcs=math, args=cfg, processing_class=tok,
                           train_dataset=datasets.Dataset.from_list(rows), callbacks=[timer])
-    trainer.remove_callback(PrinterCallback), trainer.remove_callback(ProgressCallback)
+    trainer.remove_callback(PrinterCallback)
+    trainer.remove_callback(ProgressCallback)
     trainer.train()
     return trainer.model, tok, timer
 
@@ -121,7 +141,8 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the s/step mean")
-    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads for both")
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
+                   help="torch threads for both")
     p.add_argument("--grpo_args", default="", help='more grpo.py flags, e.g. "--compile"')
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -138,30 +159,37 @@ def main():
         trl_acc = accuracy(trl_model, tok, device)
     base_acc = accuracy(C.load_model(C.DEFAULT_POLICY, "lm", device), tok, device)
     if abs(ours_acc - summary["eval_after"]) > 1e-9:
-        print(f"warning: grpo.py's own eval_after {summary['eval_after']:.3f} != {ours_acc:.3f} measured here")
-    ours_t, trl_t = [m["step_time"] for m in metrics][a.warmup:], timer.times[a.warmup:]
+        print(f"warning: grpo.py's own eval_after {summary['eval_after']:.3f} != "
+              f"{ours_acc:.3f} measured here")
+    ours_t = [m["step_time"] for m in metrics][a.warmup:]
+    trl_t = timer.times[a.warmup:]
     tail = max(1, a.steps // 10)
 
     def entry(times, acc, n, rewards, wall):
-        return {"s_per_step": mean(times), "s_per_step_median": median(times), "eval_after": acc, "steps_run": n,
+        return {"s_per_step": mean(times), "s_per_step_median": median(times),
+                "eval_after": acc, "steps_run": n,
                 "train_reward_last10pct": mean(rewards[-tail:]), "run_wall_s": wall}
-    res = {"steps": a.steps, "seed": a.seed, "warmup": a.warmup, "threads": a.threads, "device": device.type,
-           "grpo_args": a.grpo_args,
+    ours_rewards = [m["reward"] for m in metrics]
+    res = {"steps": a.steps, "seed": a.seed, "warmup": a.warmup, "threads": a.threads,
+           "device": device.type, "grpo_args": a.grpo_args,
            "trl_version": trl.__version__, "torch": torch.__version__, "eval_before": base_acc,
-           "grpo_py": entry(ours_t, ours_acc, len(metrics), [m["reward"] for m in metrics], ours_wall),
+           "grpo_py": entry(ours_t, ours_acc, len(metrics), ours_rewards, ours_wall),
            "trl": entry(trl_t, trl_acc, len(timer.times), timer.rewards, trl_wall)}
     res["trl_over_grpo_py_time"] = res["trl"]["s_per_step"] / res["grpo_py"]["s_per_step"]
-    print(f"\n{a.steps} steps x {PROMPTS * GROUP} completions, seed {a.seed}, {a.threads} threads, {device.type}, "
+    print(f"\n{a.steps} steps x {PROMPTS * GROUP} completions, seed {a.seed}, "
+          f"{a.threads} threads, {device.type}, "
           f"grpo.py {a.grpo_args or '(no extra flags)'}; "
-          f"s/step = mean over steps {a.warmup + 1}..{a.steps}; held-out greedy accuracy on 500 prompts "
-          f"(before: {base_acc:.3f})")
+          f"s/step = mean over steps {a.warmup + 1}..{a.steps}; "
+          f"held-out greedy accuracy on 500 prompts (before: {base_acc:.3f})")
     print(f"{'':12}{'s/step':>10}{'median':>10}{'accuracy':>10}{'reward':>10}{'run wall s':>12}")
     for name, key in (("grpo.py", "grpo_py"), (f"TRL {trl.__version__}", "trl")):
         r = res[key]
-        print(f"{name:12}{r['s_per_step']:>10.3f}{r['s_per_step_median']:>10.3f}{r['eval_after']:>10.3f}"
-              f"{r['train_reward_last10pct']:>10.3f}{r['run_wall_s']:>12.1f}")
-    print(f"TRL / grpo.py time per step: {res['trl_over_grpo_py_time']:.2f}x  (reward: mean sampled reward over the "
-          f"last {tail} steps; run wall includes loading and, for grpo.py, its own before/after evals)")
+        print(f"{name:12}{r['s_per_step']:>10.3f}{r['s_per_step_median']:>10.3f}"
+              f"{r['eval_after']:>10.3f}{r['train_reward_last10pct']:>10.3f}"
+              f"{r['run_wall_s']:>12.1f}")
+    print(f"TRL / grpo.py time per step: {res['trl_over_grpo_py_time']:.2f}x  "
+          f"(reward: mean sampled reward over the last {tail} steps; run wall includes loading "
+          f"and, for grpo.py, its own before/after evals)")
     print(json.dumps(res))
 
 

@@ -1,0 +1,497 @@
+"""runs.py: the run plumbing every training script shares, so that it behaves the same everywhere:
+flags, bad-input errors, the output folder and its lock, metrics and samples files, checkpoints and
+resume, Ctrl-C, skipped non-finite updates, the end-of-run report, and --sanity.
+
+Nothing here is part of an algorithm: read grpo.py, reinforce.py or ppo.py first.
+
+A run folder holds:
+  metrics.jsonl   one JSON line per step (appended and flushed: a crash loses at most that step)
+  samples.jsonl   a few decoded completions every 25 steps
+  checkpoint/     the policy and tokenizer (from_pretrained loads it), args.json, trainer_state.pt;
+                  replaced atomically, so a kill at any moment leaves the previous one loadable
+  summary.json    args, held-out score before and after, wall time, peak memory
+  curves.png      when matplotlib is installed
+"""
+import argparse
+import atexit
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import os
+import random
+import re
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+import torch
+from tqdm import tqdm
+from transformers import HfArgumentParser
+from transformers.utils import logging as hf_logging
+
+import common as C
+
+hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
+STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
+NEW_FOLDERS = []  # output folders this process made: removed again if the run fails before step 1
+SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir")
+
+
+# ------------------------------------------------------------------------------ errors, flags
+def main_guard(main):
+    """Run main(). Bad input exits 2 with one line; out of memory exits 1 with what to change;
+    anything else keeps its traceback. The last checkpoint and metrics stay intact either way."""
+    try:
+        try:
+            main()
+        finally:  # a run that failed (or --sanity) before logging a step leaves no empty folder
+            for folder in NEW_FOLDERS:
+                files = os.listdir(folder) if os.path.isdir(folder) else ["gone"]
+                if all(f in ("run.lock", "metrics.jsonl", "samples.jsonl")
+                       and not (f.endswith(".jsonl") and os.path.getsize(f"{folder}/{f}"))
+                       for f in files):
+                    shutil.rmtree(folder, ignore_errors=True)
+    except C.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except torch.OutOfMemoryError as e:  # the commonest complaint of big-trainer users (trl#2972)
+        print(f"error: out of memory ({C._first_line(e)[:100]}): lower --micro_batch_size "
+              "(activations and logits grow with it) or add --gradient_checkpointing; the last "
+              "checkpoint is intact", file=sys.stderr)
+        sys.exit(1)
+
+
+def _saved_args(resume_dir, algo):
+    """The settings of the run in resume_dir, from its checkpoint's args.json."""
+    ckpt = os.path.join(resume_dir, "checkpoint")
+    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
+        os.replace(ckpt + ".old", ckpt)  # killed between save_checkpoint's two renames
+    path = os.path.join(ckpt, "args.json")
+    if not os.path.isfile(path):
+        raise C.UserError(f"--resume {resume_dir!r}: no checkpoint/args.json in that folder")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
+    if saved["algo"] != algo:
+        raise C.UserError(f"--resume {resume_dir!r}: that run was made by {saved['algo']}.py; "
+                          "resume it with that script")
+    return saved["args"]
+
+
+def parse_args(args_cls, algo, doc=""):
+    """HfArgumentParser over the Args dataclass; each flag's --help is the comment beside its field.
+    With --resume DIR the run's saved settings are the defaults, so it continues as it was (to its
+    own max_steps); a flag that would change a setting other than SAFE_TO_CHANGE_ON_RESUME is
+    refused, since the optimizer state and the data stream belong to the old settings."""
+    source = inspect.getsource(args_cls)
+    comments = dict(re.findall(r"^    (\w+): .*?  # (.+)$", source, re.M))
+    for f in dataclasses.fields(args_cls):
+        f.metadata = {**f.metadata, "help": comments.get(f.name, "")}
+    parser = HfArgumentParser(args_cls, description=doc.split("\n\n")[0],
+                              epilog=doc[doc.find("Run:"):] if "Run:" in doc else None,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+
+    def error(message):  # argparse would print its usage, then the message: one line instead
+        raise C.UserError(f"{message}; see --help")
+    parser.error = error
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--resume", default="")
+    resume = pre.parse_known_args()[0].resume
+    saved = _saved_args(resume, algo) if resume else {}
+    names = {f.name for f in dataclasses.fields(args_cls)}
+    parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
+    args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    if unknown:  # e.g. a typo, or another script's flag
+        flags = [f"--{n}" for n in names]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], flags)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise C.UserError(f"unknown argument {unknown[0]!r}{hint}; see --help")
+    for name, old in saved.items():
+        new = getattr(args, name, old)
+        if name not in SAFE_TO_CHANGE_ON_RESUME and new != old:
+            raise C.UserError(f"--{name} {new} differs from the resumed run's {old!r}: a resumed "
+                              "run "
+                              f"keeps its settings (only {', '.join(SAFE_TO_CHANGE_ON_RESUME[:3])} "
+                              "may change); start a new run to change it")
+    if resume:
+        args.output_dir = resume
+    return args
+
+
+# Valid ranges of the numeric flags, by name, checked before a run folder is made.
+POSITIVE = ("lr", "critic_lr", "temperature", "max_new_tokens", "micro_batch_size", "max_steps",
+            "prompts_per_step", "group_size", "samples_per_prompt", "batch_size", "num_minibatches",
+            "ppo_epochs", "num_iterations", "max_grad_norm", "eval_size", "adam_eps", "kl_target",
+            "kl_horizon", "overlong_buffer", "clip_eps", "clip_eps_high", "clip_eps_value")
+NON_NEGATIVE = ("beta", "kl_coef", "weight_decay", "vf_coef", "ent_coef", "target_kl", "seed",
+                "eval_every", "save_every", "overlong_penalty", "max_resample_rounds",
+                "missing_eos_penalty")
+UNIT = {"top_p": (False, True), "gamma": (True, True), "lam": (True, True),
+        "ema_decay": (True, False)}  # (0 allowed, 1 allowed)
+
+
+def check_args(args):
+    """Flags every script shares, and the valid range of each numeric flag: a value out of range
+    would otherwise fail deep inside a step (NaN probabilities, empty batches) or, worse, train
+    to the end on nonsense (a negative lr or max_grad_norm flips the update)."""
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise C.UserError(f"--{f.name} must be a finite number, not {value}")
+        if f.name in POSITIVE and not value > 0:
+            raise C.UserError(f"--{f.name} must be > 0, not {value}")
+        if f.name in NON_NEGATIVE and not value >= 0:
+            raise C.UserError(f"--{f.name} must be >= 0, not {value}")
+        if f.name in UNIT:
+            zero_ok, one_ok = UNIT[f.name]
+            if not ((0 < value or zero_ok and value == 0) and (value < 1 or one_ok and value == 1)):
+                interval = f"{'[' if zero_ok else '('}0, 1{']' if one_ok else ')'}"
+                raise C.UserError(f"--{f.name} must be in {interval}, not {value}")
+    if "" in args.stop:
+        raise C.UserError("--stop: an empty stop string would end every completion at once")
+    if args.resume and args.output_dir != args.resume:
+        raise C.UserError("--resume DIR continues in DIR: leave --output_dir out")
+
+
+# ----------------------------------------------------------------- the output folder and its files
+@dataclass
+class Run:
+    """Everything the plumbing keeps for one run; the training loop passes it explicitly."""
+    dir: str
+    algo: str
+    args: object
+    state: dict | None  # the checkpoint's trainer_state.pt when resuming, else None
+    metrics: object  # metrics.jsonl, open for appending
+    samples: object  # samples.jsonl, open for appending
+    history: list = field(default_factory=list)  # every metrics line so far
+    t0: float = field(default_factory=time.time)
+    nonfinite: int = 0  # updates skipped for NaN/inf so far
+    nonfinite_in_row: int = 0
+
+
+def _take_lock(folder):
+    """One run per folder: a lock file holding our pid; a lock left by a dead process is taken."""
+    path = os.path.join(folder, "run.lock")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                with open(path) as f:
+                    pid = int(f.read().strip() or 0)
+                if pid == os.getpid():  # an earlier run in this process (tests call main())
+                    raise ValueError
+                os.kill(pid, 0)  # raises if no such process
+            except (OSError, ValueError):
+                os.remove(path)  # stale: its process is gone
+                continue
+            raise C.UserError(f"{folder!r} is in use by a run in process {pid} (remove {path} if "
+                              "that process is not this program)") from None
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        atexit.register(_release_lock, folder)
+        return
+
+
+def _release_lock(folder):
+    path = os.path.join(folder, "run.lock")
+    try:
+        with open(path) as f:
+            mine = f.read().strip() == str(os.getpid())
+        if mine:
+            os.remove(path)
+    except OSError:
+        pass
+
+
+def _trim_jsonl(path, last_step):
+    """Keep the lines of steps <= last_step (a line cut short by a crash is dropped too)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        lines = [json.loads(line) for line in f if line.endswith("}\n")]
+    lines = [m for m in lines if m["step"] <= last_step]
+    with open(path, "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in lines)
+    return lines
+
+
+def start_run(args, algo):
+    """Make (or, resuming, reopen) the output folder, lock it, and open the metrics and samples
+    files. Resuming cuts both files back to the checkpoint's step: no step is logged twice."""
+    folder = args.output_dir or os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+    try:
+        if not os.path.exists(folder):
+            NEW_FOLDERS.append(folder)
+        os.makedirs(folder, exist_ok=True)
+        _take_lock(folder)
+    except OSError as e:
+        raise C.UserError(f"--output_dir {folder!r}: {e.strerror or e}") from None
+    metrics_path = os.path.join(folder, "metrics.jsonl")
+    samples_path = os.path.join(folder, "samples.jsonl")
+    state = None
+    if args.resume:
+        path = os.path.join(folder, "checkpoint", "trainer_state.pt")
+        try:
+            state = torch.load(path, weights_only=False)
+        except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
+            raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
+    elif os.path.exists(metrics_path) and os.path.getsize(metrics_path):
+        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl): continue "
+                          f"it with --resume {folder}, or choose another --output_dir")
+    history = _trim_jsonl(metrics_path, state["step"]) if state else []
+    if state:
+        _trim_jsonl(samples_path, state["step"])
+    signal.signal(signal.SIGINT, _on_sigint)
+    return Run(dir=folder, algo=algo, args=args, state=state, history=history,
+               metrics=open(metrics_path, "a"), samples=open(samples_path, "a"))
+
+
+def _on_sigint(signum, frame):
+    if STOP["requested"]:  # a second Ctrl-C exits at once; the last checkpoint is still intact
+        raise KeyboardInterrupt
+    STOP["requested"] = True
+    print("\nCtrl-C: finishing this step, then saving a checkpoint (again to quit at once)",
+          file=sys.stderr)
+
+
+def seed_everything(seed):
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return random.Random(seed)  # the data stream's own rng, saved in checkpoints
+
+
+def resume_or_eval(run, opt, rng, evaluate, metric):
+    """Resuming: restore the optimizer, the RNG states and the counters from the checkpoint.
+    Otherwise run the first held-out eval. Returns (first step, eval score before training,
+    the algorithm's own saved state: a dict, empty for a new run)."""
+    if not run.state:
+        eval_before = evaluate()
+        print(f"held-out greedy {metric} before training: {eval_before:.3f}")
+        return 0, eval_before, {}
+    s = run.state
+    opt.load_state_dict(s["optimizer"])
+    torch.set_rng_state(s["torch_rng"])
+    if s["cuda_rng"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(s["cuda_rng"])
+    rng.setstate(s["data_rng"])
+    run.nonfinite = s["nonfinite"]
+    print(f"resumed {run.dir} at step {s['step']} of {run.args.max_steps}")
+    return s["step"], s["extra"]["eval_before"], s["extra"]
+
+
+# ------------------------------------------------------------------------- during the loop
+def skip_update(run, what, max_in_row=10):
+    """Count an update skipped for NaN/inf (in a reward, loss or gradient); the caller resets
+    run.nonfinite_in_row after a good one. Too many in a row stop the run."""
+    run.nonfinite += 1
+    run.nonfinite_in_row += 1
+    tqdm.write(f"warning: non-finite {what}, update skipped ({run.nonfinite} so far)")
+    if run.nonfinite_in_row >= max_in_row:
+        raise RuntimeError(f"{max_in_row} non-finite updates in a row; stopping (the last "
+                           "checkpoint is intact)")
+
+
+def every(step, n):
+    """True after every n-th step (step counts from 0); n = 0 never."""
+    return n > 0 and (step + 1) % n == 0
+
+
+def log_step(run, metrics, bar, samples, opt, kl_warn=10.0):
+    """Append the metrics line (and every 25 steps the samples); after the first step, say what
+    memory AdamW's moments add from the next step on (where runs that barely fit fail, trl#2972)."""
+    step = metrics["step"]
+    if metrics.get("kl", 0.0) > kl_warn:
+        tqdm.write(f"warning: KL per token is {metrics['kl']:.2f} at step {step}: the policy is "
+                   "running away from the reference")
+    run.history.append(metrics)
+    run.metrics.write(json.dumps(metrics) + "\n")
+    run.metrics.flush()
+    if samples and (step - 1) % 25 == 0:
+        run.samples.write(json.dumps({"step": step, "samples": samples}) + "\n")
+        run.samples.flush()
+    shown = ("reward", "kl", "gold", "eval")
+    bar.set_postfix({k: f"{metrics[k]:.3g}" for k in shown if k in metrics})
+    if step == 1:
+        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
+        device = params[0].device
+        moments = 8 * sum(p.numel() for p in params) / 2**20
+        total = ""
+        if device.type == "cuda":
+            total = f" of {torch.cuda.get_device_properties(device).total_memory / 2**20:,.0f}"
+        tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB{total} in the first step; AdamW's "
+                   f"moments, created at its end, add {moments:,.0f} MB from the next step on")
+
+
+def save_checkpoint(run, model, tok, opt, rng, step, extra):
+    """Atomic: write checkpoint.tmp/, then swap it in by renames, so a kill while saving leaves the
+    previous checkpoint loadable (parse_args recovers checkpoint.old/ if the kill fell between the
+    renames). extra: the algorithm's own state to restore on resume, e.g. PPO's kl_coef."""
+    final, tmp, old = (os.path.join(run.dir, n) for n in ("checkpoint", "checkpoint.tmp",
+                                                          "checkpoint.old"))
+    for leftover in (tmp, old):  # of a save that was killed
+        shutil.rmtree(leftover, ignore_errors=True)
+    state = {"step": step, "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
+             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+             "data_rng": rng.getstate(), "nonfinite": run.nonfinite, "extra": extra}
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+        with open(os.path.join(tmp, "args.json"), "w") as f:
+            json.dump({"algo": run.algo, "args": dataclasses.asdict(run.args)}, f, indent=1)
+    except (OSError, RuntimeError) as e:  # e.g. a full disk ("enforce fail at inline_container")
+        shutil.rmtree(tmp, ignore_errors=True)
+        free = shutil.disk_usage(run.dir).free / 2**20
+        raise C.UserError(f"could not write the checkpoint to {tmp} ({C._first_line(e)[:80]}; "
+                          f"{free:,.0f} MB free): free some space and --resume {run.dir}; the "
+                          "previous checkpoint is intact") from None
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------- end of the run
+def peak_mem_mb(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    try:  # Linux: this process's own peak RSS
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+    except (OSError, StopIteration):
+        try:
+            import resource
+        except ImportError:  # Windows: neither /proc nor `resource`: unknown, not a crash
+            return float("nan")
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+        return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+
+
+def spark(values, width=60):
+    """A one-line text chart of the finite values, binned to at most `width` columns, in block
+    characters, or ASCII where stdout cannot print those (a Windows code page, a redirect)."""
+    values = [v for v in values if math.isfinite(v)]  # a skipped non-finite step logs NaN
+    if not values:
+        return ""
+    k = math.ceil(len(values) / width)
+    bins = [sum(values[i:i + k]) / len(values[i:i + k]) for i in range(0, len(values), k)]
+    lo, hi, bars = min(bins), max(bins), "▁▂▃▄▅▆▇█"
+    try:
+        bars.encode(sys.stdout.encoding or "ascii")
+    except (UnicodeEncodeError, LookupError):
+        bars = "_.-~=+*#"
+    line = "".join(bars[int(7 * (v - lo) / (hi - lo)) if hi > lo else 0] for v in bins)
+    return f"{line}  [{lo:.3g} .. {hi:.3g}]"
+
+
+def _plot(run, keys):
+    """curves.png of the given metrics; returns why not when matplotlib is missing."""
+    try:
+        import matplotlib
+    except ImportError:
+        return "no curves.png: pip install matplotlib for it"
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
+    for ax, k in zip(axes[0], keys):
+        ax.plot([m["step"] for m in run.history if k in m], [m[k] for m in run.history if k in m])
+        ax.set_title(k)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run.dir, "curves.png"))
+    plt.close(fig)
+    return "curves.png"
+
+
+def _json_safe(x):
+    """NaN and inf become null: bare NaN is not JSON, and strict parsers refuse it."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
+
+
+def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "gold", "kl")):
+    """The final held-out eval (skipped after Ctrl-C, said so), summary.json, the before/after
+    table, text charts, curves.png. Exits 130 after Ctrl-C (checkpoint and summary are saved)."""
+    if STOP["requested"]:
+        print("interrupted: the final held-out eval is skipped; --resume the run to finish it")
+        eval_after = float("nan")
+    else:
+        eval_after = evaluate()
+    steps = [m["step"] for m in run.history]
+    tokens_per_s = sum(m.get("tokens_per_s", 0) for m in run.history) / max(len(steps), 1)
+    summary = {"algo": run.algo, "args": dataclasses.asdict(run.args), "eval_metric": metric,
+               "eval_before": eval_before, "eval_after": eval_after,
+               "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
+               "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
+               "interrupted": STOP["requested"], "tokens_per_s": round(tokens_per_s, 1)}
+    with open(os.path.join(run.dir, "summary.json"), "w") as f:
+        json.dump(_json_safe(summary), f, indent=2)
+    run.metrics.close()
+    run.samples.close()
+    _release_lock(run.dir)
+    print(f"\n{'':21}{'before':>10}{'after':>10}")
+    print(f"{'held-out ' + metric:21}{eval_before:>10.3f}{eval_after:>10.3f}")
+    keys = [k for k in charts if any(k in m for m in run.history)]
+    for key in keys:
+        print(f"{key:>8} {spark([m[key] for m in run.history if key in m])}")
+    plot = _plot(run, keys) if keys else "no curves.png: no steps were logged"
+    print(f"wall time {summary['wall_time_s']:.0f} s, peak memory {summary['peak_mem_mb']:.0f} MB")
+    print(f"wrote {run.dir}/: metrics.jsonl, samples.jsonl, summary.json, checkpoint/, {plot}")
+    if STOP["requested"]:
+        sys.exit(130)
+    return summary
+
+
+# ---------------------------------------------------------------------------------- --sanity
+def sanity_check(model, ref, tok, rows, args, amp):
+    """--sanity, on the real model and data, before any update: the sampler's log-probs equal the
+    training forward's; the ratio pi / pi_old is exactly 1; KL(pi || pi_ref) is 0; every finished
+    row's mask ends on an EOS. Prints each check and a peak-memory estimate; returns failures."""
+    device = next(model.parameters()).device
+    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template)
+    roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
+                    amp=amp, stop=args.stop)
+    lp = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
+    # fp32 on the CPU: equal up to float noise. bf16 autocast (and on a GPU a bf16 reference
+    # against fp32 master weights: 3e-5 KL on the bundled model) rounds each forward differently
+    exact = device.type == "cpu" and args.dtype != "bf16"
+    tol, kl_tol = (1e-3, 1e-4) if exact else (0.1, 1e-2)
+    checks = {}
+    d = float((lp - roll.sample_logprobs).abs().max())
+    checks["sampling log-probs equal the training forward's"] = (d <= tol, f"max diff {d:.3g}")
+    again = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
+    d = float(((again - lp).exp() - 1).abs().max())
+    checks["ratio pi/pi_old is 1 at the first inner step"] = (d <= 1e-4, f"{d:.3g} off; dropout?")
+    if ref is not None:
+        ref_lp = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp)
+        kl = float(C.masked_mean(C.kl_estimate(lp, ref_lp, "k3"), roll.completion_mask))
+        checks["KL(policy || reference) is 0 before any update"] = (kl <= kl_tol, f"{kl:.3g}")
+    ended = ~roll.truncated
+    last = roll.completion_mask.sum(-1).long() - 1
+    ends = roll.ids[:, roll.P:][ended, last[ended]]
+    eos = torch.tensor(C.eos_ids(model, tok), device=device)
+    checks["completion_mask ends on the EOS"] = (bool(torch.isin(ends, eos).all()), "not always")
+    for name, (ok, detail) in checks.items():
+        print(f"  {'ok  ' if ok else 'FAIL'} {name}{'' if ok else f' ({detail})'}")
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    cfg = model.config
+    acts = args.micro_batch_size * (roll.ids.shape[1] * cfg.hidden_size * cfg.num_hidden_layers * 34
+                                    + 3 * 4 * (roll.completion_mask.shape[1] + 1) * cfg.vocab_size)
+    now = peak_mem_mb(device)  # the runtime and every model loaded so far
+    print(f"peak memory estimate: {now + (12 * trained + acts) / 2**20:,.0f} MB (now {now:,.0f}; "
+          f"+ gradients and Adam moments {12 * trained / 2**20:,.0f}; + activations of one "
+          f"micro-batch {acts / 2**20:,.0f})")
+    failed = [name for name, (ok, _) in checks.items() if not ok]
+    print("sanity: " + ("all checks passed" if not failed else "FAILED: " + "; ".join(failed)))
+    return failed
