@@ -119,6 +119,8 @@ def parse_args(args_cls, algo, doc=""):
                               "run "
                               f"keeps its settings (only {', '.join(SAFE_TO_CHANGE_ON_RESUME[:3])} "
                               "may change); start a new run to change it")
+    if resume and args.output_dir not in ("", saved.get("output_dir"), resume):
+        raise C.UserError("--resume DIR continues in DIR: leave --output_dir out")
     if resume:
         args.output_dir = resume
     return args
@@ -153,10 +155,8 @@ def check_args(args):
             if not ((0 < value or zero_ok and value == 0) and (value < 1 or one_ok and value == 1)):
                 interval = f"{'[' if zero_ok else '('}0, 1{']' if one_ok else ')'}"
                 raise C.UserError(f"--{f.name} must be in {interval}, not {value}")
-    if "" in args.stop:
+    if "" in getattr(args, "stop", []):
         raise C.UserError("--stop: an empty stop string would end every completion at once")
-    if args.resume and args.output_dir != args.resume:
-        raise C.UserError("--resume DIR continues in DIR: leave --output_dir out")
 
 
 # ----------------------------------------------------------------- the output folder and its files
