@@ -13,12 +13,18 @@ Notation used in every script:
   is in the loss even when the pad token is the EOS token.
   Log-probs are log pi(token | earlier tokens), in fp32, on logits / the sampling temperature.
 """
+import contextlib
 import functools
+import importlib
+import importlib.util
 import inspect
 import json
+import math
+import numbers
 import os
 import random
 import re
+import warnings
 from types import SimpleNamespace
 
 import torch
@@ -27,6 +33,11 @@ from torch.utils.checkpoint import checkpoint
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, DynamicCache)
 from transformers.modeling_layers import GradientCheckpointingLayer
+
+try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
+    import math_verify
+except ImportError:
+    math_verify = None
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
@@ -66,9 +77,42 @@ def task_train_pairs(rng, k):
     return out
 
 
-def read_jsonl(path, need_answer=False):
-    """Rows {"prompt": str, "answer": str (optional; required when need_answer, as --rewards math
-    compares each completion with it)}. Errors name the file, the line and the field."""
+def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", system_prompt=""):
+    """One data row: every field of the source kept (reward functions see them all), plus
+    "prompt" (text, or a list of chat messages {"role", "content"}) and "answer" (text, optional).
+    prompt_field / answer_field name the source's fields ('' = the usual names). need_answer:
+    the answer must hold a number (the math reward compares each completion with it)."""
+    if not isinstance(raw, dict):
+        raise UserError(f"{where}: not a JSON object")
+    p_key = prompt_field or next((k for k in ("prompt", "question", "problem") if k in raw), "")
+    a_key = answer_field or next((k for k in ("answer", "solution") if k in raw), "answer")
+    row = dict(raw)
+    prompt = raw.get(p_key)
+    is_chat = isinstance(prompt, list) and prompt and all(
+        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt)
+    if not (isinstance(prompt, str) and prompt) and not is_chat:
+        raise UserError(f"{where}: field {p_key or 'prompt'!r} is missing or not a non-empty "
+                        "string (or a list of chat messages)")
+    if system_prompt:  # a system message before the user's (kept if the row has its own)
+        messages = prompt if is_chat else [{"role": "user", "content": prompt}]
+        if messages[0]["role"] != "system":
+            prompt = [{"role": "system", "content": system_prompt}, *messages]
+    row["prompt"] = prompt
+    row.pop("answer", None)
+    answer = raw.get(a_key)
+    if isinstance(answer, (bool, list, dict)):
+        raise UserError(f"{where}: field {a_key!r} must be a string or a number")
+    if answer is not None:  # a missing or null answer stays missing (not the text 'None')
+        row["answer"] = str(answer)
+    if need_answer and final_number(row.get("answer", "")) is None:
+        raise UserError(f"{where}: field {a_key!r} is missing or has no number, which the math "
+                        "reward compares with each completion (or change --rewards)")
+    return row
+
+
+def read_jsonl(path, need_answer=False, **fields):
+    """Rows of a JSONL file, one JSON object a line (see make_row). Errors name the file, the line
+    and the field."""
     if not os.path.isfile(path):
         what = "is a directory, not a file" if os.path.isdir(path) else "not found"
         raise UserError(f"data file {path!r} {what}")
@@ -80,62 +124,47 @@ def read_jsonl(path, need_answer=False):
                 line = raw.decode("utf-8-sig")  # -sig: a byte-order mark is not an error
                 if not line.strip():
                     continue
-                row = json.loads(line)
+                rows.append(make_row(json.loads(line), where, need_answer, **fields))
             except UnicodeDecodeError:
                 raise UserError(f"{where}: not UTF-8 text") from None
             except json.JSONDecodeError as e:
                 raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) \
-                    or not row["prompt"]:
-                raise UserError(f"{where}: field 'prompt' is missing or not a non-empty string")
-            answer = row.pop("answer", None)
-            if isinstance(answer, (bool, list, dict)):
-                raise UserError(f"{where}: field 'answer' must be a string or a number")
-            if answer is not None:
-                row["answer"] = str(answer)
-            if need_answer and final_number(row.get("answer", "")) is None:
-                raise UserError(f"{where}: field 'answer' is missing or has no number, which the "
-                                "math reward compares with each completion (or change --rewards)")
-            rows.append(row)
     if not rows:
         raise UserError(f"data file {path!r} is empty")
     return rows
 
 
-def read_hub_dataset(spec, need_answer):
-    """'hf:NAME[:CONFIG]', e.g. hf:openai/gsm8k:main (question/answer columns). Needs `datasets`."""
+def read_hub_dataset(spec, split="train", need_answer=False, **fields):
+    """'hf:NAME[:CONFIG]', e.g. hf:openai/gsm8k:main (question/answer columns), every column kept.
+    Needs the optional package `datasets`."""
     try:
         import datasets
     except ImportError:
         raise UserError("--data hf:... needs the optional package `datasets` "
                         "(pip install datasets)") from None
-    rows = []
-    for r in datasets.load_dataset(*spec[3:].split(":"), split="train"):
-        row = {"prompt": r.get("prompt", r.get("question"))}
-        if r.get("answer") is not None:  # a missing answer stays missing (not the text 'None')
-            row["answer"] = str(r["answer"])
-        rows.append(row)
-    bad = [i for i, r in enumerate(rows) if final_number(r.get("answer", "")) is None]
-    if need_answer and bad:
-        raise UserError(f"--data {spec}: {len(bad)} rows (the first: row {bad[0]}) have no number "
-                        "in 'answer', which the math reward checks completions against")
-    return rows
+    table = datasets.load_dataset(*spec[3:].split(":"), split=split)
+    return [make_row(dict(r), f"--data {spec}, row {i}", need_answer, **fields)
+            for i, r in enumerate(table)]
 
 
-def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False):
+def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", prompt_field="",
+              answer_field="", system_prompt=""):
     """'' -> the built-in task; 'file.jsonl' -> its rows; 'hf:NAME[:CONFIG]' -> a hub dataset.
+    need_answer: every row must have an answer with a number (the math reward checks it).
     Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch
     keeps no state but the rng it is given, so saving that rng resumes the data stream exactly."""
+    fields = dict(prompt_field=prompt_field, answer_field=answer_field, system_prompt=system_prompt)
     if not spec:
-        eval_rows = [addition_row(a, b) for a, b in task_eval_pairs()][:eval_size]
+        eval_rows = [make_row(addition_row(a, b), "", **fields)
+                     for a, b in task_eval_pairs()][:eval_size]
 
         def next_task_batch(rng, k):
-            return [addition_row(a, b) for a, b in task_train_pairs(rng, k)]
+            return [make_row(addition_row(a, b), "", **fields) for a, b in task_train_pairs(rng, k)]
         return SimpleNamespace(next_batch=next_task_batch, eval_rows=eval_rows, rows=eval_rows)
     if spec.startswith("hf:"):
-        rows = read_hub_dataset(spec, need_answer)
+        rows = read_hub_dataset(spec, split, need_answer, **fields)
     else:
-        rows = read_jsonl(spec, need_answer)
+        rows = read_jsonl(spec, need_answer, **fields)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
     n_eval = min(eval_size, len(rows) // 5)
     if not n_eval:
@@ -233,13 +262,49 @@ def enable_gradient_checkpointing(model):
             m.training = True
 
 
-def load_policy(name, device, args):
-    """The trained policy (fp32 weights) and its tokenizer, from a hub id or a folder."""
-    tok = load_tokenizer(name, args.trust_remote_code)
-    model = load_model(name, "lm", device, False, args.trust_remote_code, compile=args.compile)
+def load_policy(args, device, checkpoint=""):
+    """The trained policy and its tokenizer: args.model (a hub id or a folder), or a run's
+    checkpoint folder to resume from. Fully trained: fp32 weights. With args.lora_r > 0 the base
+    is frozen (bf16 on a GPU) and only LoRA adapters (Hu et al. 2021) train, in fp32."""
+    tok = load_tokenizer(checkpoint or args.model, args.trust_remote_code)
+    src = args.model if args.lora_r else checkpoint or args.model  # LoRA saves only adapters
+    model = load_model(src, "lm", device, frozen=args.lora_r > 0,
+                       trust_remote_code=args.trust_remote_code, compile=args.compile)
     if args.gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if args.lora_r:
+        model = add_lora(model, args, checkpoint)
     return model, tok
+
+
+def add_lora(model, args, adapter=""):
+    """Wrap a frozen model with trainable LoRA adapters (peft), new or from a saved adapter folder.
+    Adapters start with B = 0, so the model starts exactly as the base."""
+    try:
+        import peft
+    except ImportError:
+        raise UserError("--lora_r needs the optional package peft (pip install peft)") from None
+    if args.gradient_checkpointing:
+        model.enable_input_require_grads()  # checkpointed blocks need an input that wants grads
+    if adapter:
+        with warnings.catch_warnings():  # peft asks for a name transformers deprecated
+            warnings.simplefilter("ignore", FutureWarning)
+            return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    targets = args.lora_target_modules
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM",
+                             lora_dropout=args.lora_dropout,
+                             target_modules=targets.split(",") if "," in targets else targets)
+    with warnings.catch_warnings():  # peft asks for a name transformers deprecated: not ours
+        warnings.simplefilter("ignore", FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
+def adapters_off(model):
+    """Context in which a LoRA policy computes as its frozen base: the reference model for free.
+    For any other model, nothing changes."""
+    if hasattr(model, "disable_adapter"):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
 
 
 def load_reward_model(args, device):
@@ -261,17 +326,29 @@ def check_prompts(tok, model, rows, args):
 
 
 # --------------------------------------------------------------------------- prompts, sampling
+def as_messages(prompt):
+    """A prompt as chat messages: a text is one user message; a list of messages stays as it is."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def as_text(prompt):
+    """A prompt as plain text, for a tokenizer without a chat template: the messages' contents."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+
+
 def encode_prompts(tok, prompts, chat_template="auto"):
-    """Token ids per prompt. 'auto' applies the tokenizer's chat template if it has one."""
-    distinct = list(dict.fromkeys(prompts))  # a GRPO batch repeats each prompt G times
+    """Token ids per prompt (text or chat messages). 'auto' applies the tokenizer's chat template
+    if it has one; 'none' never does."""
+    keys = [json.dumps(p) for p in prompts]
+    distinct = dict(zip(keys, prompts))  # a GRPO batch repeats each prompt G times
     if chat_template != "none" and tok.chat_template:
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                         add_generation_prompt=True) for p in distinct]
+        texts = [tok.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True)
+                 for p in distinct.values()]
         ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     else:
-        ids = [tok(p)["input_ids"] for p in distinct]
-    by_prompt = dict(zip(distinct, ids))
-    return [by_prompt[p] for p in prompts]
+        ids = [tok(as_text(p))["input_ids"] for p in distinct.values()]
+    by_key = dict(zip(distinct, ids))
+    return [by_key[k] for k in keys]
 
 
 def left_pad(seqs, pad_id, device):
@@ -292,11 +369,15 @@ def _cache_kwarg(model_cls):
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _base_class(model):  # a LoRA (peft) wrapper passes arguments on to the model it wraps
+    return type(model.get_base_model() if hasattr(model, "get_base_model") else model)
+
+
 def _forward(model, ids, mask, pos, cache=None, keep=0):
     """Every forward passes the same arguments, so --compile's guards hold. keep = logits_to_keep
     (the last `keep` positions go through the LM head; 0 = all)."""
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
-                 use_cache=cache is not None, **{_cache_kwarg(type(model)): cache})
+                 use_cache=cache is not None, **{_cache_kwarg(_base_class(model)): cache})
 
 
 def eos_ids(model, tok):
@@ -434,8 +515,8 @@ def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=
                                    return_inverse=True)
     saves = len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb)
     # (checkpointed layers drop the KV cache, so the shared path needs them off)
-    if P > 1 and saves and not any(getattr(m, "gradient_checkpointing", False)
-                                   for m in model.modules()):
+    if P > 1 and saves and not any(isinstance(m, GradientCheckpointingLayer)
+                                   and m.gradient_checkpointing for m in model.modules()):
         cache, p_mask = DynamicCache(), prompts[:, P:2 * P - 1]
         _forward(model, prompts[:, :P - 1], p_mask, positions(p_mask), cache, keep=1)
         cache.batch_select_indices(row_of)  # every prompt but its last token, once per prompt
@@ -520,17 +601,41 @@ def whiten(x, mask, shift_mean=True, eps=1e-8):
 
 
 # --------------------------------------------------------------------------------------- rewards
+def last_boxed(text):
+    """The content of the text's last \\boxed{...} (braces matched), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
 def final_number(text):
-    """GSM8K-style: the number after '####' if there is one, else the last number in the text."""
-    text = text.split("####")[-1].replace(",", "")
-    nums = re.findall(r"-?\d+(?:\.\d+)?", text)
-    return float(nums[-1]) if nums else None
+    """The number a text ends on: inside its last \\boxed{} if it has one (MATH-style), else
+    after '####' (GSM8K-style), else its last number. Reads 1,234, -2.5, 3/4 and \\frac{3}{4}."""
+    boxed = last_boxed(text)
+    text = (boxed if boxed is not None else text.split("####")[-1]).replace(",", "")
+    text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.]+)\s*\}\{\s*(-?[\d.]+)\s*\}", r"\1/\2", text)
+    nums = re.findall(r"(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+(?:\.\d+)?))?", text)
+    if not nums:
+        return None
+    num, den = nums[-1]
+    return float(num) / float(den) if den and float(den) else float(num)
 
 
 def math_reward(completion, row):
-    """1 when the completion's final number equals the answer's (the built-in task's checker)."""
+    """1 when the completion states the answer's number (the built-in task's checker). When the
+    optional package math-verify is installed, its symbolic check is used instead."""
+    if math_verify is not None:
+        return float(math_verify.verify(math_verify.parse(row.get("answer", "")),
+                                        math_verify.parse(completion)))
     want = final_number(row.get("answer", ""))
-    return float(want is not None and final_number(completion) == want)
+    got = final_number(completion)
+    return float(want is not None and got is not None and math.isclose(got, want, rel_tol=1e-9))
 
 
 def format_reward(completion, row):
@@ -544,13 +649,71 @@ def length_reward(completion, row):
 RULES = {"math": math_reward, "format": format_reward, "length": length_reward}
 
 
-def parse_rewards(spec, reward_model):
-    """'math=1,format=0.1' -> {'math': 1.0, 'format': 0.1}; 'rm' names the reward model's score."""
+def load_reward_fns(specs):
+    """Your own rewards: --reward_fn path/to/file.py:name (or package.module:name), repeatable or
+    comma-separated -> {name: function}. A function scores the whole batch at once (so it can
+    batch a verifier or a judge model): f(completions: list[str], rows: list[dict]) -> list of
+    floats, where rows carry every field of the data rows."""
+    fns = {}
+    for spec in (s for item in specs for s in item.split(",") if s):
+        where, _, name = spec.rpartition(":")
+        if not where or not name:
+            raise UserError(f"--reward_fn {spec!r}: write path/to/file.py:function")
+        if where.endswith(".py") and not os.path.isfile(where):
+            raise UserError(f"--reward_fn {spec!r}: file {where!r} not found")
+        try:
+            if where.endswith(".py"):
+                found = importlib.util.spec_from_file_location(f"reward_{name}", where)
+                module = importlib.util.module_from_spec(found)
+                found.loader.exec_module(module)
+            else:
+                module = importlib.import_module(where)
+        except Exception as e:
+            raise UserError(f"--reward_fn {spec!r}: importing {where!r} failed: "
+                            f"{type(e).__name__}: {_first_line(e)}") from None
+        if not callable(getattr(module, name, None)):
+            raise UserError(f"--reward_fn {spec!r}: {where!r} has no function {name!r}")
+        if name in RULES or name == "rm":
+            raise UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
+        fns[name] = getattr(module, name)
+    return fns
+
+
+def call_reward_fn(name, fn, completions, rows):
+    """Your reward on the batch, checked: one number per completion, (B,). An exception names
+    the first row that raises it. NaN/inf pass through: the training step is then skipped."""
+    try:
+        values = list(fn(completions, rows))
+    except Exception as e:
+        def fails(i):
+            try:
+                fn(completions[i:i + 1], rows[i:i + 1])
+            except Exception:
+                return True
+            return False
+        bad = next((i for i in range(len(rows)) if fails(i)), None)
+        which = f"row {bad}, prompt {str(rows[bad]['prompt'])[:60]!r}" if bad is not None \
+            else f"a batch of {len(rows)} rows"
+        raise UserError(f"reward {name!r} raised {type(e).__name__}: {_first_line(e)} "
+                        f"(on {which})") from None
+    if len(values) != len(rows):
+        raise UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
+                        "completions: return one number per completion")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise UserError(f"reward {name!r} returned {v!r} for row {i}: not a number")
+    return torch.tensor([float(v) for v in values])
+
+
+def parse_rewards(spec, reward_model, fns=(), default="math"):
+    """'math=1,format=0.1' -> {'math': 1.0, 'format': 0.1}; 'rm' names the reward model's score;
+    names of --reward_fn functions count too. '' = your functions (weight 1 each) or default."""
     weights = {}
-    for part in filter(None, spec.split(",")):
+    for part in filter(None, (spec or ",".join(fns) or default).split(",")):
         name, _, w = part.partition("=")
-        if name not in RULES and name != "rm":
-            raise UserError(f"--rewards: unknown reward {name!r} (known: {', '.join(RULES)}, rm)")
+        if name not in RULES and name != "rm" and name not in fns:
+            known = ", ".join([*RULES, "rm", *fns])
+            raise UserError(f"--rewards: unknown reward {name!r} (known: {known})")
         try:
             weights[name] = float(w or 1.0)
         except ValueError:
@@ -567,12 +730,12 @@ def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="a
     (and chat template), then EOS, so it sees a finished answer. Rows are scored independently."""
     device = next(rm.parameters()).device
     if chat_template != "none" and rm_tok.chat_template:
-        chats = [[{"role": "user", "content": p}, {"role": "assistant", "content": c}]
+        chats = [as_messages(p) + [{"role": "assistant", "content": c}]
                  for p, c in zip(prompts, completions)]
         texts = [rm_tok.apply_chat_template(chat, tokenize=False) for chat in chats]
         seqs = [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     else:
-        seqs = [rm_tok(p + c)["input_ids"] + [rm_tok.eos_token_id]
+        seqs = [rm_tok(as_text(p) + c)["input_ids"] + [rm_tok.eos_token_id]
                 for p, c in zip(prompts, completions)]
     scores = []
     for i in range(0, len(seqs), micro_batch):
@@ -586,46 +749,74 @@ def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="a
     return torch.cat(scores)
 
 
-def compute_rewards(rows, completions, weights, rm=None, rm_tok=None):
-    """Weighted sum of reward components (B,); each component is returned too, for reward/<name>."""
+def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
+    """Weighted sum of reward components (B,); each component is returned too, for reward/<name>.
+    fns: your --reward_fn functions by name."""
     parts = {}
     for name in weights:
         if name == "rm":
             prompts = [r["prompt"] for r in rows]
             parts["rm"] = rm_scores(rm, rm_tok, prompts, completions).cpu()
-        else:
+        elif name in RULES:
             parts[name] = torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
+        else:
+            parts[name] = call_reward_fn(name, fns[name], completions, rows)
     total = sum(weights[n] * v for n, v in parts.items())
     return total, parts
 
 
 # ------------------------------------------------------------------------------------------ eval
-def eval_metric(rows):
-    return "accuracy" if all("answer" in r for r in rows) else "mean reward"
+def eval_metric(rows, choice="auto"):
+    """What the held-out score is: 'accuracy' (math_reward, 0-1) or 'mean reward' (the run's
+    --rewards). auto: accuracy when every row has an answer with a number, else mean reward."""
+    numeric = all(final_number(r.get("answer", "")) is not None for r in rows)
+    if choice == "math" and not numeric:
+        raise UserError("--eval_reward math: some held-out rows have no answer with a number, so "
+                        "the score would be 0 whatever the model says; use --eval_reward rewards")
+    return "accuracy" if choice == "math" or (choice == "auto" and numeric) else "mean reward"
 
 
 def gold(completions, rows):
-    """{"gold": true task score of these completions} when every row has an answer, else {}."""
+    """{"gold": true task score of these completions} when every row's answer has a number."""
     if eval_metric(rows) != "accuracy":
         return {}
     return {"gold": sum(map(math_reward, completions, rows)) / len(rows)}
 
 
 @torch.no_grad()
-def evaluate(model, tok, rows, args, amp, rm=None, rm_tok=None, batch_size=128):
-    """Held-out greedy score: accuracy (math_reward, 0-1) when every row has an answer, else the
-    mean of the run's --rewards (e.g. a reward model's score, for prompts without answers)."""
-    accuracy = eval_metric(rows) == "accuracy"
-    weights = None if accuracy else parse_rewards(args.rewards, args.reward_model)
-    scores = []
+def evaluate(model, tok, rows, args, amp, weights=None, rm=None, rm_tok=None, fns=None,
+             batch_size=128):
+    """Held-out scores, {"eval": greedy score}: accuracy or the mean of the run's --rewards (see
+    eval_metric). With args.eval_samples = k > 0, also "eval_mean@k" and "eval_pass@k" over k
+    samples per prompt at the training temperature (pass@k: the best of the k, per prompt).
+    weights: the run's reward weights (default: parsed from args.rewards)."""
+    if not rows:  # e.g. a data file too small to hold rows out: no score rather than a made-up 0
+        return {"eval": float("nan")}
+    accuracy = eval_metric(rows, getattr(args, "eval_reward", "auto")) == "accuracy"
+    weights = weights or parse_rewards(args.rewards, args.reward_model, fns or {})
+    k = getattr(args, "eval_samples", 0)
+    scores = {"eval": [], "sampled": []}
     for i in range(0, len(rows), batch_size):
         chunk = rows[i:i + batch_size]
-        prompt_ids = encode_prompts(tok, [r["prompt"] for r in chunk], args.chat_template)
-        roll = sample(model, tok, prompt_ids, args.max_new_tokens, greedy=True, amp=amp,
-                      stop=args.stop)
-        texts = decode_completions(tok, roll)
-        if accuracy:
-            scores += [math_reward(c, r) for c, r in zip(texts, chunk)]
-        else:
-            scores += compute_rewards(chunk, texts, weights, rm, rm_tok)[0].tolist()
-    return sum(scores) / len(scores) if scores else float("nan")  # no held-out rows: no score
+        for key, reps in (("eval", 1), ("sampled", k)):
+            batch = [r for r in chunk for _ in range(reps)]  # reps contiguous rows per prompt
+            if not batch:
+                continue
+            prompt_ids = encode_prompts(tok, [r["prompt"] for r in batch], args.chat_template)
+            if key == "eval":
+                roll = sample(model, tok, prompt_ids, args.max_new_tokens, greedy=True, amp=amp,
+                              stop=args.stop)
+            else:  # at the training temperature
+                roll = sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
+                              args.top_p, amp=amp, stop=args.stop)
+            texts = decode_completions(tok, roll)
+            if accuracy:
+                scores[key] += [math_reward(c, r) for c, r in zip(texts, batch)]
+            else:
+                scores[key] += compute_rewards(batch, texts, weights, rm, rm_tok, fns)[0].tolist()
+    out = {"eval": sum(scores["eval"]) / len(rows)}
+    if k:
+        per_prompt = torch.tensor(scores["sampled"]).view(-1, k)
+        out[f"eval_mean@{k}"] = float(per_prompt.mean())
+        out[f"eval_pass@{k}"] = float(per_prompt.max(1).values.mean())
+    return out

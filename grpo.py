@@ -49,6 +49,10 @@ class Args:
     # --- model and data
     model: str = C.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
+    data_split: str = "train"  # hf: datasets only: the split to read
+    prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
+    answer_field: str = ""  # the rows' answer field ('' = answer or solution)
+    system_prompt: str = ""  # a system message put before every prompt
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
@@ -59,7 +63,8 @@ class Args:
     top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, log-probs stay the full softmax's
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
-    rewards: str = "math"  # weighted components, e.g. "math=1,format=0.1,rm=0.5"; logged each
+    rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
+    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the GRPO objective
     beta: float = 0.04  # KL weight in the loss; 0 loads no reference model (DeepSeekMath: 0.04)
@@ -80,6 +85,10 @@ class Args:
     max_grad_norm: float = 1.0  # gradient clipping (TRL, verl, OpenRLHF)
     max_steps: int = 200  # optimizer steps (times num_iterations)
     micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
+    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
+    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
+    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
@@ -87,6 +96,8 @@ class Args:
     seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
     eval_every: int = 50  # steps between held-out greedy evals (0: only before and after)
     eval_size: int = 500  # held-out prompts per eval
+    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
+    eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
     save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
     output_dir: str = ""  # default runs/grpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
@@ -170,7 +181,7 @@ def cat_rollouts(pieces):
                              truncated=torch.cat([r.truncated[i] for r, i in pieces]))
 
 
-def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp):
+def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp):
     """G completions for each of prompts_per_step prompts, scored. With dynamic_sampling (DAPO),
     groups whose rewards are all equal are dropped and more prompts sampled, up to
     max_resample_rounds extra rounds. Returns the kept rollout, its rows, completion texts and
@@ -184,7 +195,7 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, amp):
         roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                         amp=amp, stop=args.stop)
         texts = C.decode_completions(tok, roll)
-        rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok)
+        rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)
         if args.overlong_penalty:  # DAPO: 0 until the last overlong_buffer tokens, then linear
             length = roll.completion_mask.sum(-1).cpu()
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
@@ -224,28 +235,31 @@ def check_args(args):
 def main():
     args = R.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
-    weights = C.parse_rewards(args.rewards, args.reward_model)
-    data = C.load_data(args.data, args.eval_size, need_answer="math" in weights)
+    fns = C.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="math")
+    data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
+                       args.prompt_field, args.answer_field, args.system_prompt)
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
     device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
-    policy_src = f"{run.dir}/checkpoint" if args.resume else args.model
-    model, tok = C.load_policy(policy_src, device, args)
+    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     C.check_prompts(tok, model, data.rows, args)
-    ref = None  # beta = 0 loads no reference model at all (its memory and forward pass saved)
+    ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.beta > 0 or args.sanity:
-        ref = C.load_model(args.model, "lm", device, frozen=True,
-                           trust_remote_code=args.trust_remote_code, compile=args.compile)
+        ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
+                                                     trust_remote_code=args.trust_remote_code,
+                                                     compile=args.compile)
     rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
     def evaluate():
-        return C.evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok)
-    metric = C.eval_metric(data.eval_rows)
+        return C.evaluate(model, tok, data.eval_rows, args, amp, weights, rm, rm_tok, fns)
+    metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric)
     if args.num_iterations == 1:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
@@ -255,7 +269,7 @@ def main():
         t0 = time.time()
         # 1. sample G completions per prompt and score them
         roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
-                                                               weights, rm, rm_tok, amp)
+                                                               weights, rm, rm_tok, fns, amp)
         if not torch.isfinite(rewards).all():
             R.skip_update(run, "reward")
             continue
@@ -272,8 +286,9 @@ def main():
                                               args.micro_batch_size, amp)
         ref_logprobs = None
         if ref is not None:
-            ref_logprobs = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size,
-                                              amp)
+            with C.adapters_off(ref):  # LoRA: the policy without its adapters is the reference
+                ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
+                                                  args.micro_batch_size, amp)
         # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser
         B, T = mask.shape
         n_tokens = mask.sum().clamp(min=1)
@@ -323,7 +338,7 @@ def main():
                    for r, c, x in zip(rows[::G][:4], completions[::G][:4], rewards[::G][:4])]
         last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
         if R.every(step, args.eval_every) and not last:
-            metrics["eval"] = evaluate()
+            metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)
         if R.every(step, args.save_every) or last or R.STOP["requested"]:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})

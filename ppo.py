@@ -65,6 +65,10 @@ class Args:
     reward_model: str = C.DEFAULT_REWARD_MODEL  # AutoModelForSequenceClassification, num_labels=1
     critic_init: Literal["reward_model", "policy"] = "reward_model"  # TL;DR details | N details
     data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
+    data_split: str = "train"  # hf: datasets only: the split to read
+    prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
+    answer_field: str = ""  # the rows' answer field ('' = answer or solution)
+    system_prompt: str = ""  # a system message put before every prompt
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
@@ -74,7 +78,8 @@ class Args:
     top_p: float = 1.0  # nucleus sampling (N details: 1.0, the full distribution)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
-    rewards: str = "rm"  # the score: 'rm' (the reward model) or rules/mixes, e.g. "math", "rm,math"
+    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math", ...
+    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     missing_eos_penalty: float = 1.0  # subtracted from scores with no EOS (TL;DR details; TRL none)
     kl_coef: float = 0.05  # beta of the per-token KL in the reward (TL;DR details, TRL: 0.05)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (N, TRL, OpenRLHF: k1)
@@ -102,6 +107,10 @@ class Args:
     max_grad_norm: float = 1.0  # gradient clipping, per model (TRL, verl, OpenRLHF 1.0)
     max_steps: int = 120  # PPO steps (each: one batch, ppo_epochs * num_minibatches updates)
     micro_batch_size: int = 32  # rows per forward; the loss is normalised over the minibatch
+    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
+    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
+    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward (policy and critic)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
@@ -109,6 +118,8 @@ class Args:
     seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
     eval_every: int = 40  # steps between held-out greedy evals (0: only before and after)
     eval_size: int = 500  # held-out prompts per eval
+    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
+    eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
     save_every: int = 40  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
     output_dir: str = ""  # default runs/ppo-<time>
     resume: str = ""  # a previous output_dir: continue its run (policy, critic, kl_coef, RNG)
@@ -188,14 +199,15 @@ def explained_variance(values, returns, mask):
     return float(1 - var_diff / var_r.clamp(min=1e-8))
 
 
-def score_stats(model, tok, data, weights, rm, rm_tok, args, amp, n=256):
+def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256):
     """Mean and std of the score on n samples of the starting policy, for normalize_score. Its own
     data rng leaves the training stream as it is."""
     rows = data.next_batch(random.Random(args.seed + 1), n)
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                     amp=amp, stop=args.stop)
-    scores = C.compute_rewards(rows, C.decode_completions(tok, roll), weights, rm, rm_tok)[0]
+    texts = C.decode_completions(tok, roll)
+    scores = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)[0]
     return float(scores.mean()), float(scores.std().clamp(min=1e-6))
 
 
@@ -315,19 +327,21 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
 def main():
     args = R.parse_args(Args, "ppo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
-    weights = C.parse_rewards(args.rewards, args.reward_model)
-    data = C.load_data(args.data, args.eval_size, need_answer="math" in weights)
+    fns = C.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
+    data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
+                       args.prompt_field, args.answer_field, args.system_prompt)
     run = R.start_run(args, "ppo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
     device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
-    policy_src = f"{run.dir}/checkpoint" if args.resume else args.model
-    model, tok = C.load_policy(policy_src, device, args)
+    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     C.check_prompts(tok, model, data.rows, args)
-    ref = None  # kl_coef = 0 loads no reference model at all
+    ref = None  # kl_coef = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.kl_coef > 0 or args.sanity:
-        ref = C.load_model(args.model, "lm", device, frozen=True,
-                           trust_remote_code=args.trust_remote_code, compile=args.compile)
+        ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
+                                                     trust_remote_code=args.trust_remote_code,
+                                                     compile=args.compile)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
     rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
@@ -335,18 +349,19 @@ def main():
     if run.state:
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
-        norm = score_stats(model, tok, data, weights, rm, rm_tok, args, amp)
+        norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp)
         print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; the "
               "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
     # one optimizer, two parameter groups: the critic has its own lr
-    opt = torch.optim.AdamW([{"params": list(model.parameters()), "lr": args.lr},
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
+    opt = torch.optim.AdamW([{"params": trained, "lr": args.lr},
                              {"params": list(critic.parameters()), "lr": args.critic_lr}],
                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
 
     def evaluate():
-        return C.evaluate(model, tok, data.eval_rows, args, amp, rm, rm_tok)
-    metric = C.eval_metric(data.eval_rows)
+        return C.evaluate(model, tok, data.eval_rows, args, amp, weights, rm, rm_tok, fns)
+    metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric)
     kl_coef = saved.get("kl_coef", args.kl_coef)
     if saved:
@@ -363,7 +378,7 @@ def main():
         roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                         amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
-        raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok)  # (B,)
+        raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(raw_scores).all():
             R.skip_update(run, "reward")
             continue
@@ -376,8 +391,9 @@ def main():
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
         ref_logprobs = old_logprobs  # no reference (kl_coef = 0): KL is 0
         if ref is not None:
-            ref_logprobs = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size,
-                                              amp)
+            with C.adapters_off(ref):  # LoRA: the policy without its adapters is the reference
+                ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
+                                                  args.micro_batch_size, amp)
         old_values = torch.zeros_like(mask)
         with torch.no_grad(), amp:
             for mb in C.micro_batches(mask, args.micro_batch_size):
@@ -415,7 +431,7 @@ def main():
                    for r, c, s in zip(rows[:4], completions[:4], scores[:4])]
         last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
         if R.every(step, args.eval_every) and not last:
-            metrics["eval"] = evaluate()
+            metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)
         if R.every(step, args.save_every) or last or R.STOP["requested"]:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1,

@@ -130,12 +130,13 @@ def parse_args(args_cls, algo, doc=""):
 POSITIVE = ("lr", "critic_lr", "temperature", "max_new_tokens", "micro_batch_size", "max_steps",
             "prompts_per_step", "group_size", "samples_per_prompt", "batch_size", "num_minibatches",
             "ppo_epochs", "num_iterations", "max_grad_norm", "eval_size", "adam_eps", "kl_target",
-            "kl_horizon", "overlong_buffer", "clip_eps", "clip_eps_high", "clip_eps_value")
+            "kl_horizon", "overlong_buffer", "clip_eps", "clip_eps_high", "clip_eps_value",
+            "lora_alpha")
 NON_NEGATIVE = ("beta", "kl_coef", "weight_decay", "vf_coef", "ent_coef", "target_kl", "seed",
                 "eval_every", "save_every", "overlong_penalty", "max_resample_rounds",
-                "missing_eos_penalty")
+                "missing_eos_penalty", "lora_r", "eval_samples")
 UNIT = {"top_p": (False, True), "gamma": (True, True), "lam": (True, True),
-        "ema_decay": (True, False)}  # (0 allowed, 1 allowed)
+        "ema_decay": (True, False), "lora_dropout": (True, False)}  # (0 allowed, 1 allowed)
 
 
 def check_args(args):
@@ -173,6 +174,7 @@ class Run:
     t0: float = field(default_factory=time.time)
     nonfinite: int = 0  # updates skipped for NaN/inf so far
     nonfinite_in_row: int = 0
+    warned: set = field(default_factory=set)  # kinds of skipped update already reported
 
 
 def _take_lock(folder):
@@ -272,8 +274,9 @@ def resume_or_eval(run, opt, rng, evaluate, metric):
     Otherwise run the first held-out eval. Returns (first step, eval score before training,
     the algorithm's own saved state: a dict, empty for a new run)."""
     if not run.state:
-        eval_before = evaluate()
-        print(f"held-out greedy {metric} before training: {eval_before:.3f}")
+        eval_before = evaluate()  # {"eval": greedy score, ...}
+        scores = ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items())
+        print(f"held-out {metric} before training: {scores} (eval = greedy)")
         return 0, eval_before, {}
     s = run.state
     opt.load_state_dict(s["optimizer"])
@@ -292,7 +295,10 @@ def skip_update(run, what, max_in_row=10):
     run.nonfinite_in_row after a good one. Too many in a row stop the run."""
     run.nonfinite += 1
     run.nonfinite_in_row += 1
-    tqdm.write(f"warning: non-finite {what}, update skipped ({run.nonfinite} so far)")
+    if what not in run.warned:  # said once per kind; summary.json counts them all
+        tqdm.write(f"warning: non-finite {what}: update skipped (further ones are counted in "
+                   "summary.json's nonfinite_skips)")
+        run.warned.add(what)
     if run.nonfinite_in_row >= max_in_row:
         raise RuntimeError(f"{max_in_row} non-finite updates in a row; stopping (the last "
                            "checkpoint is intact)")
@@ -425,13 +431,14 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
     table, text charts, curves.png. Exits 130 after Ctrl-C (checkpoint and summary are saved)."""
     if STOP["requested"]:
         print("interrupted: the final held-out eval is skipped; --resume the run to finish it")
-        eval_after = float("nan")
+        eval_after = dict.fromkeys(eval_before, float("nan"))
     else:
         eval_after = evaluate()
     steps = [m["step"] for m in run.history]
     tokens_per_s = sum(m.get("tokens_per_s", 0) for m in run.history) / max(len(steps), 1)
     summary = {"algo": run.algo, "args": dataclasses.asdict(run.args), "eval_metric": metric,
-               "eval_before": eval_before, "eval_after": eval_after,
+               "eval_before": eval_before["eval"], "eval_after": eval_after["eval"],
+               "evals": {"before": eval_before, "after": eval_after},
                "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
                "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
                "interrupted": STOP["requested"], "tokens_per_s": round(tokens_per_s, 1)}
@@ -440,8 +447,10 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
     run.metrics.close()
     run.samples.close()
     _release_lock(run.dir)
-    print(f"\n{'':21}{'before':>10}{'after':>10}")
-    print(f"{'held-out ' + metric:21}{eval_before:>10.3f}{eval_after:>10.3f}")
+    print(f"\n{'held-out ' + metric:26}{'before':>10}{'after':>10}")
+    for key in eval_before:
+        name = "greedy" if key == "eval" else key[5:] + " sampled"
+        print(f"{name:>26}{eval_before[key]:>10.3f}{eval_after[key]:>10.3f}")
     keys = [k for k in charts if any(k in m for m in run.history)]
     for key in keys:
         print(f"{key:>8} {spark([m[key] for m in run.history if key in m])}")
@@ -474,7 +483,8 @@ def sanity_check(model, ref, tok, rows, args, amp):
     d = float(((again - lp).exp() - 1).abs().max())
     checks["ratio pi/pi_old is 1 at the first inner step"] = (d <= 1e-4, f"{d:.3g} off; dropout?")
     if ref is not None:
-        ref_lp = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp)
+        with C.adapters_off(ref):  # LoRA: the policy without its adapters
+            ref_lp = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp)
         kl = float(C.masked_mean(C.kl_estimate(lp, ref_lp, "k3"), roll.completion_mask))
         checks["KL(policy || reference) is 0 before any update"] = (kl <= kl_tol, f"{kl:.3g}")
     ended = ~roll.truncated

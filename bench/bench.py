@@ -10,6 +10,9 @@ ratios).
   python bench/bench.py trl        grpo.py vs TRL's GRPOTrainer on the bundled model and task
                                    (needs `pip install trl`, used only here, never a project
                                    dependency)
+  python bench/bench.py lora       full fine-tuning vs LoRA (r 16): s/step and peak memory of
+                                   grpo.py (beta 0.04) and ppo.py on a ~100 M-parameter random
+                                   Qwen2
   python bench/bench.py all
 
 Prints a table per part and a final JSON line. Results with date, hardware and commands:
@@ -90,12 +93,12 @@ def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tok
     return out
 
 
-def random_qwen2(device, layers=4, hidden=256):
+def random_qwen2(device, layers=4, hidden=256, vocab=99):
     """A random-weight Qwen2-shaped model with the bundled tokenizer: EOS almost never fires, so
     every row decodes all max_new_tokens (pure decode speed)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.manual_seed(0)
-    cfg = Qwen2Config(vocab_size=99, hidden_size=hidden, num_hidden_layers=layers,
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, num_hidden_layers=layers,
                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=4 * hidden,
                       max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     path = os.path.join(tempfile.mkdtemp(), "qwen2")
@@ -144,6 +147,27 @@ def bench_steps(steps=20, model=None, label="bundled"):
             out[name] = run_script(script, common + extra, tmp)
             print(f"steps   {label:8s} {name:16s} {out[name]['s_per_step']:.3f} s/step   "
                   f"peak memory {out[name]['peak_mem_mb']:.0f} MB")
+    return out
+
+
+def bench_lora(steps=3):
+    """Full fine-tuning vs LoRA at equal settings on a random Qwen2 big enough for the weights to
+    dominate (12 layers x 768: 96 M parameters, 384 MB in fp32). LoRA keeps no reference copy (the
+    policy with its adapters off is the reference) and gradients and Adam moments only for the
+    adapters; PPO's critic stays a full model either way."""
+    big = random_qwen2(None, layers=12, hidden=768)
+    common = ["--model", big, "--max_steps", str(steps), "--eval_size", "16", "--eval_every", "0",
+              "--save_every", "1000", "--max_new_tokens", "16"]
+    runs = {"grpo full": ("grpo.py", []), "grpo lora": ("grpo.py", ["--lora_r", "16"]),
+            "ppo full": ("ppo.py", ["--critic_init", "policy", "--batch_size", "32"]),
+            "ppo lora": ("ppo.py", ["--critic_init", "policy", "--batch_size", "32",
+                                    "--lora_r", "16"])}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, (script, extra) in runs.items():
+            out[name] = run_script(script, common + extra, tmp)
+            print(f"lora    {name:10s} {out[name]['s_per_step']:.2f} s/step   peak memory "
+                  f"{out[name]['peak_mem_mb']:.0f} MB")
     return out
 
 
@@ -218,6 +242,8 @@ def main():
         result["steps"] = bench_steps()
         big = random_qwen2(device, layers=4, hidden=512)  # 15.8 M parameters: 63 MB of fp32 weights
         result["steps_random_qwen2_16M"] = bench_steps(steps=3, model=big, label="qwen2-16M")
+    if what in ("lora", "all"):
+        result["lora"] = bench_lora()
     if what in ("logprobs", "all"):
         result["logprob_memory"] = bench_logprob_memory()
     if what in ("trl", "all"):

@@ -1,0 +1,48 @@
+"""Merge a LoRA run's adapters into its base model: a full checkpoint that from_pretrained loads.
+
+    python tools/merge_lora.py runs/grpo-20261201-120000            # writes .../checkpoint-merged/
+    python tools/merge_lora.py runs/grpo-20261201-120000 --out merged/
+
+A LoRA run's checkpoint/ holds only the adapters (a few MB): loading it needs the base model named
+in checkpoint/args.json and the optional package peft. The merged folder needs neither.
+"""
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import common as C  # noqa: E402
+
+
+def merge(run_dir, out=""):
+    ckpt = os.path.join(run_dir, "checkpoint")
+    with open(os.path.join(ckpt, "args.json")) as f:
+        args = json.load(f)["args"]
+    if not args.get("lora_r"):
+        raise C.UserError(f"{run_dir} is not a LoRA run: its checkpoint/ is a full model already")
+    try:
+        import peft
+    except ImportError:
+        raise C.UserError("merging LoRA adapters needs peft (pip install peft)") from None
+    base = C.load_model(args["model"], "lm", C.torch.device("cpu"),
+                        trust_remote_code=args["trust_remote_code"])
+    merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
+    out = out or os.path.join(run_dir, "checkpoint-merged")
+    merged.save_pretrained(out, safe_serialization=True)
+    C.load_tokenizer(ckpt).save_pretrained(out)
+    print(f"merged {ckpt} into {args['model']} -> {out}")
+    return out
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("run_dir", help="the output folder of a run made with --lora_r")
+    parser.add_argument("--out", default="",
+                        help="where to write (default RUN_DIR/checkpoint-merged)")
+    cli = parser.parse_args()
+    try:
+        merge(cli.run_dir, cli.out)
+    except C.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
