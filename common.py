@@ -369,7 +369,8 @@ def _cache_kwarg(model_cls):
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _base_class(model):  # a LoRA (peft) wrapper passes arguments on to the model it wraps
+def _base_class(model):  # DDP and LoRA (peft) wrappers pass arguments on to the model they wrap
+    model = getattr(model, "module", model)  # DistributedDataParallel
     return type(model.get_base_model() if hasattr(model, "get_base_model") else model)
 
 
@@ -514,9 +515,10 @@ def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                    return_inverse=True)
     saves = len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb)
-    # (checkpointed layers drop the KV cache, so the shared path needs them off)
-    if P > 1 and saves and not any(isinstance(m, GradientCheckpointingLayer)
-                                   and m.gradient_checkpointing for m in model.modules()):
+    # (checkpointed layers drop the KV cache, and DDP wants one forward per backward: both off)
+    if P > 1 and saves and not hasattr(model, "no_sync") and not any(
+            isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
+            for m in model.modules()):
         cache, p_mask = DynamicCache(), prompts[:, P:2 * P - 1]
         _forward(model, prompts[:, :P - 1], p_mask, positions(p_mask), cache, keep=1)
         cache.batch_select_indices(row_of)  # every prompt but its last token, once per prompt
@@ -591,11 +593,15 @@ def masked_mean(x, mask, dim=None):
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
-def whiten(x, mask, shift_mean=True, eps=1e-8):
+def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
     """(x - mean) / std over the valid (mask = 1) entries only, biased variance (as OpenRLHF and
-    the TF code of Ziegler et al.); shift_mean=False adds the mean back. 0 where mask = 0."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
+    the TF code of Ziegler et al.); shift_mean=False adds the mean back. 0 where mask = 0.
+    total: sums over every process under torchrun (runs.global_sum), for the global batch's
+    statistics; None: this batch's."""
+    total = total or (lambda t: t)
+    n = total(mask.sum()).clamp(min=1)
+    mean = total((x * mask).sum()) / n
+    var = total((((x - mean) ** 2) * mask).sum()) / n
     out = (x - mean) * torch.rsqrt(var + eps)
     return (out if shift_mean else out + mean) * mask
 

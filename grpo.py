@@ -186,11 +186,13 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp):
     groups whose rewards are all equal are dropped and more prompts sampled, up to
     max_resample_rounds extra rounds. Returns the kept rollout, its rows, completion texts and
     rewards (B,), and `seen`: rewards, reward parts and zero-std flags of everything sampled."""
-    G, want = args.group_size, args.prompts_per_step * args.group_size
+    G = args.group_size
+    want = args.prompts_per_step * G // R.get_world_size()  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept = [], [], [], []
     seen = {"rewards": [], "parts": [], "zero_std": []}
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
-        rows = [r for r in data.next_batch(rng, args.prompts_per_step) for _ in range(G)]
+        prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
+        rows = [r for r in prompts for _ in range(G)]
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                         amp=amp, stop=args.stop)
@@ -239,9 +241,9 @@ def main():
     weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="math")
     data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
                        args.prompt_field, args.answer_field, args.system_prompt)
+    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     C.check_prompts(tok, model, data.rows, args)
@@ -253,24 +255,28 @@ def main():
     rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
+    ddp = R.wrap_ddp(model)  # the training forward; under torchrun DDP averages the gradients
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    def evaluate():
-        return C.evaluate(model, tok, data.eval_rows, args, amp, weights, rm, rm_tok, fns)
+    def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
+        rows = data.eval_rows[run.rank::run.world]
+        scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
+        return R.global_mean(scores, weight=len(rows))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric)
-    if args.num_iterations == 1:
+    if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo")
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
+               disable=run.rank > 0)
     for step in bar:
         t0 = time.time()
         # 1. sample G completions per prompt and score them
         roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
                                                                weights, rm, rm_tok, fns, amp)
-        if not torch.isfinite(rewards).all():
+        if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,)
@@ -289,28 +295,37 @@ def main():
             with C.adapters_off(ref):  # LoRA: the policy without its adapters is the reference
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
-        # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser
+        # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser:
+        # tokens and sequences of the whole step, in every process (one process: these rows)
         B, T = mask.shape
-        n_tokens = mask.sum().clamp(min=1)
+        n_tokens = R.global_sum(mask.sum()).clamp(min=1)
+        n_seqs = R.global_sum(B)
+        n_local = float(mask.sum().clamp(min=1))  # for the logged means: this process's tokens
         sums = dict.fromkeys(("loss", "kl", "ratio", "clip_frac", "entropy"), 0.0)
         for it in range(args.num_iterations):
-            for mb in C.micro_batches(roll.completion_mask, args.micro_batch_size):
-                with amp:
-                    logprobs, entropy = C.token_logprobs(model, roll.ids[mb],
-                                                         roll.attention_mask[mb], T,
-                                                         args.temperature, entropy=True)
-                old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
-                ref_mb = ref_logprobs[mb] if ref_logprobs is not None else None
-                loss, ratio, kl, clipped = per_token_loss(
-                    logprobs, old, advantages[mb], args.clip_eps, args.clip_eps_high, ref_mb,
-                    args.beta, args.kl_estimator)
-                loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, B, args.max_new_tokens)
-                loss.backward()  # gradients add up over the micro-batches
+            # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
+            mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
+            for i, mb in enumerate(mbs):
+                with R.sync_gradients(ddp, now=i == len(mbs) - 1):  # DDP: once, at the last
+                    with amp:
+                        logprobs, entropy = C.token_logprobs(ddp, roll.ids[mb],
+                                                             roll.attention_mask[mb], T,
+                                                             args.temperature, entropy=True)
+                    old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
+                    ref_mb = ref_logprobs[mb] if ref_logprobs is not None else None
+                    loss, ratio, kl, clipped = per_token_loss(
+                        logprobs, old, advantages[mb], args.clip_eps, args.clip_eps_high, ref_mb,
+                        args.beta, args.kl_estimator)
+                    loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
+                                     args.max_new_tokens)
+                    # gradients add up over the micro-batches. DDP averages the processes'
+                    # gradients: scaled by their number, that average is the whole step's sum
+                    (loss * run.world).backward()
                 # logged token means over the step, averaged over the mu updates
                 for key, x in (("kl", kl), ("ratio", ratio), ("clip_frac", clipped),
                                ("entropy", entropy)):
-                    sums[key] += float((x.detach() * mask[mb]).sum()) / float(n_tokens)
-                sums["loss"] += loss.item()
+                    sums[key] += float((x.detach() * mask[mb]).sum()) / n_local
+                sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
                 opt.step()
@@ -336,13 +351,14 @@ def main():
         G = args.group_size
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::G][:4], completions[::G][:4], rewards[::G][:4])]
-        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
-        if R.every(step, args.eval_every) and not last:
+        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)
-        if R.every(step, args.save_every) or last or R.STOP["requested"]:
+        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
+        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
-        if R.STOP["requested"]:
+        if stopping:
             break
     R.finish_run(run, device, metric, eval_before, evaluate)
 

@@ -191,6 +191,19 @@ def critic_values(critic, ids, attention_mask, T):
     return torch.nn.functional.pad(values, (0, T - Tb))
 
 
+class ValueModel(torch.nn.Module):
+    """The critic as one module whose forward returns V(s_t), (B, T): DistributedDataParallel
+    syncs the gradients of what a module's forward computes (critic_values reads the backbone
+    and the head separately)."""
+
+    def __init__(self, critic):
+        super().__init__()
+        self.critic = critic
+
+    def forward(self, ids, attention_mask, T):
+        return critic_values(self.critic, ids, attention_mask, T)
+
+
 def explained_variance(values, returns, mask):
     """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 a constant's worth."""
     var_r = C.masked_mean((returns - C.masked_mean(returns, mask)) ** 2, mask)
@@ -264,7 +277,9 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
     """ppo_epochs passes over the batch in shuffled minibatches, one optimizer step per minibatch
     (micro-batch gradients summed, normalised by the minibatch's token count). Stops early,
     dropping that minibatch's update, when its approx KL(pi_old || pi) passes target_kl.
-    batch: old_logprobs, old_values, returns, advantages, each (B, T). Returns averaged stats."""
+    batch: old_logprobs, old_values, returns, advantages, each (B, T). Returns averaged stats.
+    model and critic: as given by runs.wrap_ddp (under torchrun, DDP averages their gradients;
+    each process then holds its share of every minibatch)."""
     mask = roll.completion_mask
     B, T = mask.shape
     mb_size = B // args.num_minibatches
@@ -276,32 +291,38 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
         perm = torch.randperm(B, device=mask.device)  # reshuffled every epoch (N details)
         for start in range(0, B, mb_size):
             idx = perm[start:start + mb_size]  # this minibatch's rows
-            n_tokens = mask[idx].sum().clamp(min=1)
+            n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
             mb = dict.fromkeys(keys, 0.0)
             micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
-            for j in (idx[m] for m in micro):
+            for i, j in enumerate(idx[m] for m in micro):
                 m = mask[j]
-                with amp:
-                    logprobs, entropy = C.token_logprobs(model, roll.ids[j], roll.attention_mask[j],
-                                                         T, args.temperature, entropy=True,
-                                                         entropy_grad=args.ent_coef > 0)
-                    values = critic_values(critic, roll.ids[j], roll.attention_mask[j], T)
-                pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
-                                                 batch["advantages"][j], args.clip_eps)
-                vf, v_clipped = value_loss(values, batch["old_values"][j], batch["returns"][j],
-                                           args.clip_eps_value)
+                with R.sync_gradients(model, now=i == len(micro) - 1), \
+                        R.sync_gradients(critic, now=i == len(micro) - 1):
+                    with amp:
+                        logprobs, entropy = C.token_logprobs(model, roll.ids[j],
+                                                             roll.attention_mask[j], T,
+                                                             args.temperature, entropy=True,
+                                                             entropy_grad=args.ent_coef > 0)
+                        values = critic(roll.ids[j], roll.attention_mask[j], T)
+                    pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
+                                                     batch["advantages"][j], args.clip_eps)
+                    vf, v_clipped = value_loss(values, batch["old_values"][j],
+                                               batch["returns"][j], args.clip_eps_value)
 
-                def token_mean(x):  # over the whole minibatch's tokens
-                    return (x * m).sum() / n_tokens
-                loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
-                    - args.ent_coef * token_mean(entropy)
-                loss.backward()  # gradients add up over the micro-batches
+                    def token_mean(x):  # over the whole minibatch's tokens
+                        return (x * m).sum() / n_tokens
+                    loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
+                        - args.ent_coef * token_mean(entropy)
+                    # gradients add up over the micro-batches; DDP's average over the processes,
+                    # scaled by their number, is the minibatch's sum
+                    (loss * run.world).backward()
                 approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
                 mb["loss"] += float(loss.detach())
                 for k, x in (("pg_loss", pg), ("value_loss", vf), ("clip_frac", clipped),
                              ("value_clip_frac", v_clipped), ("ratio", ratio),
                              ("approx_kl", approx_kl), ("entropy", entropy)):
                     mb[k] += float(token_mean(x.detach()))
+            mb = {k: v * run.world for k, v in R.global_mean(mb).items()}  # sums over processes
             if args.target_kl and mb["approx_kl"] > args.target_kl:
                 opt.zero_grad(set_to_none=True)  # drop this update: pi moved far enough from pi_old
                 return {**{k: v / max(n_updates, 1) for k, v in sums.items()},
@@ -331,9 +352,9 @@ def main():
     weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
     data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
                        args.prompt_field, args.answer_field, args.system_prompt)
+    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "ppo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     C.check_prompts(tok, model, data.rows, args)
@@ -350,6 +371,7 @@ def main():
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
         norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp)
+        norm = tuple(R.global_mean({"mu": norm[0], "sigma": norm[1]}).values())  # torchrun
         print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; the "
               "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
@@ -359,27 +381,32 @@ def main():
                              {"params": list(critic.parameters()), "lr": args.critic_lr}],
                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
 
-    def evaluate():
-        return C.evaluate(model, tok, data.eval_rows, args, amp, weights, rm, rm_tok, fns)
+    def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
+        rows = data.eval_rows[run.rank::run.world]
+        scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
+        return R.global_mean(scores, weight=len(rows))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric)
     kl_coef = saved.get("kl_coef", args.kl_coef)
     if saved:
         critic.load_state_dict(saved["critic"])
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo")
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
+               disable=run.rank > 0)
+    ddp = R.wrap_ddp(model)  # the training forwards; under torchrun DDP averages the gradients
+    critic_ddp = R.wrap_ddp(ValueModel(critic))
     for step in bar:
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):
                 group["lr"] = lr * (1 - step / args.max_steps)
         # 1. sample one completion per prompt and score it
-        rows = data.next_batch(rng, args.batch_size)
+        rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                         amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
         raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
-        if not torch.isfinite(raw_scores).all():
+        if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
         # the "EOS trick" (TL;DR details): a completion that never ended pays a fixed penalty
@@ -402,14 +429,15 @@ def main():
         # 3. per-token rewards, GAE advantages and returns, whitened advantages
         rewards, kl = shaped_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef,
                                      args.kl_estimator)
-        if args.whiten_rewards:
-            rewards = C.whiten(rewards, mask, shift_mean=False)
+        if args.whiten_rewards:  # (statistics of the global batch, under torchrun too)
+            rewards = C.whiten(rewards, mask, shift_mean=False, total=R.global_sum)
         advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
         batch = {"old_logprobs": old_logprobs, "old_values": old_values, "returns": returns,
-                 "advantages": C.whiten(advantages, mask)}
+                 "advantages": C.whiten(advantages, mask, total=R.global_sum)}
         # 4. ppo_epochs x num_minibatches optimizer steps on the clipped losses
-        stats = ppo_update(model, critic, opt, run, roll, batch, args, amp)
-        kl_seq = float(kl.sum(1).mean())  # nats per sequence: what Ziegler's controller targets
+        stats = ppo_update(ddp, critic_ddp, opt, run, roll, batch, args, amp)
+        # nats per sequence: what Ziegler's controller targets (the mean over all processes)
+        kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
         used_kl_coef = kl_coef
         if args.adaptive_kl:
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
@@ -429,15 +457,16 @@ def main():
                    "tokens_per_s": float(mask.sum()) / elapsed}
         samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
                    for r, c, s in zip(rows[:4], completions[:4], scores[:4])]
-        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
-        if R.every(step, args.eval_every) and not last:
+        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)
-        if R.every(step, args.save_every) or last or R.STOP["requested"]:
+        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
+        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1,
                               {"eval_before": eval_before, "kl_coef": kl_coef,
                                "score_norm": norm, "critic": critic.state_dict()})
-        if R.STOP["requested"]:
+        if stopping:
             break
     R.finish_run(run, device, metric, eval_before, evaluate)
 

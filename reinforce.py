@@ -136,11 +136,13 @@ def rloo_baseline(rewards, k):
     return ((r.sum(1, keepdim=True) - r) / (k - 1)).view(-1)
 
 
-def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=None):
+def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=None,
+               total=None):
     """A = G - b for the chosen baseline, (B, T), 0 on padding. returns[:, 0] is each sequence's
     whole return (every completion has at least one token). ema: the running baseline of earlier
     steps (None at the first step: this batch's mean, once). scores (B,): with per-token KL, RLOO
-    compares the other samples' scores, not their returns (OpenRLHF); None compares returns."""
+    compares the other samples' scores, not their returns (OpenRLHF); None compares returns.
+    total: sums over every torchrun process, for whitening over the global batch."""
     whole = returns[:, 0]
     if baseline == "none":
         b = torch.zeros_like(whole)
@@ -149,11 +151,11 @@ def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=
     elif baseline == "rloo":
         b = rloo_baseline(whole if scores is None else scores.to(whole), k)
     elif baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens
-        return C.whiten(returns, mask)
+        return C.whiten(returns, mask, total=total)
     else:
         raise ValueError(baseline)
     adv = (returns - b[:, None]) * mask
-    return C.whiten(adv, mask) if whiten_after else adv
+    return C.whiten(adv, mask, total=total) if whiten_after else adv
 
 
 def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum",
@@ -209,9 +211,9 @@ def main():
     weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="math")
     data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
                        args.prompt_field, args.answer_field, args.system_prompt)
+    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "reinforce")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     C.check_prompts(tok, model, data.rows, args)
@@ -223,28 +225,33 @@ def main():
     rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
+    ddp = R.wrap_ddp(model)  # the training forward; under torchrun DDP averages the gradients
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    def evaluate():
-        return C.evaluate(model, tok, data.eval_rows, args, amp, weights, rm, rm_tok, fns)
+    def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
+        rows = data.eval_rows[run.rank::run.world]
+        scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
+        return R.global_mean(scores, weight=len(rows))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric)
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="reinforce")
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
+               desc="reinforce", disable=run.rank > 0)
     for step in bar:
         t0 = time.time()
         # 1. sample k completions per prompt (k contiguous rows each) and score them
-        rows = [r for r in data.next_batch(rng, args.prompts_per_step) for _ in range(k)]
+        prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
+        rows = [r for r in prompts for _ in range(k)]
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                         amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
-        if not torch.isfinite(scores).all():
+        if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
@@ -264,28 +271,37 @@ def main():
         returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
         per_token_kl = kl is not None and args.kl_in_reward == "token"
         adv = advantages(returns, mask, args.baseline, k, ema, args.whiten,
-                         scores if per_token_kl else None)
+                         scores if per_token_kl else None, total=R.global_sum)
         if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
-            mean_return = float(returns[:, 0].mean())
+            mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
             ema = mean_return if ema is None else \
                 args.ema_decay * ema + (1 - args.ema_decay) * mean_return
         # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser
-        n_tokens = mask.sum().clamp(min=1)
+        # (tokens and sequences of the whole step, in every process; one process: these rows)
+        n_tokens = R.global_sum(mask.sum()).clamp(min=1)
+        n_seqs = R.global_sum(B)
+        n_local = mask.sum().clamp(min=1)  # for the logged means: this process's tokens
         sums = dict.fromkeys(("loss", "ratio", "clip_frac", "entropy"), 0.0)
         grad_norms.clear()
         for it in range(args.num_iterations):
-            for mb in C.micro_batches(mask, args.micro_batch_size):
-                with amp:
-                    logprobs, entropy = C.token_logprobs(model, roll.ids[mb],
-                                                         roll.attention_mask[mb], T,
-                                                         args.temperature, entropy=True)
-                old = old_logprobs[mb] if args.num_iterations > 1 else None
-                loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], B, n_tokens,
-                                                      args.loss_agg, old, args.clip_eps)
-                loss.backward()  # gradients add up over the micro-batches
+            # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
+            mbs = C.micro_batches(mask, args.micro_batch_size)
+            for i, mb in enumerate(mbs):
+                with R.sync_gradients(ddp, now=i == len(mbs) - 1):  # DDP: once, at the last
+                    with amp:
+                        logprobs, entropy = C.token_logprobs(ddp, roll.ids[mb],
+                                                             roll.attention_mask[mb], T,
+                                                             args.temperature, entropy=True)
+                    old = old_logprobs[mb] if args.num_iterations > 1 else None
+                    loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], n_seqs,
+                                                          n_tokens, args.loss_agg, old,
+                                                          args.clip_eps)
+                    # gradients add up over the micro-batches. DDP averages the processes'
+                    # gradients: scaled by their number, that average is the whole step's sum
+                    (loss * run.world).backward()
                 for key, x in (("ratio", ratio), ("clip_frac", clipped), ("entropy", entropy)):
-                    sums[key] += float((x.detach() * mask[mb]).sum() / n_tokens)
-                sums["loss"] += loss.item()
+                    sums[key] += float((x.detach() * mask[mb]).sum() / n_local)
+                sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
                 opt.step()
@@ -296,7 +312,8 @@ def main():
         sums = {key: v / args.num_iterations for key, v in sums.items()}
         # 4. log, eval, checkpoint
         valid = mask.bool()
-        g = torch.cat(grad_norms)[:B] * B  # g_i: each sample's term of the first update's gradient
+        # g_i: each sample's term of the first update's gradient (times N, the step's sequences)
+        g = torch.cat(grad_norms)[:B] * n_seqs / run.world
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(scores.mean()),
                    "reward_std": float(scores.std()),
@@ -314,14 +331,15 @@ def main():
                    "step_time": elapsed, "tokens_per_s": float(mask.sum()) / elapsed}
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::k][:4], completions[::k][:4], scores[::k][:4])]
-        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
-        if R.every(step, args.eval_every) and not last:
+        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)
-        if R.every(step, args.save_every) or last or R.STOP["requested"]:
+        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
+        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1,
                               {"eval_before": eval_before, "ema": ema})
-        if R.STOP["requested"]:
+        if stopping:
             break
     R.finish_run(run, device, metric, eval_before, evaluate)
 

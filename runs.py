@@ -14,6 +14,7 @@ A run folder holds:
 """
 import argparse
 import atexit
+import contextlib
 import dataclasses
 import difflib
 import inspect
@@ -29,6 +30,8 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import HfArgumentParser
 from transformers.utils import logging as hf_logging
@@ -56,7 +59,8 @@ def main_guard(main):
                        for f in files):
                     shutil.rmtree(folder, ignore_errors=True)
     except C.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every process says the same
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except torch.OutOfMemoryError as e:  # the commonest complaint of big-trainer users (trl#2972)
         print(f"error: out of memory ({C._first_line(e)[:100]}): lower --micro_batch_size "
@@ -156,6 +160,14 @@ def check_args(args):
             if not ((0 < value or zero_ok and value == 0) and (value < 1 or one_ok and value == 1)):
                 interval = f"{'[' if zero_ok else '('}0, 1{']' if one_ok else ')'}"
                 raise C.UserError(f"--{f.name} must be in {interval}, not {value}")
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
+    for name in ("prompts_per_step", "batch_size"):  # they count the whole step, all processes
+        if world > 1 and getattr(args, name, 0) % world:
+            raise C.UserError(f"--{name} {getattr(args, name)} counts the whole step: it must "
+                              f"divide among the {world} processes")
+    if world > 1 and getattr(args, "dynamic_sampling", False):
+        raise C.UserError("--dynamic_sampling under torchrun is not supported yet: processes "
+                          "would keep different numbers of rows")
     if "" in getattr(args, "stop", []):
         raise C.UserError("--stop: an empty stop string would end every completion at once")
 
@@ -171,6 +183,8 @@ class Run:
     metrics: object  # metrics.jsonl, open for appending
     samples: object  # samples.jsonl, open for appending
     history: list = field(default_factory=list)  # every metrics line so far
+    rank: int = 0  # this process, under torchrun (rank 0 alone writes files and the bar)
+    world: int = 1  # number of processes
     t0: float = field(default_factory=time.time)
     nonfinite: int = 0  # updates skipped for NaN/inf so far
     nonfinite_in_row: int = 0
@@ -226,8 +240,19 @@ def _trim_jsonl(path, last_step):
 
 def start_run(args, algo):
     """Make (or, resuming, reopen) the output folder, lock it, and open the metrics and samples
-    files. Resuming cuts both files back to the checkpoint's step: no step is logged twice."""
+    files. Resuming cuts both files back to the checkpoint's step: no step is logged twice.
+    Under torchrun, rank 0 alone does the files; every process gets the same folder name."""
+    rank, world = get_rank(), get_world_size()
     folder = args.output_dir or os.path.join("runs", f"{algo}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if world > 1:
+        names = [folder]
+        dist.broadcast_object_list(names, src=0)  # the timestamp of rank 0's clock
+        folder = names[0]
+    if rank > 0:
+        state = _load_state(folder) if args.resume else None
+        signal.signal(signal.SIGINT, _on_sigint)
+        return Run(dir=folder, algo=algo, args=args, state=state, metrics=None, samples=None,
+                   rank=rank, world=world)
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.append(folder)
@@ -237,14 +262,8 @@ def start_run(args, algo):
         raise C.UserError(f"--output_dir {folder!r}: {e.strerror or e}") from None
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
-    state = None
-    if args.resume:
-        path = os.path.join(folder, "checkpoint", "trainer_state.pt")
-        try:
-            state = torch.load(path, weights_only=False)
-        except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
-            raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
-    elif os.path.exists(metrics_path) and os.path.getsize(metrics_path):
+    state = _load_state(folder) if args.resume else None
+    if not state and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl): continue "
                           f"it with --resume {folder}, or choose another --output_dir")
     history = _trim_jsonl(metrics_path, state["step"]) if state else []
@@ -252,7 +271,15 @@ def start_run(args, algo):
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
     return Run(dir=folder, algo=algo, args=args, state=state, history=history,
-               metrics=open(metrics_path, "a"), samples=open(samples_path, "a"))
+               metrics=open(metrics_path, "a"), samples=open(samples_path, "a"), world=world)
+
+
+def _load_state(folder):
+    path = os.path.join(folder, "checkpoint", "trainer_state.pt")
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
+        raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
 
 
 def _on_sigint(signum, frame):
@@ -264,9 +291,12 @@ def _on_sigint(signum, frame):
 
 
 def seed_everything(seed):
+    """Seeds sampling (each torchrun process its own: they must not draw the same completions)
+    and returns the data stream's rng: the same in every process, which each takes its share of
+    (see my_share), and saved in checkpoints."""
     random.seed(seed)
-    torch.manual_seed(seed)
-    return random.Random(seed)  # the data stream's own rng, saved in checkpoints
+    torch.manual_seed(seed + 100003 * get_rank())  # rank 0: seed itself, as in one process
+    return random.Random(seed)
 
 
 def resume_or_eval(run, opt, rng, evaluate, metric):
@@ -276,16 +306,19 @@ def resume_or_eval(run, opt, rng, evaluate, metric):
     if not run.state:
         eval_before = evaluate()  # {"eval": greedy score, ...}
         scores = ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items())
-        print(f"held-out {metric} before training: {scores} (eval = greedy)")
+        if run.rank == 0:
+            print(f"held-out {metric} before training: {scores} (eval = greedy)")
         return 0, eval_before, {}
     s = run.state
     opt.load_state_dict(s["optimizer"])
-    torch.set_rng_state(s["torch_rng"])
-    if s["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda_rng"])
+    if len(s["torch_rng"]) == run.world:  # one state per process; another world size reseeds
+        torch.set_rng_state(s["torch_rng"][run.rank])
+        if s["cuda_rng"][run.rank] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(s["cuda_rng"][run.rank])
     rng.setstate(s["data_rng"])
     run.nonfinite = s["nonfinite"]
-    print(f"resumed {run.dir} at step {s['step']} of {run.args.max_steps}")
+    if run.rank == 0:
+        print(f"resumed {run.dir} at step {s['step']} of {run.args.max_steps}")
     return s["step"], s["extra"]["eval_before"], s["extra"]
 
 
@@ -313,6 +346,8 @@ def log_step(run, metrics, bar, samples, opt, kl_warn=10.0):
     """Append the metrics line (and every 25 steps the samples); after the first step, say what
     memory AdamW's moments add from the next step on (where runs that barely fit fail, trl#2972)."""
     step = metrics["step"]
+    if run.rank > 0:
+        return
     if metrics.get("kl", 0.0) > kl_warn:
         tqdm.write(f"warning: KL per token is {metrics['kl']:.2f} at step {step}: the policy is "
                    "running away from the reference")
@@ -343,9 +378,16 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra):
                                                           "checkpoint.old"))
     for leftover in (tmp, old):  # of a save that was killed
         shutil.rmtree(leftover, ignore_errors=True)
-    state = {"step": step, "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(),
-             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-             "data_rng": rng.getstate(), "nonfinite": run.nonfinite, "extra": extra}
+    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    rng_states = [(torch.get_rng_state(), cuda_rng)]
+    if run.world > 1:  # every process's sampling RNG, gathered on rank 0
+        rng_states = [None] * run.world
+        dist.all_gather_object(rng_states, (torch.get_rng_state(), cuda_rng))
+    if run.rank > 0:
+        return
+    state = {"step": step, "optimizer": opt.state_dict(), "data_rng": rng.getstate(),
+             "torch_rng": [t for t, _ in rng_states], "cuda_rng": [c for _, c in rng_states],
+             "nonfinite": run.nonfinite, "extra": extra}
     try:
         model.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
@@ -362,6 +404,87 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+# ------------------------------------------------------------ several processes (torchrun)
+def setup_distributed():
+    """Under torchrun (WORLD_SIZE > 1): join the process group (nccl on CUDA, gloo on CPU) and
+    take this process's device from LOCAL_RANK. Launched plainly: one process, no group, nothing
+    changes. Returns the device."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return C.pick_device()
+    local = int(os.environ["LOCAL_RANK"])
+    device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return device
+
+
+def get_rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def get_world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def my_share(items):
+    """This process's contiguous share of a list that every process drew alike (prompts: so a
+    GRPO group never straddles two processes). One process: all of it."""
+    n = len(items) // get_world_size()
+    return items[get_rank() * n:(get_rank() + 1) * n]
+
+
+def global_sum(x):
+    """x summed over every process: for normalisers that count the whole optimizer step (tokens,
+    sequences) and for global means. One process: x itself."""
+    if get_world_size() == 1:
+        return x
+    t = torch.as_tensor(x)
+    total = t.to(_collective_device(), torch.float64)  # a copy: x itself stays as it was
+    dist.all_reduce(total)
+    return total.to(t.device, t.dtype if t.is_floating_point() else torch.float64)
+
+
+def _collective_device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+        else torch.device("cpu")
+
+
+def global_mean(metrics, weight=1.0):
+    """Each number in a dict averaged over the processes, weighted (e.g. by rows held out)."""
+    if get_world_size() == 1:
+        return metrics
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
+    x = torch.tensor([weight] + [metrics[k] * weight for k in keys], dtype=torch.float64,
+                     device=_collective_device())
+    dist.all_reduce(x)
+    return {**metrics, **{k: float(v / x[0]) for k, v in zip(keys, x[1:])}}
+
+
+def stop_requested():
+    """Ctrl-C in any process stops every process after the same step."""
+    if get_world_size() == 1:
+        return STOP["requested"]
+    return bool(global_sum(float(STOP["requested"])) > 0)
+
+
+def wrap_ddp(model):
+    """Under torchrun, the model for the training forward: PyTorch's DistributedDataParallel
+    averages the processes' gradients in backward. Sampling and frozen forwards use the plain
+    model (no gradient sync there). One process: the model itself."""
+    if get_world_size() == 1:
+        return model
+    device = next(model.parameters()).device
+    return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
+
+
+def sync_gradients(model, now):
+    """DDP averages gradients once per optimizer step: in the last micro-batch's backward only."""
+    if isinstance(model, DistributedDataParallel) and not now:
+        return model.no_sync()
+    return contextlib.nullcontext()
 
 
 # ---------------------------------------------------------------------------- end of the run
@@ -429,11 +552,14 @@ def _json_safe(x):
 def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "gold", "kl")):
     """The final held-out eval (skipped after Ctrl-C, said so), summary.json, the before/after
     table, text charts, curves.png. Exits 130 after Ctrl-C (checkpoint and summary are saved)."""
-    if STOP["requested"]:
+    stopped = stop_requested()
+    if stopped:
         print("interrupted: the final held-out eval is skipped; --resume the run to finish it")
         eval_after = dict.fromkeys(eval_before, float("nan"))
     else:
         eval_after = evaluate()
+    if run.rank > 0:
+        return None
     steps = [m["step"] for m in run.history]
     tokens_per_s = sum(m.get("tokens_per_s", 0) for m in run.history) / max(len(steps), 1)
     summary = {"algo": run.algo, "args": dataclasses.asdict(run.args), "eval_metric": metric,
@@ -441,7 +567,7 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
                "evals": {"before": eval_before, "after": eval_after},
                "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
                "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
-               "interrupted": STOP["requested"], "tokens_per_s": round(tokens_per_s, 1)}
+               "interrupted": stopped, "tokens_per_s": round(tokens_per_s, 1)}
     with open(os.path.join(run.dir, "summary.json"), "w") as f:
         json.dump(_json_safe(summary), f, indent=2)
     run.metrics.close()
@@ -457,7 +583,7 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
     plot = _plot(run, keys) if keys else "no curves.png: no steps were logged"
     print(f"wall time {summary['wall_time_s']:.0f} s, peak memory {summary['peak_mem_mb']:.0f} MB")
     print(f"wrote {run.dir}/: metrics.jsonl, samples.jsonl, summary.json, checkpoint/, {plot}")
-    if STOP["requested"]:
+    if stopped:
         sys.exit(130)
     return summary
 
