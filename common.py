@@ -42,6 +42,7 @@ except ImportError:
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
 DEFAULT_REWARD_MODEL = os.path.join(ROOT, "models", "tiny-adder-rm")
+PIPELINE_RANKINGS = os.path.join(ROOT, "data", "rankings.jsonl")  # tools/make_pipeline_data.py
 
 
 class UserError(Exception):
@@ -174,6 +175,86 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
     def next_file_batch(rng, k):
         return [rng.choice(train_rows) for _ in range(k)]
     return SimpleNamespace(next_batch=next_file_batch, eval_rows=eval_rows, rows=rows)
+
+
+# preference data (reward_model.py, dpo.py): pairs {"prompt", "chosen", "rejected"} or rankings
+# {"prompt", "ranking": [best, ..., worst]}
+def ranking_pairs(k):
+    """All K(K-1)/2 (better, worse) index pairs of a ranking of k, best first."""
+    return [(i, j) for i in range(k) for j in range(i + 1, k)]
+
+
+def read_preferences(path, eval_size):
+    """(train rows, held-out rows), each {"prompt", "completions", "pairs": [(chosen i, rejected
+    j), ...], "margin"}, from pairs or rankings; the prompt is text or chat messages (checked by
+    C.read_jsonl). Errors name the file, the line and the field."""
+    rows = []
+    raw_rows = read_jsonl(path)  # skips blank lines: number the others as it does
+    with open(path, "rb") as f:
+        lines = [n for n, raw in enumerate(f, 1) if raw.decode("utf-8-sig", "replace").strip()]
+    for n, row in zip(lines, raw_rows):
+        where = f"{path}, line {n}"
+        if "ranking" in row:
+            done = row["ranking"]  # the completions, best first
+            if not (isinstance(done, list) and len(done) >= 2
+                    and all(isinstance(c, str) for c in done)):
+                raise UserError(f"{where}: field 'ranking' must be a list of 2 or more strings")
+        else:
+            for key in ("chosen", "rejected"):
+                if not isinstance(row.get(key), str):
+                    raise UserError(f"{where}: field {key!r} is missing or not a string (a "
+                                      "row needs 'chosen' and 'rejected', or 'ranking')")
+            done = [row["chosen"], row["rejected"]]
+        if len(set(done)) < len(done):
+            raise UserError(f"{where}: a completion is both chosen and rejected: {done}")
+        margin = row.get("margin", 0.0)
+        if type(margin) not in (int, float) or not math.isfinite(margin):  # (True: no)
+            raise UserError(f"{where}: field 'margin' must be a finite number")
+        rows.append({"prompt": row["prompt"], "completions": done, "margin": float(margin),
+                     "pairs": ranking_pairs(len(done))})
+    # held out: a fixed fifth of the distinct prompts (at most eval_size), all rows of a prompt
+    key = [json.dumps(r["prompt"]) for r in rows]  # a chat prompt is a list: not hashable
+    prompts = sorted(set(key))
+    random.Random(0).shuffle(prompts)
+    held = set(prompts[:min(eval_size, len(prompts) // 5)])
+    return ([r for r, k in zip(rows, key) if k not in held],
+            [r for r, k in zip(rows, key) if k in held])
+
+
+def step_rows(rows, batch_size, seed, step):
+    """The rows of optimizer step `step`: each epoch is a shuffle set by (seed, epoch) alone, so
+    resuming needs only the step number."""
+    epoch, i = divmod(step, math.ceil(len(rows) / batch_size))
+    order = random.Random(seed * 100003 + epoch).sample(rows, len(rows))
+    return order[i * batch_size:(i + 1) * batch_size]
+
+
+def flatten(rows):
+    """Each row's completions, one after another, and the index pairs, margins and weights of
+    all its pairs in that flat list: (prompts, completions, chosen, rejected, margin, weight)."""
+    prompts, completions, chosen, rejected, margin, weight = [], [], [], [], [], []
+    for r in rows:
+        start = len(completions)
+        prompts += [r["prompt"]] * len(r["completions"])
+        completions += r["completions"]
+        chosen += [start + i for i, _ in r["pairs"]]
+        rejected += [start + j for _, j in r["pairs"]]
+        margin += [r["margin"]] * len(r["pairs"])
+        weight += [1 / len(r["pairs"])] * len(r["pairs"])
+    return prompts, completions, chosen, rejected, torch.tensor(margin), torch.tensor(weight)
+
+
+def collate(examples, pad_id, device):
+    """Rows of (prompt ids, completion ids) as a rollout: prompts left-padded to P columns,
+    completions right-padded to T; completion_mask (B, T) is 1 on each completion token, EOS
+    included, built from lengths."""
+    prompt, prompt_mask = left_pad([p for p, _ in examples], pad_id, device)
+    T = max(len(c) for _, c in examples)
+    completion = torch.tensor([c + [pad_id] * (T - len(c)) for _, c in examples], device=device)
+    mask = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for _, c in examples], device=device)
+    return SimpleNamespace(ids=torch.cat([prompt, completion], 1), P=prompt.shape[1],
+                             attention_mask=torch.cat([prompt_mask, mask], 1),
+                             completion_mask=mask.float())
 
 
 # --------------------------------------------------------------------------------------- loading
@@ -730,28 +811,37 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
     return weights
 
 
-@torch.no_grad()
-def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="auto"):
-    """Reward-model score of prompt + completion, re-tokenised with the reward model's own tokenizer
-    (and chat template), then EOS, so it sees a finished answer. Rows are scored independently."""
-    device = next(rm.parameters()).device
+def rm_sequences(rm_tok, prompts, completions, chat_template="auto"):
+    """What a reward model reads: prompt + completion re-tokenised with its own tokenizer (and chat
+    template), then EOS, so it sees a finished answer."""
     if chat_template != "none" and rm_tok.chat_template:
         chats = [as_messages(p) + [{"role": "assistant", "content": c}]
                  for p, c in zip(prompts, completions)]
         texts = [rm_tok.apply_chat_template(chat, tokenize=False) for chat in chats]
-        seqs = [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    else:
-        seqs = [rm_tok(as_text(p) + c)["input_ids"] + [rm_tok.eos_token_id]
-                for p, c in zip(prompts, completions)]
+        return [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [rm_tok(as_text(p) + c)["input_ids"] + [rm_tok.eos_token_id]
+            for p, c in zip(prompts, completions)]
+
+
+def rm_forward(rm, ids, mask):
+    """Scores (B,) of left-padded rows, with gradients: the head reads the last position, every
+    row's last real token."""
+    if hasattr(rm, "score"):
+        hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
+                               use_cache=False).last_hidden_state
+        return rm.score(hidden[:, -1]).float()[:, 0]
+    return rm(input_ids=ids, attention_mask=mask).logits.float()[:, 0]
+
+
+@torch.no_grad()
+def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="auto"):
+    """Reward-model score of each prompt + completion (B,); rows are scored independently."""
+    device = next(rm.parameters()).device
+    seqs = rm_sequences(rm_tok, prompts, completions, chat_template)
     scores = []
     for i in range(0, len(seqs), micro_batch):
         ids, mask = left_pad(seqs[i:i + micro_batch], rm_tok.pad_token_id, device)
-        if hasattr(rm, "score"):  # left padding: the last position is every row's last real token
-            hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
-                                   use_cache=False).last_hidden_state
-            scores.append(rm.score(hidden[:, -1]).float()[:, 0])
-        else:
-            scores.append(rm(input_ids=ids, attention_mask=mask).logits.float()[:, 0])
+        scores.append(rm_forward(rm, ids, mask))
     return torch.cat(scores)
 
 

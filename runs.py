@@ -307,7 +307,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric):
         eval_before = evaluate()  # {"eval": greedy score, ...}
         scores = ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items())
         if run.rank == 0:
-            print(f"held-out {metric} before training: {scores} (eval = greedy)")
+            print(f"held-out {metric} before training: {scores}")
         return 0, eval_before, {}
     s = run.state
     opt.load_state_dict(s["optimizer"])
@@ -549,7 +549,8 @@ def _json_safe(x):
     return x
 
 
-def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "gold", "kl")):
+def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "gold", "kl"),
+               label="greedy"):
     """The final held-out eval (skipped after Ctrl-C, said so), summary.json, the before/after
     table, text charts, curves.png. Exits 130 after Ctrl-C (checkpoint and summary are saved)."""
     stopped = stop_requested()
@@ -575,7 +576,7 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
     _release_lock(run.dir)
     print(f"\n{'held-out ' + metric:26}{'before':>10}{'after':>10}")
     for key in eval_before:
-        name = "greedy" if key == "eval" else key[5:] + " sampled"
+        name = label if key == "eval" else key[5:] + (" sampled" if "@" in key else "")
         print(f"{name:>26}{eval_before[key]:>10.3f}{eval_after[key]:>10.3f}")
     keys = [k for k in charts if any(k in m for m in run.history)]
     for key in keys:

@@ -36,10 +36,13 @@ from transformers import LlamaForSequenceClassification
 from transformers import Qwen2Config
 
 import common as C
+import dpo
 import grpo
 import ppo
 import reinforce as R
+import reward_model
 import runs
+import sft
 from tools.build_models import column_sum
 from tools.merge_lora import merge as merge_lora
 
@@ -137,7 +140,7 @@ def run_main(monkeypatch, script, *argv, guard=False):
     """script.main() in this process (no 9 s of imports) with argv as its command line, keeping
     pytest's Ctrl-C handler. guard=True runs it through runs.main_guard as `python script.py`
     does: bad input exits 2 with one line on stderr."""
-    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *argv])
+    monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", *map(str, argv)])
     monkeypatch.setattr(runs.signal, "signal", lambda *a: None)
     return runs.main_guard(script.main) if guard else script.main()
 
@@ -1346,6 +1349,262 @@ def test_gradient_checkpointing_reaches_the_ppo_critic(tok):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+# ---- the RLHF pipeline: sft.py, reward_model.py, dpo.py
+def summary_and_metrics(out):
+    summary = json.loads((out / "summary.json").read_text())
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return summary, metrics
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------ the losses
+def test_bradley_terry_loss_equals_slow_reference():
+    torch.manual_seed(0)
+    rc, rr, margin = torch.randn(7), torch.randn(7), torch.rand(7)
+    weight = torch.tensor([1, 1 / 3, 1 / 3, 1 / 3, 0.5, 0.5, 1])  # rows of 1, 3, 2 and 1 pairs
+    slow = 0.0
+    for c, r, m, w in zip(rc.tolist(), rr.tolist(), margin.tolist(), weight.tolist()):
+        slow += -w * math.log(1 / (1 + math.exp(-(c - r - m))))
+    got = reward_model.bradley_terry_loss(rc, rr, margin, weight, n_rows=4)
+    assert float(got) == pytest.approx(slow / 4, rel=1e-5)
+
+
+@pytest.mark.parametrize("loss_type,eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0)])
+def test_dpo_and_ipo_losses_equal_slow_reference(loss_type, eps):
+    torch.manual_seed(1)
+    lc, lr_, rc, rr = (torch.randn(6) * 3 for _ in range(4))
+    weight, beta = torch.rand(6), 0.3
+    slow = 0.0
+    for a, b, c, d, w in zip(lc.tolist(), lr_.tolist(), rc.tolist(), rr.tolist(), weight.tolist()):
+        h = (a - c) - (b - d)
+        if loss_type == "ipo":
+            slow += w * (h - 1 / (2 * beta)) ** 2
+        else:
+            sig = 1 / (1 + math.exp(-beta * h))
+            slow += w * (-(1 - eps) * math.log(sig) - eps * math.log(1 - sig))
+    loss, r_chosen, r_rejected = dpo.dpo_loss(lc, lr_, rc, rr, beta, loss_type, eps, weight, 3)
+    assert float(loss) == pytest.approx(slow / 3, rel=1e-5)
+    torch.testing.assert_close(r_chosen, beta * (lc - rc))
+    torch.testing.assert_close(r_rejected, beta * (lr_ - rr))
+    # policy = reference: h = 0, so DPO's loss is log 2 (IPO's 1 / (4 beta^2)) for every pair
+    start, _, _ = dpo.dpo_loss(lc, lr_, lc, lr_, beta, loss_type, eps)
+    assert float(start) == pytest.approx(math.log(2) if loss_type == "sigmoid"
+                                         else 1 / (4 * beta**2), rel=1e-6)
+
+
+def test_sft_gradient_is_the_same_with_micro_batches_and_eos_is_in_the_loss(tok):
+    """The loss is normalised over the whole step's completion tokens, so micro-batches do not
+    change the gradient; masks come from lengths, so the EOS carries loss even when pad = EOS."""
+    model = C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"))
+    examples = [(tok(f"{a}+{b}=")["input_ids"],
+                 tok(str(a + b), add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+                for a, b in [(1, 2), (37, 48), (99, 99), (5, 60)]]
+    batch = C.collate(examples, tok.eos_token_id, "cpu")  # padded with the EOS id itself
+    mask = batch.completion_mask
+    assert mask.sum(1).tolist() == [len(c) for _, c in examples]  # every EOS counted
+    grads = []
+    for size in (4, 1):
+        model.zero_grad()
+        for mb in C.micro_batches(mask, size):
+            lp, _ = C.token_logprobs(model, batch.ids[mb], batch.attention_mask[mb], mask.shape[1])
+            sft.sft_loss(lp, mask[mb], mask.sum()).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+    # and the loss is the plain per-token mean of -log pi over the completions
+    with torch.no_grad():
+        lp, _ = C.token_logprobs(model, batch.ids, batch.attention_mask, mask.shape[1], fast=False)
+    slow = [-lp[i, :len(c)].sum() for i, (_, c) in enumerate(examples)]
+    assert float(sft.sft_loss(lp, mask, mask.sum())) == pytest.approx(
+        float(sum(slow)) / float(mask.sum()), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------ the data
+def test_rankings_expand_into_all_pairs_weighted_per_prompt(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "1+1=", "ranking": ["2", "3", "1", "x"]}, "",
+        {"prompt": "2+2=", "chosen": "4", "rejected": "5", "margin": 2}])
+    rows, held = C.read_preferences(str(path), eval_size=0)
+    assert held == [] and len(rows) == 2
+    assert C.ranking_pairs(4) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    prompts, completions, chosen, rejected, margin, weight = C.flatten(rows)
+    assert completions == ["2", "3", "1", "x", "4", "5"]
+    pairs = [(completions[i], completions[j]) for i, j in zip(chosen, rejected)]
+    assert pairs == [("2", "3"), ("2", "1"), ("2", "x"), ("3", "1"), ("3", "x"), ("1", "x"),
+                     ("4", "5")]
+    assert [prompts[i] for i in chosen] == ["1+1="] * 6 + ["2+2="]
+    torch.testing.assert_close(weight, torch.tensor([1 / 6] * 6 + [1.0]))  # each row weighs 1
+    torch.testing.assert_close(margin, torch.tensor([0.0] * 6 + [2.0]))
+
+
+def test_held_out_split_keeps_every_row_of_a_prompt_on_one_side(tmp_path):
+    rows = [{"prompt": f"{i % 40}+1=", "chosen": "a", "rejected": f"b{i}"} for i in range(200)]
+    train, held = C.read_preferences(str(write_jsonl(tmp_path / "p.jsonl", rows)), 500)
+    assert len({r["prompt"] for r in held}) == 8  # a fifth of the 40 prompts
+    assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
+    again = C.read_preferences(str(tmp_path / "p.jsonl"), 500)[1]
+    assert [r["completions"] for r in again] == [r["completions"] for r in held]  # fixed split
+
+
+def test_length_batches_cover_each_row_once_and_group_similar_lengths():
+    lengths = [random.Random(i).randrange(1, 50) for i in range(1000)]
+    batches = sft.length_batches(lengths, 32, seed=0, epoch=3)
+    assert sorted(i for b in batches for i in b) == list(range(1000))
+    assert batches == sft.length_batches(lengths, 32, seed=0, epoch=3)  # resumable
+    assert batches != sft.length_batches(lengths, 32, seed=0, epoch=4)
+    spread = sum(max(lengths[i] for i in b) - min(lengths[i] for i in b) for b in batches)
+    assert spread < 0.3 * len(batches) * 49  # random batches would span nearly all of 1..49
+
+
+def test_score_forward_equals_common_rm_scores_with_and_without_a_chat_template():
+    """Training scores what ppo.py and grpo.py will score: C.rm_scores' tokens and position."""
+    tok = C.load_tokenizer(C.DEFAULT_POLICY)  # its own: the template is changed below
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                      max_position_embeddings=64, num_labels=1, pad_token_id=tok.pad_token_id)
+    rm = LlamaForSequenceClassification(cfg).eval()
+    prompts, completions = ["1+2=", "37+48=", "5+999="], ["3", "85", ""]
+    for template in (None, "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | "
+                           "{% endfor %}"):
+        tok.chat_template = template
+        want = C.rm_scores(rm, tok, prompts, completions)
+        got = reward_model.score_forward(rm, tok, prompts, completions, "auto")
+        torch.testing.assert_close(got.detach(), want, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------ the scripts learn
+def test_sft_learns_on_the_bundled_task(monkeypatch, tmp_path):
+    out = tmp_path / "sft"
+    run_main(monkeypatch, sft, "--max_steps", 60, "--eval_every", 0, "--eval_size", 200,
+             "--output_dir", out)
+    summary, metrics = summary_and_metrics(out)
+    before, after = summary["evals"]["before"], summary["evals"]["after"]
+    assert after["eval"] >= before["eval"] + 0.25, summary["evals"]  # 0.36 -> about 0.75
+    assert after["eval_loss"] <= before["eval_loss"] - 0.05, summary["evals"]
+    assert [m["step"] for m in metrics] == list(range(1, 61))
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint")  # loads as it is
+
+
+@pytest.fixture(scope="module")
+def trained_rm(tmp_path_factory):
+    """A reward model trained briefly on the bundled rankings (shared by two tests)."""
+    out = tmp_path_factory.mktemp("rm") / "run"
+    with pytest.MonkeyPatch.context() as mp:
+        run_main(mp, reward_model, "--max_steps", 80, "--lr", "1e-3", "--eval_every", 0,
+                 "--eval_size", 100, "--output_dir", out)
+    return out
+
+
+def test_reward_model_learns_on_the_bundled_rankings(trained_rm):
+    summary, metrics = summary_and_metrics(trained_rm)
+    assert summary["eval_before"] < 0.65 and summary["eval_after"] >= 0.75, summary["evals"]
+    first, last = metrics[:10], metrics[-10:]  # measured: 0.48 -> 0.84 held out; 0.63 -> 0.84
+    assert sum(m["accuracy"] for m in last) / 10 >= sum(m["accuracy"] for m in first) / 10 + 0.1
+    assert {"loss", "accuracy", "margin", "score_mean", "score_std"} <= set(metrics[0])
+
+
+def test_a_trained_reward_model_loads_in_ppo(monkeypatch, trained_rm, tmp_path, tok):
+    ckpt = str(trained_rm / "checkpoint")
+    rm = C.load_model(ckpt, "rm", torch.device("cpu"), frozen=True)
+    rm_tok = C.load_tokenizer(ckpt)
+    prompts = ["37+48=", "57+68=", "12+13="]
+    scores = C.rm_scores(rm, rm_tok, prompts * 2, ["85", "125", "25", "75", "15", "35"])
+    assert (scores[:3] > scores[3:]).all()  # the true sums over the slips and a digit off
+    with torch.no_grad():  # the score it was trained on is the score ppo.py reads
+        torch.testing.assert_close(reward_model.score_forward(rm, rm_tok, prompts, ["85"] * 3,
+                                                              "auto"),
+                                   C.rm_scores(rm, rm_tok, prompts, ["85"] * 3))
+    out = tmp_path / "ppo"  # and ppo.py runs on it, as reward model and critic
+    run_main(monkeypatch, ppo, "--reward_model", ckpt, "--max_steps", 2, "--batch_size", 8,
+             "--num_minibatches", 1, "--micro_batch_size", 8, "--eval_size", 8,
+             "--eval_every", 0, "--output_dir", out)
+    summary, metrics = summary_and_metrics(out)
+    assert summary["steps"] == 2 and all(math.isfinite(m["reward"]) for m in metrics)
+
+
+def test_dpo_learns_on_the_bundled_rankings(monkeypatch, tmp_path):
+    out = tmp_path / "dpo"
+    run_main(monkeypatch, dpo, "--max_steps", 60, "--lr", "2e-4", "--eval_every", 0,
+             "--eval_size", 200, "--output_dir", out)
+    summary, metrics = summary_and_metrics(out)
+    before, after = summary["evals"]["before"], summary["evals"]["after"]
+    assert after["eval"] >= before["eval"] + 0.25, summary["evals"]
+    assert before["eval_reward_acc"] == 0.5 and after["eval_reward_acc"] >= 0.7
+    assert metrics[0]["loss"] == pytest.approx(math.log(2), abs=1e-4)  # pi_theta = pi_ref
+    assert metrics[0]["rewards/margin"] == pytest.approx(0.0, abs=1e-5)
+    assert sum(m["rewards/margin"] for m in metrics[-10:]) > 0.1
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+
+
+# ------------------------------------------------------------------------------ bad input
+BAD_ROWS = [({"prompt": "1+1=", "chosen": "2"}, "line 2: field 'rejected' is missing"),
+            ({"prompt": "1+1=", "chosen": "2", "rejected": "2"},
+             "line 2: a completion is both chosen and rejected"),
+            ({"prompt": "1+1=", "ranking": []}, "line 2: field 'ranking' must be a list of 2"),
+            ({"prompt": "1+1=", "ranking": ["2", "3", "2"]},
+             "line 2: a completion is both chosen and rejected"),
+            ({"chosen": "2", "rejected": "3"}, "line 2: field 'prompt'"),
+            ({"prompt": "1+1=", "chosen": "2", "rejected": "3", "margin": "big"},
+             "line 2: field 'margin' must be a finite number"),
+            ("not json", "line 2: not valid JSON")]
+
+
+@pytest.mark.parametrize("script", [reward_model, dpo])
+@pytest.mark.parametrize("row,message", BAD_ROWS, ids=[m for _, m in BAD_ROWS])
+def test_bad_preference_rows_get_one_line_with_file_and_line(script, row, message, monkeypatch,
+                                                             tmp_path, capsys):
+    path = write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "1+1=", "ranking": ["2", "3"]}, row])
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, script, "--data", path, "--output_dir", out, guard=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1, err
+    assert f"{path}, {message}" in err[0], err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"prompt": "1+1="}, "line 2: field 'completion' is missing"),
+    ({"messages": [{"role": "user", "content": "1+1="}]}, "line 2: field 'messages' must be"),
+    ({"prompt": "1+1=", "completion": "2" * 80}, "line 2: 86 tokens, more than the model's")])
+def test_bad_demonstration_rows_get_one_line_with_file_and_line(row, message, monkeypatch,
+                                                                tmp_path, capsys):
+    path = write_jsonl(tmp_path / "demos.jsonl", [{"prompt": "1+1=", "completion": "2"}, row])
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, sft, "--data", path, "--output_dir", tmp_path / "out", guard=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and f"{path}, {message}" in err[0], err
+
+
+def test_bad_flags_are_refused(monkeypatch, tmp_path, capsys):
+    for argv, message in ((["--label_smoothing", "0.5"], "--label_smoothing must be in [0, 0.5)"),
+                          (["--loss_type", "ipo", "--label_smoothing", "0.1"], "IPO has none"),
+                          (["--loss_type", "hinge"], "invalid choice: 'hinge'"),
+                          (["--beta", "0"], "--beta must be > 0, not 0.0")):
+        with pytest.raises(SystemExit):
+            run_main(monkeypatch, dpo, *argv, "--output_dir", tmp_path / "out", guard=True)
+        assert message in capsys.readouterr().err
+
+
+def test_chat_messages_rows_train_with_a_chat_template(tmp_path):
+    """{"messages"} rows: the prompt is the chat before the last (assistant) message, through
+    the tokenizer's template, as C.encode_prompts builds it for the RL scripts."""
+    tok = C.load_tokenizer(C.DEFAULT_POLICY)
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
+                         "{% if add_generation_prompt %}assistant: {% endif %}")
+    rows = [{"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": q},
+                          {"role": "assistant", "content": a}]} for q, a in [("1+1=", "2")] * 3]
+    examples = sft.read_demonstrations(str(write_jsonl(tmp_path / "chat.jsonl", rows)), tok,
+                                       "auto", 64)
+    prompt, completion = examples[0]
+    assert tok.decode(prompt, skip_special_tokens=True) == "system: Add. | user: 1+1= | assistant: "
+    assert completion == tok("2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+
+
 # ---- command line: the scripts end to end
 FAST_GRPO = ["--prompts_per_step", "2", "--group_size", "4", "--micro_batch_size", "8",
              "--eval_size", "10", "--eval_every", "0"]
@@ -1879,7 +2138,14 @@ KEY_SYMBOLS = {"group_advantages": ["mean", "std", "eps"],
                "shaped_rewards": ["kl_coef", "scores", "lengths - 1"],
                "gae": ["gamma", "lam", "advantages + values"],
                "policy_loss": ["ratio", "clamp", "torch.max"],
-               "value_loss": ["clip_eps_value", "0.5", "torch.max"]}
+               "value_loss": ["clip_eps_value", "0.5", "torch.max"],
+               "sft_loss": ["logprobs * mask", "n_tokens"],
+               "bradley_terry_loss": ["logsigmoid", "margin", "weight", "n_rows"],
+               "ranking_pairs": ["range(i + 1, k)"],
+               "score_forward": ["rm_sequences", "rm_forward"],
+               "dpo_loss": ["logsigmoid", "label_smoothing", "1 / (2 * beta)", "ref_chosen"],
+               "sequence_logprobs": ["token_logprobs", "sum(-1)"],
+               "length_batches": ["sorted", "shuffle"]}
 
 
 def check_code_map(text, folder):
@@ -1908,7 +2174,8 @@ def test_readme_code_map_names_functions_that_compute_its_equations():
 def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
     """The exercise kind of edit: three lines inserted above per_token_loss move every line
     below."""
-    for script in ("grpo.py", "reinforce.py", "ppo.py"):
+    for script in ("grpo.py", "reinforce.py", "ppo.py", "sft.py", "reward_model.py", "dpo.py",
+                   "common.py"):
         shutil.copy(os.path.join(ROOT, script), tmp_path / script)
     source = (tmp_path / "grpo.py").read_text()
     edit = "def rank_advantages(rewards):\n    return rewards.argsort().argsort().float()\n\n\n"
@@ -1920,7 +2187,8 @@ def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
         check_code_map(read_readme(), tmp_path)
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "runs.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "runs.py", "sft.py",
+                                    "reward_model.py", "dpo.py"])
 def test_docstring_references_name_functions_that_exist(script):
     """`name()` in a module docstring is defined in that file (`C.name()` in common.py)."""
     source = open(os.path.join(ROOT, script)).read()

@@ -1,0 +1,236 @@
+"""dpo.py: Direct Preference Optimization (Rafailov et al. 2023), with the IPO (Azar et al. 2023)
+and conservative-DPO (label smoothing) switches: RLHF without a reward model and without sampling.
+
+The KL-regularised RLHF objective max E[r(x, y)] - beta KL(pi_theta || pi_ref) has the optimum
+pi*(y|x) ~ pi_ref(y|x) exp(r(x, y) / beta), so r(x, y) = beta log pi*(y|x) / pi_ref(y|x) + a
+term of x alone. Put that into the Bradley-Terry likelihood of a preference y_w > y_l (the term
+of x cancels) and fit the policy to the preferences directly:
+
+    log pi(y|x) = sum over the completion's tokens, EOS included      sequence_logprobs()
+    h      = [log pi_theta(y_w|x) - log pi_ref(y_w|x)] - [log pi_theta(y_l|x) - log pi_ref(y_l|x)]
+    sigmoid (DPO):  L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)     dpo_loss()
+                    eps = label_smoothing: the labels are flipped with probability eps (cDPO)
+    ipo (IPO):      L = (h - 1 / (2 beta))^2: h is pulled to a target instead of pushed to
+                    infinity, so deterministic preferences do not drive pi_ref's mass to 0
+    loss   = (1/N) sum over rows, sum over the row's pairs of w * L,  w = 1 / (pairs of the row)
+
+pi_ref is a frozen copy of the starting (SFT) model. beta * (log pi_theta - log pi_ref) is the
+implicit reward: logged for the chosen and the rejected completions, with their margin and the
+preference accuracy (how often the chosen one's is higher). Two models are held in memory, the
+policy and the reference, and nothing is sampled during training: DPO learns from the fixed
+preference data alone (off-policy), where PPO and GRPO score fresh samples every step.
+
+Data: the format of reward_model.py (C.read_preferences()): pairs {"prompt", "chosen",
+"rejected"} or rankings {"prompt", "ranking"}, expanded into all pairs, one row's pairs weighted
+to count as one row (a pair's "margin" is not used by DPO). Held out: a fixed fifth of the
+prompts, for the implicit-reward accuracy, and the task score, held-out greedy accuracy
+(C.evaluate) on the built-in addition task (or --eval_data), before and after.
+
+Run:  python dpo.py                      # bundled: data/rankings.jsonl, 2-core CPU, ~1 min
+      python dpo.py --loss_type ipo                  # IPO (same beta: target h = 1/(2 beta))
+      python dpo.py --model OUT_SFT/checkpoint --data prefs.jsonl --lr 1e-6 --beta 0.1 \\
+          --micro_batch_size 8 --max_new_tokens 256
+Expect (bundled default): held-out greedy accuracy from 0.29 to about 0.86 (see README).
+"""
+import time
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import common as C
+import runs as R
+
+
+@dataclass
+class Args:
+    # --- model and data
+    model: str = C.DEFAULT_POLICY  # the starting (SFT) model: policy and frozen reference
+    data: str = C.PIPELINE_RANKINGS  # JSONL of pairs {"prompt", "chosen", "rejected"} or rankings
+    eval_data: str = ""  # task score: '' = built-in addition task; a JSONL of {"prompt", "answer"}
+    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
+    trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    max_new_tokens: int = 6  # the task score's greedy answers (the built-in task needs 4)
+    stop: list[str] = field(default_factory=list)  # stop strings for those answers
+    # --- the DPO objective
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO (Azar et al. 2023)
+    beta: float = 0.1  # strength of the KL to pi_ref (DPO paper 0.1-0.5; TRL 0.1)
+    label_smoothing: float = 0.0  # cDPO: probability a preference is flipped (TRL 0)
+    # --- optimisation
+    lr: float = 1e-4  # tiny-model value; real models ~5e-7 (DPO paper), 1e-6 (TRL)
+    weight_decay: float = 0.0  # AdamW weight decay (TRL 0)
+    anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps
+    max_grad_norm: float = 1.0  # gradient clipping (TRL 1.0)
+    batch_size: int = 32  # rows (prompts) per optimizer step, all pairs of each (DPO paper 64)
+    max_steps: int = 150  # optimizer steps (about 2 passes over the bundled 2,280 train rows)
+    micro_batch_size: int = 32  # rows per forward; the loss is normalised over the whole step
+    gradient_checkpointing: bool = False  # recompute activations in backward: less memory
+    compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
+    dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    # --- run
+    seed: int = 0  # seeds the batch order: same seed, same run
+    eval_every: int = 50  # steps between held-out evals (0: only before and after)
+    eval_size: int = 500  # held-out prompts at most, and task prompts for the score
+    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    output_dir: str = ""  # default runs/dpo-<time>
+    resume: str = ""  # a previous output_dir: continue its run from its checkpoint
+
+
+# --------------------------------------------------------------------------- the algorithm
+def dpo_loss(logp_chosen, logp_rejected, ref_chosen, ref_rejected, beta, loss_type="sigmoid",
+             label_smoothing=0.0, weight=None, n_rows=None):
+    """Per-pair DPO or IPO loss on sequence log-probs (pairs,), weighted, summed and divided by
+    n_rows (the rows of the whole optimizer step; default: a plain mean). Also returns the
+    implicit rewards beta * (log pi_theta - log pi_ref) of chosen and rejected, detached."""
+    h = (logp_chosen - ref_chosen) - (logp_rejected - ref_rejected)
+    if loss_type == "sigmoid":
+        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) \
+            - label_smoothing * F.logsigmoid(-beta * h)
+    elif loss_type == "ipo":
+        loss = (h - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(loss_type)
+    weight = torch.ones_like(loss) if weight is None else weight
+    loss = (weight * loss).sum() / (len(loss) if n_rows is None else n_rows)
+    return loss, (beta * (logp_chosen - ref_chosen)).detach(), \
+        (beta * (logp_rejected - ref_rejected)).detach()
+
+
+def sequence_logprobs(model, batch, amp):
+    """log pi(y|x) (B,): the sum of the completion's token log-probs, EOS included."""
+    mask = batch.completion_mask
+    with amp:
+        lp, _ = C.token_logprobs(model, batch.ids, batch.attention_mask, mask.shape[1])
+    return (lp * mask).sum(-1)
+
+
+def encode_rows(tok, rows, chat_template):
+    """Each row's completions as (prompt ids, completion ids + EOS), the prompt encoded as the RL
+    scripts encode it (chat template and all)."""
+    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], chat_template)
+    for r, p in zip(rows, prompt_ids):
+        r["ids"] = [(p, tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
+                    for c in r["completions"]]
+    return rows
+
+
+def pair_batch(rows, pad_id, device):
+    """A batch of rows as one rollout of all their completions, and the pairs in it:
+    (batch, chosen index, rejected index, weight)."""
+    _, _, chosen, rejected, _, weight = C.flatten(rows)
+    batch = C.collate([x for r in rows for x in r["ids"]], pad_id, device)
+    return batch, chosen, rejected, weight.to(device)
+
+
+@torch.no_grad()
+def implicit_accuracy(model, ref, rows, args, pad_id, amp):
+    """Held-out fraction of pairs whose chosen completion has the higher implicit reward (0.5 at
+    the start, where pi_theta = pi_ref and every pair ties)."""
+    device = next(model.parameters()).device
+    right, n = 0.0, 0
+    for s in range(0, len(rows), args.micro_batch_size):
+        batch, ci, ri, _ = pair_batch(rows[s:s + args.micro_batch_size], pad_id, device)
+        h = sequence_logprobs(model, batch, amp) - sequence_logprobs(ref, batch, amp)
+        right += float((h[ci] > h[ri]).sum() + 0.5 * (h[ci] == h[ri]).sum())  # a tie: a coin
+        n += len(ci)
+    return right / n if n else float("nan")
+
+
+def check_args(args):
+    R.check_args(args)
+    if args.beta <= 0:  # beta = 0 would leave no gradient (sigmoid) or divide by 0 (IPO)
+        raise C.UserError(f"--beta must be > 0, not {args.beta}")
+    if not 0 <= args.label_smoothing < 0.5:
+        raise C.UserError(f"--label_smoothing must be in [0, 0.5), not {args.label_smoothing}: at "
+                          "0.5 the preferences carry no information, above it they are reversed")
+    if args.loss_type == "ipo" and args.label_smoothing:
+        raise C.UserError("--label_smoothing is for --loss_type sigmoid (cDPO); IPO has none")
+
+
+# -------------------------------------------------------------------------- the training loop
+def main():
+    args = R.parse_args(Args, "dpo", __doc__)  # --resume DIR: that run's own settings
+    check_args(args)
+    train, held = C.read_preferences(args.data or C.PIPELINE_RANKINGS, args.eval_size)
+    run = R.start_run(args, "dpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
+    rng = R.seed_everything(args.seed)
+    device = C.pick_device()
+    amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    src = f"{run.dir}/checkpoint" if args.resume else args.model
+    tok = C.load_tokenizer(src, args.trust_remote_code)
+    model = C.load_model(src, "lm", device, trust_remote_code=args.trust_remote_code,
+                         compile=args.compile)  # the policy: fp32 weights, dropout off
+    if args.gradient_checkpointing:
+        C.enable_gradient_checkpointing(model)
+    ref = C.load_model(args.model, "lm", device, frozen=True, compile=args.compile,
+                       trust_remote_code=args.trust_remote_code)  # pi_ref: the starting model
+    train, held = [encode_rows(tok, rows, args.chat_template) for rows in (train, held)]
+    task = C.load_data("", args.eval_size).eval_rows if not args.eval_data else \
+        C.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
+    C.check_prompts(tok, model, task, args)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                            fused=True)  # fused: one kernel for all parameters
+
+    def evaluate():  # task score (greedy accuracy) and held-out implicit-reward accuracy
+        acc = implicit_accuracy(model, ref, held, args, tok.pad_token_id, amp)
+        return {**C.evaluate(model, tok, task, args, amp, {"math": 1.0}), "eval_reward_acc": acc}
+    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy")
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="dpo")
+    for step in bar:
+        t0 = time.time()
+        if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
+            opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
+        # 1. the next batch of rows (each epoch a new shuffle)
+        rows = C.step_rows(train, args.batch_size, args.seed, step)
+        # 2. log-probs of every completion under pi_theta and pi_ref; the loss over every pair
+        keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
+                "logps/chosen", "logps/rejected")
+        sums = dict.fromkeys(keys, 0.0)
+        n_pairs = sum(len(r["pairs"]) for r in rows)
+        for s in range(0, len(rows), args.micro_batch_size):
+            batch, ci, ri, weight = pair_batch(rows[s:s + args.micro_batch_size],
+                                               tok.pad_token_id, device)
+            logp = sequence_logprobs(model, batch, amp)  # (completions,), with gradients
+            with torch.no_grad():
+                ref_logp = sequence_logprobs(ref, batch, amp)
+            loss, r_chosen, r_rejected = dpo_loss(logp[ci], logp[ri], ref_logp[ci], ref_logp[ri],
+                                                  args.beta, args.loss_type, args.label_smoothing,
+                                                  weight, len(rows))
+            loss.backward()  # gradients add up over the micro-batches
+            sums["loss"] += loss.item()
+            for key, x in (("rewards/chosen", r_chosen), ("rewards/rejected", r_rejected),
+                           ("rewards/margin", r_chosen - r_rejected),
+                           ("rewards/accuracy", (r_chosen > r_rejected).float()),
+                           ("logps/chosen", logp[ci].detach()),
+                           ("logps/rejected", logp[ri].detach())):
+                sums[key] += float(x.sum()) / n_pairs  # means over the step's pairs
+        # 3. clip, step
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+            opt.step()
+            run.nonfinite_in_row = 0
+        else:
+            R.skip_update(run, "loss or gradient")
+        opt.zero_grad(set_to_none=True)
+        # 4. log, eval, checkpoint
+        metrics = {"step": step + 1, **sums, "grad_norm": float(grad_norm), "pairs": n_pairs,
+                   "epoch": step * args.batch_size / len(train), "lr": opt.param_groups[0]["lr"],
+                   "step_time": time.time() - t0}
+        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
+        if R.every(step, args.eval_every) and not last:
+            metrics.update(evaluate())
+        R.log_step(run, metrics, bar, None, opt)
+        bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
+                         ("loss", "rewards/margin", "rewards/accuracy", "eval") if k in metrics})
+        if R.every(step, args.save_every) or last or R.STOP["requested"]:
+            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
+        if R.STOP["requested"]:
+            break
+    R.finish_run(run, device, "accuracy", eval_before, evaluate,
+                 charts=("loss", "rewards/margin", "rewards/accuracy"))
+
+
+if __name__ == "__main__":
+    R.main_guard(main)
