@@ -114,6 +114,7 @@ class Args:
     gradient_checkpointing: bool = False  # recompute activations in backward (policy and critic)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
     # --- run
     seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
     eval_every: int = 40  # steps between held-out greedy evals (0: only before and after)
@@ -357,6 +358,7 @@ def main():
     rng = R.seed_everything(args.seed)
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     C.check_prompts(tok, model, data.rows, args)
     ref = None  # kl_coef = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.kl_coef > 0 or args.sanity:

@@ -41,7 +41,8 @@ import common as C
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
 NEW_FOLDERS = []  # output folders this process made: removed again if the run fails before step 1
-SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir")
+SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
+                            "threads")
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -138,7 +139,7 @@ POSITIVE = ("lr", "critic_lr", "temperature", "max_new_tokens", "micro_batch_siz
             "lora_alpha")
 NON_NEGATIVE = ("beta", "kl_coef", "weight_decay", "vf_coef", "ent_coef", "target_kl", "seed",
                 "eval_every", "save_every", "overlong_penalty", "max_resample_rounds",
-                "missing_eos_penalty", "lora_r", "eval_samples")
+                "missing_eos_penalty", "lora_r", "eval_samples", "threads")
 UNIT = {"top_p": (False, True), "gamma": (True, True), "lam": (True, True),
         "ema_decay": (True, False), "lora_dropout": (True, False)}  # (0 allowed, 1 allowed)
 
@@ -404,6 +405,22 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def set_threads(args, model, small=10_000_000):
+    """torch's CPU threads, set once the policy is loaded. --threads N: N threads. 0 (auto):
+    OMP_NUM_THREADS when it is set; else 1 thread for a model under 10 M parameters and torch's
+    default (one per core) above. Measured on 2 cores (bench/threads.py, bench/RESULTS.md): the
+    bundled model's steps are 1.3x faster with 2 threads when nothing else runs, but 2.9x slower
+    beside one busy process and 4x beside three (every op waits for both OpenMP threads): a
+    workshop laptop runs a browser and a video call. A 16 M model gains 1.7x idle with 2."""
+    if next(model.parameters()).device.type != "cpu":
+        return
+    n = args.threads
+    if n == 0 and "OMP_NUM_THREADS" not in os.environ:
+        n = 1 if sum(p.numel() for p in model.parameters()) < small else 0
+    if n:
+        torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------ several processes (torchrun)

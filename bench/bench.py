@@ -150,14 +150,15 @@ def bench_steps(steps=20, model=None, label="bundled"):
     return out
 
 
-def bench_lora(steps=3):
+def bench_lora(steps=2):
     """Full fine-tuning vs LoRA at equal settings on a random Qwen2 big enough for the weights to
     dominate (12 layers x 768: 96 M parameters, 384 MB in fp32). LoRA keeps no reference copy (the
     policy with its adapters off is the reference) and gradients and Adam moments only for the
-    adapters; PPO's critic stays a full model either way."""
+    adapters; PPO's critic stays a full model either way. Micro-batches of 8 rows keep the
+    activations (which LoRA does not shrink: backward still runs through every layer) small."""
     big = random_qwen2(None, layers=12, hidden=768)
     common = ["--model", big, "--max_steps", str(steps), "--eval_size", "16", "--eval_every", "0",
-              "--save_every", "1000", "--max_new_tokens", "16"]
+              "--save_every", "1000", "--max_new_tokens", "16", "--micro_batch_size", "8"]
     runs = {"grpo full": ("grpo.py", []), "grpo lora": ("grpo.py", ["--lora_r", "16"]),
             "ppo full": ("ppo.py", ["--critic_init", "policy", "--batch_size", "32"]),
             "ppo lora": ("ppo.py", ["--critic_init", "policy", "--batch_size", "32",
