@@ -120,10 +120,10 @@ def parse_args(args_cls, algo, doc=""):
     for name, old in saved.items():
         new = getattr(args, name, old)
         if name not in SAFE_TO_CHANGE_ON_RESUME and new != old:
+            safe = ", ".join(SAFE_TO_CHANGE_ON_RESUME[:3])
             raise C.UserError(f"--{name} {new} differs from the resumed run's {old!r}: a resumed "
-                              "run "
-                              f"keeps its settings (only {', '.join(SAFE_TO_CHANGE_ON_RESUME[:3])} "
-                              "may change); start a new run to change it")
+                              f"run keeps its settings (only {safe} may change); start a new run "
+                              "to change it")
     if resume and args.output_dir not in ("", saved.get("output_dir"), resume):
         raise C.UserError("--resume DIR continues in DIR: leave --output_dir out")
     if resume:
