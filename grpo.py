@@ -100,6 +100,7 @@ class Args:
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
     eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
     save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/grpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
     sanity: bool = False  # check log-probs, ratio, KL and masks on the real model, then exit

@@ -25,11 +25,10 @@ of the starting policy. The gradient of that loss is the Monte-Carlo policy grad
 E[A grad log pi(o)]. A baseline that does not depend on the sample's own actions leaves its mean
 unchanged (E[b grad log pi] = 0) and can cut its variance. Without one, the update depends on the
 reward's offset: add c to every reward and each sample's gradient gains c grad log pi, pure noise.
-Logged proxies: adv_mean, adv_std and sample_grad_rms (the RMS of each sample's own gradient, see
-sample_grad_probe). Measured on the bundled task: with 0/1 rewards b = 0 already is the failure
-reward, so `none` is only a little noisier than rloo at first, and quieter once most answers are
-right; with --rewards math,format (+1 for any number) vanilla's gradient variance triples while
-every baseline's stays put.
+Logged proxies: adv_mean, adv_std and sample_grad_rms (see sample_grad_probe). On the bundled
+task, with 0/1 rewards b = 0 already is the failure reward, so `none` is only a little noisier
+than rloo; with --rewards math,format (+1 for any number) vanilla's gradient variance triples
+while every baseline's stays put (README).
 
 Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO paper);
 num_iterations > 1 turns on a PPO-style clipped token ratio. --whiten whitens the advantages after
@@ -107,6 +106,7 @@ class Args:
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
     eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
     save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/reinforce-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
     sanity: bool = False  # check log-probs, ratio, KL and masks on the real model, then exit

@@ -42,7 +42,7 @@ hf_logging.disable_progress_bar()  # the library's loading bars would break into
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
 NEW_FOLDERS = []  # output folders this process made: removed again if the run fails before step 1
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
-                            "threads")
+                            "threads", "report_to")
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -190,6 +190,7 @@ class Run:
     nonfinite: int = 0  # updates skipped for NaN/inf so far
     nonfinite_in_row: int = 0
     warned: set = field(default_factory=set)  # kinds of skipped update already reported
+    tracker: object = None  # --report_to: the experiment tracker's module or writer (rank 0)
 
 
 def _take_lock(folder):
@@ -272,7 +273,45 @@ def start_run(args, algo):
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
     return Run(dir=folder, algo=algo, args=args, state=state, history=history,
-               metrics=open(metrics_path, "a"), samples=open(samples_path, "a"), world=world)
+               metrics=open(metrics_path, "a"), samples=open(samples_path, "a"), world=world,
+               tracker=open_tracker(args, folder))
+
+
+def open_tracker(args, folder):
+    """--report_to tensorboard | wandb | trackio: the same metrics as metrics.jsonl, and the
+    samples as a table, also go to that tracker (an optional package; one line when missing).
+    none: nothing changes."""
+    kind = getattr(args, "report_to", "none")
+    if kind == "none":
+        return None
+    package = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio"}[kind]
+    try:
+        if kind == "tensorboard":
+            from torch.utils.tensorboard import SummaryWriter
+            return SummaryWriter(os.path.join(folder, "tensorboard"))
+        tracker = __import__(package)
+    except ImportError:
+        raise C.UserError(f"--report_to {kind} needs the optional package {package} "
+                          f"(pip install {package})") from None
+    tracker.init(project="minrl", name=os.path.basename(os.path.abspath(folder)),
+                 config=dataclasses.asdict(args))
+    return tracker
+
+
+def _report(tracker, metrics, samples):
+    step = metrics["step"]
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+    if hasattr(tracker, "add_scalar"):  # tensorboard's SummaryWriter
+        for k, v in numbers.items():
+            tracker.add_scalar(k, v, step)
+        if samples:
+            tracker.add_text("samples", json.dumps(samples, indent=1), step)
+        return
+    tracker.log(numbers, step=step)
+    if samples:  # wandb and trackio both have Table(columns=..., data=...)
+        columns = list(samples[0])
+        table = tracker.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])
+        tracker.log({"samples": table}, step=step)
 
 
 def _load_state(folder):
@@ -358,6 +397,8 @@ def log_step(run, metrics, bar, samples, opt, kl_warn=10.0):
     if samples and (step - 1) % 25 == 0:
         run.samples.write(json.dumps({"step": step, "samples": samples}) + "\n")
         run.samples.flush()
+    if run.tracker is not None:
+        _report(run.tracker, metrics, samples if (step - 1) % 25 == 0 else None)
     shown = ("reward", "kl", "gold", "eval")
     bar.set_postfix({k: f"{metrics[k]:.3g}" for k in shown if k in metrics})
     if step == 1:
@@ -590,6 +631,8 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
         json.dump(_json_safe(summary), f, indent=2)
     run.metrics.close()
     run.samples.close()
+    if run.tracker is not None:
+        (getattr(run.tracker, "close", None) or run.tracker.finish)()
     _release_lock(run.dir)
     print(f"\n{'held-out ' + metric:26}{'before':>10}{'after':>10}")
     for key in eval_before:

@@ -1611,6 +1611,31 @@ def test_chat_messages_rows_train_with_a_chat_template(tmp_path):
     assert completion == tok("2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
 
 
+def test_report_to_sends_the_metrics_and_samples_to_a_tracker(tmp_path, monkeypatch, capsys):
+    """--report_to wandb (a fake module here): every metrics line and the samples table reach it;
+    a tracker that is not installed is one line."""
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw["project"]))
+    fake.log = lambda data, step: calls.append(("log", step, sorted(data)))
+    fake.Table = lambda columns, data: ("table", columns, len(data))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--report_to", "wandb",
+             "--output_dir", out)
+    logged = [c for c in calls if c[0] == "log"]
+    assert calls[0] == ("init", "minrl") and calls[-1] == ("finish",)
+    assert [c[1] for c in logged] == [1, 1, 2]  # step 1: metrics, then the samples table
+    assert "reward" in logged[0][2] and logged[1][2] == ["samples"]
+    assert set(logged[2][2]) == set(read_metrics(out)[1]) - {"step"}
+    monkeypatch.setitem(sys.modules, "trackio", None)
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, "--report_to", "trackio", "--output_dir", tmp_path / "t",
+                 guard=True)
+    assert "needs the optional package trackio (pip install trackio)" in capsys.readouterr().err
+
+
 # ---- the workshop kit: tools/compare.py, tools/plot.py, EXERCISES.md, bench/threads.py
 def fake_run(folder, algo, rewards, evals=(0.3, 0.6, 0.9), extra=None):
     """A run folder as the scripts write it: metrics.jsonl (a held-out "eval" on the middle step,
