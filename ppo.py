@@ -86,7 +86,7 @@ class Args:
     adaptive_kl: bool = False  # Ziegler et al.'s controller adapts kl_coef (N: on; TL;DR, TRL: off)
     kl_target: float = 6.0  # the controller's target KL per sequence, in nats (N: 6)
     kl_horizon: int = 10000  # the controller's horizon in episodes (N: 10000)
-    normalize_score: bool = True  # score -> (score - mu) / sigma under the starting policy (N)
+    normalize_score: bool = True  # score -> (score - mu) / sigma on the starting policy (N details)
     whiten_rewards: bool = False  # scale per-token rewards to unit variance (N: on; TL;DR: off)
     # --- the PPO update
     gamma: float = 1.0  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
@@ -375,8 +375,9 @@ def main():
     elif args.normalize_score:
         norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp)
         norm = tuple(R.global_mean({"mu": norm[0], "sigma": norm[1]}).values())  # torchrun
-        print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; the "
-              "training uses (score - mean) / std, the logged `reward` is the raw score")
+        if run.rank == 0:
+            print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
+                  "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
     # one optimizer, two parameter groups: the critic has its own lr
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
