@@ -30,13 +30,12 @@ the policy's backbone with a fresh zero-init head (N details: V = 0 at first). I
 policy's token ids, so it must share the policy's tokenizer. It has its own learning rate
 (critic_lr): policy and critic share one AdamW with a parameter group each, and each model's
 gradient is clipped on its own. The reward model is a proxy: watch `gold` (true accuracy of the
-sampled answers) beside `reward`. A reward model trained on too narrow a set of wrong answers was
-hacked within 20 steps here: reward up, gold down.
+sampled answers) beside `reward` (the README shows a weak reward model hacked in 20 steps).
 
 Memory: trained models keep fp32 weights + grads + two Adam moments = 16 bytes/param each; the
 frozen reference and RM live in bf16 on a GPU (2 bytes/param). A 7B policy with a 7B critic needs
 112 + 112 + 14 + 14 GB before activations, about twice GRPO's bill: the critic is why GRPO and
-RLOO drop it. Simplified: PyTorch AdamW, not the N details' TF-style Adam; one process.
+RLOO drop it. Simplified: PyTorch AdamW, not the N details' TF-style Adam.
 
 Run:  python ppo.py                      # bundled policy + reward model, 2-core CPU, ~90 s
       python ppo.py --rewards math --critic_init policy   # the rule reward instead of the RM
