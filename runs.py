@@ -52,7 +52,10 @@ def main_guard(main):
     try:
         try:
             main()
-        finally:  # a run that failed (or --sanity) before logging a step leaves no empty folder
+        finally:
+            if dist.is_initialized():  # torchrun: leave the process group before exiting (gloo's
+                dist.destroy_process_group()  # threads otherwise abort the process at exit)
+            # a run that failed (or --sanity) before logging a step leaves no empty folder
             for folder in NEW_FOLDERS:
                 files = os.listdir(folder) if os.path.isdir(folder) else ["gone"]
                 if all(f in ("run.lock", "metrics.jsonl", "samples.jsonl")
