@@ -111,13 +111,13 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
     return row
 
 
-def read_jsonl(path, need_answer=False, **fields):
-    """Rows of a JSONL file, one JSON object a line (see make_row). Errors name the file, the line
-    and the field."""
+def jsonl_objects(path):
+    """(where, object) for each non-blank line of a JSONL file, where = "FILE, line N". Errors
+    name the file and the line."""
     if not os.path.isfile(path):
         what = "is a directory, not a file" if os.path.isdir(path) else "not found"
         raise UserError(f"data file {path!r} {what}")
-    rows = []
+    found = False
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             where = f"{path}, line {n}"
@@ -125,14 +125,21 @@ def read_jsonl(path, need_answer=False, **fields):
                 line = raw.decode("utf-8-sig")  # -sig: a byte-order mark is not an error
                 if not line.strip():
                     continue
-                rows.append(make_row(json.loads(line), where, need_answer, **fields))
+                obj = json.loads(line)
             except UnicodeDecodeError:
                 raise UserError(f"{where}: not UTF-8 text") from None
             except json.JSONDecodeError as e:
                 raise UserError(f"{where}: not valid JSON ({e.msg})") from None
-    if not rows:
+            found = True
+            yield where, obj
+    if not found:
         raise UserError(f"data file {path!r} is empty")
-    return rows
+
+
+def read_jsonl(path, need_answer=False, **fields):
+    """Rows of a JSONL file, one JSON object a line (see make_row). Errors name the file, the line
+    and the field."""
+    return [make_row(obj, where, need_answer, **fields) for where, obj in jsonl_objects(path)]
 
 
 def read_hub_dataset(spec, split="train", need_answer=False, **fields):
@@ -187,13 +194,10 @@ def ranking_pairs(k):
 def read_preferences(path, eval_size):
     """(train rows, held-out rows), each {"prompt", "completions", "pairs": [(chosen i, rejected
     j), ...], "margin"}, from pairs or rankings; the prompt is text or chat messages (checked by
-    C.read_jsonl). Errors name the file, the line and the field."""
+    make_row). Errors name the file, the line and the field."""
     rows = []
-    raw_rows = read_jsonl(path)  # skips blank lines: number the others as it does
-    with open(path, "rb") as f:
-        lines = [n for n, raw in enumerate(f, 1) if raw.decode("utf-8-sig", "replace").strip()]
-    for n, row in zip(lines, raw_rows):
-        where = f"{path}, line {n}"
+    for where, obj in jsonl_objects(path):
+        row = make_row(obj, where)
         if "ranking" in row:
             done = row["ranking"]  # the completions, best first
             if not (isinstance(done, list) and len(done) >= 2
