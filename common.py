@@ -29,6 +29,7 @@ from types import SimpleNamespace
 
 import torch
 from safetensors import SafetensorError
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
                           AutoTokenizer, DynamicCache)
@@ -600,8 +601,10 @@ def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                    return_inverse=True)
     saves = len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb)
-    # (checkpointed layers drop the KV cache, and DDP wants one forward per backward: both off)
-    if P > 1 and saves and not hasattr(model, "no_sync") and not any(
+    # (checkpointed layers drop the KV cache; DDP, and FSDP2 with gradients, want one forward
+    # per backward: all off)
+    fsdp_grad = isinstance(model, FSDPModule) and torch.is_grad_enabled()
+    if P > 1 and saves and not hasattr(model, "no_sync") and not fsdp_grad and not any(
             isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
             for m in model.modules()):
         cache, p_mask = DynamicCache(), prompts[:, P:2 * P - 1]

@@ -90,6 +90,7 @@ class Args:
     lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
+    fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
@@ -258,17 +259,18 @@ def main():
     rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
-    ddp = R.wrap_ddp(model)  # the training forward; under torchrun DDP averages the gradients
+    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         rows = data.eval_rows[run.rank::run.world]
-        scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
+        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+            scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
         return R.global_mean(scores, weight=len(rows))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
-    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric)
+    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
@@ -277,8 +279,9 @@ def main():
     for step in bar:
         t0 = time.time()
         # 1. sample G completions per prompt and score them
-        roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
-                                                               weights, rm, rm_tok, fns, amp)
+        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+            roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
+                                                                   weights, rm, rm_tok, fns, amp)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -309,9 +312,9 @@ def main():
             # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
             for i, mb in enumerate(mbs):
-                with R.sync_gradients(ddp, now=i == len(mbs) - 1):  # DDP: once, at the last
+                with R.sync_gradients(train_model, now=i == len(mbs) - 1):  # DDP: at the last
                     with amp:
-                        logprobs, entropy = C.token_logprobs(ddp, roll.ids[mb],
+                        logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
                     old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
@@ -321,8 +324,8 @@ def main():
                         args.beta, args.kl_estimator)
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
-                    # gradients add up over the micro-batches. DDP averages the processes'
-                    # gradients: scaled by their number, that average is the whole step's sum
+                    # gradients add up over the micro-batches. DDP (FSDP2) averages the
+                    # processes' gradients: scaled by their number, that is the whole step's sum
                     (loss * run.world).backward()
                 # logged token means over the step, averaged over the mu updates
                 for key, x in (("kl", kl), ("ratio", ratio), ("clip_frac", clipped),

@@ -111,6 +111,7 @@ class Args:
     lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward (policy and critic)
+    fsdp: bool = False  # torchrun: shard policy and critic across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
@@ -194,8 +195,8 @@ def critic_values(critic, ids, attention_mask, T):
 
 class ValueModel(torch.nn.Module):
     """The critic as one module whose forward returns V(s_t), (B, T): DistributedDataParallel
-    syncs the gradients of what a module's forward computes (critic_values reads the backbone
-    and the head separately)."""
+    syncs the gradients of what a module's forward computes, and FSDP2 gathers the weights it
+    needs (critic_values reads the backbone and the head separately)."""
 
     def __init__(self, critic):
         super().__init__()
@@ -279,8 +280,8 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
     (micro-batch gradients summed, normalised by the minibatch's token count). Stops early,
     dropping that minibatch's update, when its approx KL(pi_old || pi) passes target_kl.
     batch: old_logprobs, old_values, returns, advantages, each (B, T). Returns averaged stats.
-    model and critic: as given by runs.wrap_ddp (under torchrun, DDP averages their gradients;
-    each process then holds its share of every minibatch)."""
+    model and critic: as given by runs.wrap_model (under torchrun, DDP or FSDP2 averages their
+    gradients; each process then holds its share of every minibatch)."""
     mask = roll.completion_mask
     B, T = mask.shape
     mb_size = B // args.num_minibatches
@@ -314,8 +315,8 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
                         return (x * m).sum() / n_tokens
                     loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
                         - args.ent_coef * token_mean(entropy)
-                    # gradients add up over the micro-batches; DDP's average over the processes,
-                    # scaled by their number, is the minibatch's sum
+                    # gradients add up over the micro-batches; DDP's (FSDP2's) average over the
+                    # processes, scaled by their number, is the minibatch's sum
                     (loss * run.world).backward()
                 approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
                 mb["loss"] += float(loss.detach())
@@ -378,25 +379,27 @@ def main():
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
+    if run.state:
+        critic.load_state_dict(run.state["extra"]["critic"])
+    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
+    value_model = R.wrap_model(ValueModel(critic), args.fsdp)  # the critic's forward, V (B, T)
     # one optimizer, two parameter groups: the critic has its own lr
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW([{"params": trained, "lr": args.lr},
-                             {"params": list(critic.parameters()), "lr": args.critic_lr}],
+                             {"params": list(value_model.parameters()), "lr": args.critic_lr}],
                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         rows = data.eval_rows[run.rank::run.world]
-        scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
+        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+            scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
         return R.global_mean(scores, weight=len(rows))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
-    start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric)
+    start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
+                                                 [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
-    if saved:
-        critic.load_state_dict(saved["critic"])
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
                disable=run.rank > 0)
-    ddp = R.wrap_ddp(model)  # the training forwards; under torchrun DDP averages the gradients
-    critic_ddp = R.wrap_ddp(ValueModel(critic))
     for step in bar:
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
@@ -405,8 +408,9 @@ def main():
         # 1. sample one completion per prompt and score it
         rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
-                        amp=amp, stop=args.stop)
+        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+            roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
+                            args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
         raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
@@ -427,8 +431,7 @@ def main():
         old_values = torch.zeros_like(mask)
         with torch.no_grad(), amp:
             for mb in C.micro_batches(mask, args.micro_batch_size):
-                old_values[mb] = critic_values(critic, roll.ids[mb], roll.attention_mask[mb], T) \
-                    * mask[mb]
+                old_values[mb] = value_model(roll.ids[mb], roll.attention_mask[mb], T) * mask[mb]
         # 3. per-token rewards, GAE advantages and returns, whitened advantages
         rewards, kl = shaped_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef,
                                      args.kl_estimator)
@@ -438,7 +441,7 @@ def main():
         batch = {"old_logprobs": old_logprobs, "old_values": old_values, "returns": returns,
                  "advantages": C.whiten(advantages, mask, total=R.global_sum)}
         # 4. ppo_epochs x num_minibatches optimizer steps on the clipped losses
-        stats = ppo_update(ddp, critic_ddp, opt, run, roll, batch, args, amp)
+        stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
         # nats per sequence: what Ziegler's controller targets (the mean over all processes)
         kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
         used_kl_coef = kl_coef
@@ -468,7 +471,8 @@ def main():
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1,
                               {"eval_before": eval_before, "kl_coef": kl_coef,
-                               "score_norm": norm, "critic": critic.state_dict()})
+                               "score_norm": norm, "critic": R.full_state_dict(critic)},
+                              trained=[model, value_model])
         if stopping:
             break
     R.finish_run(run, device, metric, eval_before, evaluate)

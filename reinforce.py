@@ -96,6 +96,7 @@ class Args:
     lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
+    fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
@@ -227,17 +228,18 @@ def main():
     rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
-    ddp = R.wrap_ddp(model)  # the training forward; under torchrun DDP averages the gradients
+    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         rows = data.eval_rows[run.rank::run.world]
-        scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
+        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+            scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
         return R.global_mean(scores, weight=len(rows))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
-    start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric)
+    start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
@@ -249,8 +251,9 @@ def main():
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(k)]
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
-                        amp=amp, stop=args.stop)
+        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+            roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
+                            args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
@@ -289,17 +292,17 @@ def main():
             # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
             mbs = C.micro_batches(mask, args.micro_batch_size)
             for i, mb in enumerate(mbs):
-                with R.sync_gradients(ddp, now=i == len(mbs) - 1):  # DDP: once, at the last
+                with R.sync_gradients(train_model, now=i == len(mbs) - 1):  # DDP: at the last
                     with amp:
-                        logprobs, entropy = C.token_logprobs(ddp, roll.ids[mb],
+                        logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
                     old = old_logprobs[mb] if args.num_iterations > 1 else None
                     loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], n_seqs,
                                                           n_tokens, args.loss_agg, old,
                                                           args.clip_eps)
-                    # gradients add up over the micro-batches. DDP averages the processes'
-                    # gradients: scaled by their number, that average is the whole step's sum
+                    # gradients add up over the micro-batches. DDP (FSDP2) averages the
+                    # processes' gradients: scaled by their number, that is the whole step's sum
                     (loss * run.world).backward()
                 for key, x in (("ratio", ratio), ("clip_frac", clipped), ("entropy", entropy)):
                     sums[key] += float((x.detach() * mask[mb]).sum() / n_local)

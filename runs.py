@@ -31,6 +31,11 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict,
+                                                     set_optimizer_state_dict)
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 from transformers import HfArgumentParser
@@ -169,6 +174,12 @@ def check_args(args):
         if world > 1 and getattr(args, name, 0) % world:
             raise C.UserError(f"--{name} {getattr(args, name)} counts the whole step: it must "
                               f"divide among the {world} processes")
+    if getattr(args, "fsdp", False) and world == 1:
+        raise C.UserError("--fsdp shards the model across torchrun's processes: launch with "
+                          "torchrun --nproc_per_node N (N >= 2), or leave --fsdp out")
+    if getattr(args, "fsdp", False) and args.lora_r:  # DDP replicates LoRA's few weights cheaply
+        raise C.UserError("--fsdp with --lora_r is not supported: LoRA trains a few adapter "
+                          "weights; under torchrun without --fsdp, DDP replicates them cheaply")
     if world > 1 and getattr(args, "dynamic_sampling", False):
         raise C.UserError("--dynamic_sampling under torchrun is not supported yet: processes "
                           "would keep different numbers of rows")
@@ -342,10 +353,11 @@ def seed_everything(seed):
     return random.Random(seed)
 
 
-def resume_or_eval(run, opt, rng, evaluate, metric):
+def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
     """Resuming: restore the optimizer, the RNG states and the counters from the checkpoint.
     Otherwise run the first held-out eval. Returns (first step, eval score before training,
-    the algorithm's own saved state: a dict, empty for a new run)."""
+    the algorithm's own saved state: a dict, empty for a new run). trained: the modules opt
+    updates; under --fsdp each process takes its shards of the saved full optimizer state."""
     if not run.state:
         eval_before = evaluate()  # {"eval": greedy score, ...}
         scores = ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items())
@@ -353,7 +365,11 @@ def resume_or_eval(run, opt, rng, evaluate, metric):
             print(f"held-out {metric} before training: {scores}")
         return 0, eval_before, {}
     s = run.state
-    opt.load_state_dict(s["optimizer"])
+    if _sharded(trained):
+        set_optimizer_state_dict(torch.nn.ModuleList(trained), opt, s["optimizer"],
+                                 options=StateDictOptions(full_state_dict=True))
+    else:
+        opt.load_state_dict(s["optimizer"])
     if len(s["torch_rng"]) == run.world:  # one state per process; another world size reseeds
         torch.set_rng_state(s["torch_rng"][run.rank])
         if s["cuda_rng"][run.rank] is not None and torch.cuda.is_available():
@@ -407,6 +423,7 @@ def log_step(run, metrics, bar, samples, opt, kl_warn=10.0):
     if step == 1:
         params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
         device = params[0].device
+        params = [p.to_local() if isinstance(p, DTensor) else p for p in params]  # --fsdp: 1/N
         moments = 8 * sum(p.numel() for p in params) / 2**20
         total = ""
         if device.type == "cuda":
@@ -415,10 +432,13 @@ def log_step(run, metrics, bar, samples, opt, kl_warn=10.0):
                    f"moments, created at its end, add {moments:,.0f} MB from the next step on")
 
 
-def save_checkpoint(run, model, tok, opt, rng, step, extra):
+def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     """Atomic: write checkpoint.tmp/, then swap it in by renames, so a kill while saving leaves the
     previous checkpoint loadable (parse_args recovers checkpoint.old/ if the kill fell between the
-    renames). extra: the algorithm's own state to restore on resume, e.g. PPO's kl_coef."""
+    renames). extra: the algorithm's own state to restore on resume, e.g. PPO's kl_coef.
+    trained: the modules opt updates (default: model). Under --fsdp every process helps gather
+    full weights and a full optimizer state (keyed by parameter names) for rank 0 to write:
+    from_pretrained loads the checkpoint as any other, and a resume may use another world size."""
     final, tmp, old = (os.path.join(run.dir, n) for n in ("checkpoint", "checkpoint.tmp",
                                                           "checkpoint.old"))
     for leftover in (tmp, old):  # of a save that was killed
@@ -428,13 +448,19 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra):
     if run.world > 1:  # every process's sampling RNG, gathered on rank 0
         rng_states = [None] * run.world
         dist.all_gather_object(rng_states, (torch.get_rng_state(), cuda_rng))
+    weights = opt_state = None  # unsharded: save_pretrained and opt.state_dict() as they are
+    if _sharded(trained or [model]):
+        weights = full_state_dict(model)
+        opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained or [model]), opt,
+                                             options=StateDictOptions(full_state_dict=True,
+                                                                      cpu_offload=True))
     if run.rank > 0:
         return
-    state = {"step": step, "optimizer": opt.state_dict(), "data_rng": rng.getstate(),
+    state = {"step": step, "optimizer": opt_state or opt.state_dict(), "data_rng": rng.getstate(),
              "torch_rng": [t for t, _ in rng_states], "cuda_rng": [c for _, c in rng_states],
              "nonfinite": run.nonfinite, "extra": extra}
     try:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tok.save_pretrained(tmp)
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         with open(os.path.join(tmp, "args.json"), "w") as f:
@@ -531,21 +557,80 @@ def stop_requested():
     return bool(global_sum(float(STOP["requested"])) > 0)
 
 
-def wrap_ddp(model):
-    """Under torchrun, the model for the training forward: PyTorch's DistributedDataParallel
-    averages the processes' gradients in backward. Sampling and frozen forwards use the plain
-    model (no gradient sync there). One process: the model itself."""
+def wrap_model(model, fsdp=False):
+    """Under torchrun, the model for the training forward. One process: the model itself.
+    DDP (default): PyTorch's DistributedDataParallel keeps a full copy of the model, its gradients
+    and Adam's moments in every process and averages the gradients in backward; sampling and
+    frozen forwards use the plain model (no gradient sync there).
+    fsdp: FSDP2 (PyTorch's fully_shard) changes the model in place and returns it: each process
+    keeps 1/N of every weight, gradient and Adam moment (16 B/param / N in fp32) and all-gathers
+    a block's weights just before it runs (every process at once: log-prob forwards take the same
+    number of micro-batches everywhere, since every process holds as many rows). Each decoder
+    block (the classes HF models list in _no_split_modules) is its own unit, so only one block is
+    gathered at a time; the root holds the rest (embeddings, head). Build the optimizer after
+    this: the parameters become DTensors (sharded tensors)."""
     if get_world_size() == 1:
+        return model
+    if fsdp:
+        names = {n for m in model.modules() for n in getattr(m, "_no_split_modules", None) or ()}
+        for block in [m for m in model.modules() if type(m).__name__ in names]:
+            fully_shard(block)
+        fully_shard(model)
         return model
     device = next(model.parameters()).device
     return DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
 
 
 def sync_gradients(model, now):
-    """DDP averages gradients once per optimizer step: in the last micro-batch's backward only."""
+    """DDP averages gradients once per optimizer step: in the last micro-batch's backward only.
+    FSDP2 reduce-scatters them in every micro-batch's backward: waiting would keep a full-size
+    gradient in every process (4 B/param), the memory it is there to save; it all-gathers the
+    weights per micro-batch anyway."""
     if isinstance(model, DistributedDataParallel) and not now:
         return model.no_sync()
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def gathered(model):
+    """--fsdp: sampling and eval on gathered weights. Every process all-gathers the whole model once
+    (together), then its decode loop runs with no collective at all, so processes may stop at
+    different lengths and run different numbers of eval batches; on leaving, back to 1/N. The cost:
+    the full weights in every process while sampling (as RL systems that sync the weights to an
+    inference engine also hold them). Without FSDP: nothing to do."""
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    for m in units:
+        m.unshard()
+    model.set_reshard_after_forward(False)  # forwards keep the weights gathered
+    try:
+        yield
+    finally:  # FSDP2's defaults again: blocks free their weights after forward, the root keeps its
+        model.set_reshard_after_forward(True)
+        model.set_reshard_after_forward(False, recurse=False)
+        for m in units:
+            m.reshard()
+
+
+def _sharded(modules):
+    return any(isinstance(m, FSDPModule) for module in modules for m in module.modules())
+
+
+def full_state_dict(model):
+    """The weights as full tensors: FSDP2 gathers its shards onto the CPU (every process must call
+    this; rank 0 gets the dict, the others {}). Otherwise model.state_dict()."""
+    if not _sharded([model]):
+        return model.state_dict()
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
+                                                                cpu_offload=True))
+    first = {}  # tied weights (an LM head that is the embedding) gather as two copies: make them
+    for name, p in model.named_parameters(remove_duplicate=False):  # one again, as in
+        if full and id(p) in first:  # model.state_dict(), so save_pretrained writes it once
+            full[name] = full[first[id(p)]]
+        first.setdefault(id(p), name)
+    return full
 
 
 # ---------------------------------------------------------------------------- end of the run
