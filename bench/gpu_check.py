@@ -2,8 +2,8 @@
 
 Run once per lent GPU (the full check's budget is about 10 minutes):
   python bench/gpu_check.py                # Qwen2-0.5B-shaped (494 M parameters), CUDA
-  python bench/gpu_check.py --parts train  # only some parts (sampling,train,scripts), e.g. to
-                                           # rerun a failed one
+  python bench/gpu_check.py --parts train  # only some parts (sampling,train,scripts,fsdp),
+                                           # e.g. to rerun a failed one
   python bench/gpu_check.py --tiny         # a 2-layer toy (vocab 1,000) on any device: checks
                                            # the script itself
 
@@ -17,13 +17,16 @@ decodes all its tokens). Measured:
      and model FLOP utilisation, MFU = 6 * N * tokens / time / peak (N = parameters, embeddings
      excluded; attention FLOPs ignored);
   3. seconds per step and peak memory of grpo.py (beta 0 and 0.04), reinforce.py and ppo.py at
-     equal settings, eager, plus grpo.py with --compile.
+     equal settings, eager, plus grpo.py with --compile;
+  4. with 2 or more GPUs (else skipped): grpo.py on all of them under torchrun, DDP vs --fsdp.
 Prints a table per part and writes everything as JSON to --out (bench/gpu_check.json, or $OUT/).
 The numbers go into bench/RESULTS.md with the date and the GPU's name.
 """
 import argparse
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -168,6 +171,38 @@ def bench_scripts(path, steps, new_tokens):
     return out
 
 
+def bench_fsdp(path, steps, new_tokens):
+    """grpo.py on every GPU under torchrun, DDP vs --fsdp (8 prompts per GPU): s/step and rank 0's
+    peak memory. FSDP2 needs 2 processes or more, so one GPU skips it."""
+    n = torch.cuda.device_count()
+    if n < 2:
+        print(f"fsdp     skipped: {n} GPU (needs 2+: torchrun --nproc_per_node N grpo.py --fsdp)")
+        return {"skipped": f"{n} GPU"}
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("ddp", []), ("fsdp", ["--fsdp"])):
+            folder = os.path.join(tmp, name)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc_per_node={n}", os.path.join(ROOT, "grpo.py"), "--model", path,
+                   "--max_steps", str(steps), "--max_new_tokens", str(new_tokens), "--dtype",
+                   "bf16", "--prompts_per_step", str(8 * n), "--eval_size", "16", "--eval_every",
+                   "0", "--output_dir", folder, *extra]
+            r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            if r.returncode != 0:
+                out[name] = {"error": (r.stderr.strip().splitlines() or ["?"])[-1]}
+                print(f"fsdp     {name} FAILED: {out[name]['error']}")
+                continue
+            with open(os.path.join(folder, "summary.json")) as f:
+                summary = json.load(f)
+            with open(os.path.join(folder, "metrics.jsonl")) as f:
+                times = [json.loads(line)["step_time"] for line in f][2:]
+            out[name] = {"gpus": n, "s_per_step": sum(times) / max(len(times), 1),
+                         "peak_mem_mb": summary["peak_mem_mb"]}
+            print(f"torchrun {name:5s} x{n}: {out[name]['s_per_step']:7.3f} s/step   "
+                  f"peak memory (rank 0) {summary['peak_mem_mb']:8.0f} MB")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiny", action="store_true",
@@ -176,7 +211,7 @@ def main():
                    help="sampling benchmark completion length")
     p.add_argument("--steps", type=int, default=5,
                    help="training steps per script (the first 2 are not timed)")
-    p.add_argument("--parts", default="sampling,train,scripts",
+    p.add_argument("--parts", default="sampling,train,scripts,fsdp",
                    help="which parts to run, comma-separated")
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench")
     p.add_argument("--out", default=os.path.join(out_dir, "gpu_check.json"),
@@ -198,7 +233,8 @@ def main():
         print(f"model: Qwen2-0.5B-shaped, {n_params / 1e6:.0f} M parameters, random weights")
         for part, fn in (("sampling", lambda: bench_sampling(path, device, a.new_tokens)),
                          ("train", lambda: bench_train(path, device, n_params, n_embed, 512)),
-                         ("scripts", lambda: bench_scripts(path, a.steps, min(a.new_tokens, 64)))):
+                         ("scripts", lambda: bench_scripts(path, a.steps, min(a.new_tokens, 64))),
+                         ("fsdp", lambda: bench_fsdp(path, a.steps, min(a.new_tokens, 64)))):
             if part not in a.parts.split(","):
                 continue
             try:
