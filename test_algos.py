@@ -2265,41 +2265,63 @@ def run_processes(tmp_path, n, script, *args):
     ("ppo", ["--batch_size", "16", "--micro_batch_size", "4", "--num_minibatches", "1",
              "--ppo_epochs", "1", "--rewards", "math", "--critic_init", "policy"])])
 def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
-    """One optimizer step on the same rows: 2 gloo processes under torchrun (DDP, normalisers
-    and statistics over both) vs 1 process. The gradient norms agree to float rounding; Adam's
-    first step, lr * g / (|g| + eps), amplifies rounding only where |g| ~ eps, so almost every
-    weight agrees to 1e-6 (measured: >= 99.2%)."""
+    """One optimizer step on the same rows: 2 gloo processes under torchrun (normalisers and
+    statistics over both), with DDP and with --fsdp (FSDP2: each process holds half of every
+    weight, samples on gathered weights, and the checkpoint is gathered back), vs 1 process. The
+    gradient norms agree to float rounding; Adam's first step, lr * g / (|g| + eps), amplifies
+    rounding only where |g| ~ eps, so almost every weight agrees to 1e-6 (measured: >= 99.2%,
+    either way)."""
     out = {}
-    for n in (1, 2):
-        out[n] = tmp_path / f"run{n}"
-        r = run_processes(tmp_path, n, script, *flags, "--max_steps", "1", "--eval_size", "8",
-                          "--output_dir", str(out[n]))
+    for name, n, extra in (("one", 1, []), ("ddp", 2, []), ("fsdp", 2, ["--fsdp"])):
+        out[name] = tmp_path / name
+        r = run_processes(tmp_path, n, script, *flags, *extra, "--max_steps", "1", "--eval_size",
+                          "8", "--output_dir", str(out[name]))
         assert r.returncode == 0, r.stderr[-3000:]
-    m1, m2 = read_metrics(out[1]), read_metrics(out[2])
-    assert len(m2) == 1 and m2[0]["grad_norm"] == pytest.approx(m1[0]["grad_norm"], rel=1e-5)
-    assert m2[0]["reward"] == pytest.approx(m1[0]["reward"], abs=1e-9)
-    a = load_file(out[1] / "checkpoint" / "model.safetensors")
-    b = load_file(out[2] / "checkpoint" / "model.safetensors")
-    close = sum(int(((a[k] - b[k]).abs() <= 1e-6).sum()) for k in a)
-    assert close / sum(a[k].numel() for k in a) >= 0.98
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-4  # at most one lr of a flip
+    m1 = read_metrics(out["one"])
+    a = load_file(out["one"] / "checkpoint" / "model.safetensors")
+    for name in ("ddp", "fsdp"):
+        m2 = read_metrics(out[name])
+        assert len(m2) == 1 and m2[0]["grad_norm"] == pytest.approx(m1[0]["grad_norm"], rel=1e-5)
+        assert m2[0]["reward"] == pytest.approx(m1[0]["reward"], abs=1e-9)
+        b = load_file(out[name] / "checkpoint" / "model.safetensors")
+        assert a.keys() == b.keys()  # FSDP2's gathered tied LM head too is written once
+        close = sum(int(((a[k] - b[k]).abs() <= 1e-6).sum()) for k in a)
+        assert close / sum(a[k].numel() for k in a) >= 0.98, name
+        assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-4  # at most one lr of a flip
 
 
-def test_torchrun_writes_one_metrics_line_per_step_and_resumes(tmp_path):
+@pytest.mark.parametrize("script,flags", [
+    ("grpo", ["--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "8"]),
+    ("ppo", ["--batch_size", "8", "--micro_batch_size", "4", "--num_minibatches", "2",
+             "--rewards", "math", "--critic_init", "policy", "--fsdp"])])
+def test_torchrun_writes_one_metrics_line_per_step_and_resumes(script, flags, tmp_path):
+    """DDP (grpo) and --fsdp (ppo: policy and critic sharded; their full weights and optimizer
+    state gathered into the checkpoint, which from_pretrained loads, and sharded again on
+    resume)."""
     out = tmp_path / "run"
-    flags = ["--prompts_per_step", "4", "--group_size", "4", "--micro_batch_size", "8",
-             "--eval_size", "8", "--save_every", "2", "--output_dir", str(out)]
-    r = run_processes(tmp_path, 2, "grpo", *flags, "--max_steps", "2")
+    flags = [*flags, "--eval_size", "8", "--save_every", "2", "--output_dir", str(out)]
+    r = run_processes(tmp_path, 2, script, *flags, "--max_steps", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert len(state["torch_rng"]) == 2  # each process's sampling RNG
-    r = run_processes(tmp_path, 2, "grpo", "--resume", str(out), "--max_steps", "3")
+    r = run_processes(tmp_path, 2, script, "--resume", str(out), "--max_steps", "3")
     assert r.returncode == 0, r.stderr[-3000:]
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
-    r = run_processes(tmp_path, 2, "grpo", *flags[:-2], "--prompts_per_step", "3",
-                      "--output_dir", str(tmp_path / "bad"))
-    assert r.returncode != 0 and "must divide among the 2 processes" in r.stderr
-    assert r.stderr.count("error: --prompts_per_step") == 1  # said once, by rank 0
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+    if script == "grpo":
+        r = run_processes(tmp_path, 2, "grpo", *flags[:-2], "--prompts_per_step", "3",
+                          "--output_dir", str(tmp_path / "bad"))
+        assert r.returncode != 0 and "must divide among the 2 processes" in r.stderr
+        assert r.stderr.count("error: --prompts_per_step") == 1  # said once, by rank 0
+
+
+def test_fsdp_needs_torchrun_and_full_weights(monkeypatch):
+    """--fsdp is refused, in one line before any collective, without torchrun and with LoRA."""
+    with pytest.raises(C.UserError, match="launch with torchrun"):
+        run_main(monkeypatch, grpo, "--fsdp")
+    monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: refused before joining a group
+    with pytest.raises(C.UserError, match="--fsdp with --lora_r is not supported"):
+        run_main(monkeypatch, ppo, "--fsdp", "--lora_r", "4", "--batch_size", "16")
 
 
 # ---- reliability: --sanity
