@@ -363,21 +363,22 @@ def load_policy(args, device, checkpoint=""):
     return model, tok
 
 
-def add_lora(model, args, adapter=""):
+def add_lora(model, args, adapter="", task="CAUSAL_LM"):
     """Wrap a frozen model with trainable LoRA adapters (peft), new or from a saved adapter folder.
-    Adapters start with B = 0, so the model starts exactly as the base."""
+    Adapters start with B = 0, so the model starts exactly as the base. task "SEQ_CLS" (a reward
+    model): peft also trains and saves the score head in full."""
     try:
         import peft
     except ImportError:
         raise UserError("--lora_r needs the optional package peft (pip install peft)") from None
-    if args.gradient_checkpointing:
+    if getattr(args, "gradient_checkpointing", False):
         model.enable_input_require_grads()  # checkpointed blocks need an input that wants grads
     if adapter:
         with warnings.catch_warnings():  # peft asks for a name transformers deprecated
             warnings.simplefilter("ignore", FutureWarning)
             return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
     targets = args.lora_target_modules
-    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type="CAUSAL_LM",
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
                              lora_dropout=args.lora_dropout,
                              target_modules=targets.split(",") if "," in targets else targets)
     with warnings.catch_warnings():  # peft asks for a name transformers deprecated: not ours
@@ -833,6 +834,7 @@ def rm_sequences(rm_tok, prompts, completions, chat_template="auto"):
 def rm_forward(rm, ids, mask):
     """Scores (B,) of left-padded rows, with gradients: the head reads the last position, every
     row's last real token."""
+    rm = rm.get_base_model() if hasattr(rm, "get_base_model") else rm  # LoRA: adapters stay on
     if hasattr(rm, "score"):
         hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
                                use_cache=False).last_hidden_state

@@ -14,7 +14,8 @@ of x cancels) and fit the policy to the preferences directly:
                     infinity, so deterministic preferences do not drive pi_ref's mass to 0
     loss   = (1/N) sum over rows, sum over the row's pairs of w * L,  w = 1 / (pairs of the row)
 
-pi_ref is a frozen copy of the starting (SFT) model. beta * (log pi_theta - log pi_ref) is the
+pi_ref is a frozen copy of the starting (SFT) model (with --lora_r, the policy itself with its
+adapters off: no second copy, C.adapters_off()). beta * (log pi_theta - log pi_ref) is the
 implicit reward: logged for the chosen and the rejected completions, with their margin and the
 preference accuracy (how often the chosen one's is higher). Two models are held in memory, the
 policy and the reference, and nothing is sampled during training: DPO learns from the fixed
@@ -28,9 +29,10 @@ prompts, for the implicit-reward accuracy, and the task score, held-out greedy a
 
 Run:  python dpo.py                      # bundled: data/rankings.jsonl, 2-core CPU, ~1 min
       python dpo.py --loss_type ipo                  # IPO (same beta: target h = 1/(2 beta))
+      python dpo.py --lora_r 16 --lr 1e-3            # LoRA; pi_ref: the policy, adapters off
       python dpo.py --model OUT_SFT/checkpoint --data prefs.jsonl --lr 1e-6 --beta 0.1 \\
           --micro_batch_size 8 --max_new_tokens 256
-Expect (bundled default): held-out greedy accuracy from 0.29 to about 0.86 (see README).
+Expect (bundled default): held-out greedy accuracy from 0.29 to about 0.83 (see README).
 """
 import time
 from dataclasses import dataclass, field
@@ -67,6 +69,11 @@ class Args:
     max_steps: int = 150  # optimizer steps (about 2 passes over the bundled 2,280 train rows)
     micro_batch_size: int = 32  # rows per forward; the loss is normalised over the whole step
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
+    fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
+    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. pi_ref: adapters off
+    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
+    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     # --- run
@@ -106,6 +113,13 @@ def sequence_logprobs(model, batch, amp):
     return (lp * mask).sum(-1)
 
 
+@torch.no_grad()
+def reference_logprobs(ref, batch, amp):
+    """log pi_ref(y|x) (B,). With LoRA, pi_ref is the policy with its adapters off."""
+    with C.adapters_off(ref):
+        return sequence_logprobs(ref, batch, amp)
+
+
 def encode_rows(tok, rows, chat_template):
     """Each row's completions as (prompt ids, completion ids + EOS), the prompt encoded as the RL
     scripts encode it (chat template and all)."""
@@ -127,14 +141,16 @@ def pair_batch(rows, pad_id, device):
 @torch.no_grad()
 def implicit_accuracy(model, ref, rows, args, pad_id, amp):
     """Held-out fraction of pairs whose chosen completion has the higher implicit reward (0.5 at
-    the start, where pi_theta = pi_ref and every pair ties)."""
+    the start, where pi_theta = pi_ref and every pair ties); under torchrun, over every
+    process's rows."""
     device = next(model.parameters()).device
     right, n = 0.0, 0
     for s in range(0, len(rows), args.micro_batch_size):
         batch, ci, ri, _ = pair_batch(rows[s:s + args.micro_batch_size], pad_id, device)
-        h = sequence_logprobs(model, batch, amp) - sequence_logprobs(ref, batch, amp)
+        h = sequence_logprobs(model, batch, amp) - reference_logprobs(ref, batch, amp)
         right += float((h[ci] > h[ri]).sum() + 0.5 * (h[ci] == h[ri]).sum())  # a tie: a coin
         n += len(ci)
+    right, n = R.global_sum(torch.tensor([right, n])).tolist()
     return right / n if n else float("nan")
 
 
@@ -154,51 +170,60 @@ def main():
     args = R.parse_args(Args, "dpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
     train, held = C.read_preferences(args.data or C.PIPELINE_RANKINGS, args.eval_size)
+    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "dpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
-    src = f"{run.dir}/checkpoint" if args.resume else args.model
-    tok = C.load_tokenizer(src, args.trust_remote_code)
-    model = C.load_model(src, "lm", device, trust_remote_code=args.trust_remote_code,
-                         compile=args.compile)  # the policy: fp32 weights, dropout off
-    if args.gradient_checkpointing:
-        C.enable_gradient_checkpointing(model)
-    ref = C.load_model(args.model, "lm", device, frozen=True, compile=args.compile,
-                       trust_remote_code=args.trust_remote_code)  # pi_ref: the starting model
+    # the policy (fp32 weights, dropout off) and pi_ref, the starting model, frozen
+    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
+                                                 compile=args.compile,
+                                                 trust_remote_code=args.trust_remote_code)
     train, held = [encode_rows(tok, rows, args.chat_template) for rows in (train, held)]
     task = C.load_data("", args.eval_size).eval_rows if not args.eval_data else \
         C.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
     C.check_prompts(tok, model, task, args)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
     def evaluate():  # task score (greedy accuracy) and held-out implicit-reward accuracy
-        acc = implicit_accuracy(model, ref, held, args, tok.pad_token_id, amp)
-        return {**C.evaluate(model, tok, task, args, amp, {"math": 1.0}), "eval_reward_acc": acc}
-    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy")
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="dpo")
+        mine = task[run.rank::run.world]  # torchrun: each process scores a share
+        with R.gathered(model):  # --fsdp: the whole model in every process, for any row count
+            acc = implicit_accuracy(model, ref, held[run.rank::run.world], args,
+                                    tok.pad_token_id, amp)
+            score = R.global_mean(C.evaluate(model, tok, mine, args, amp, {"math": 1.0}),
+                                  weight=len(mine))
+        return {**score, "eval_reward_acc": acc}
+    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy", [model])
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="dpo",
+               disable=run.rank > 0)
     for step in bar:
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
-        # 1. the next batch of rows (each epoch a new shuffle)
-        rows = C.step_rows(train, args.batch_size, args.seed, step)
+        # 1. the next batch of rows (each epoch a new shuffle; torchrun: this process's share)
+        rows = R.my_share(C.step_rows(train, args.batch_size, args.seed, step))
+        n_rows = len(rows) * run.world  # the whole step's rows and pairs, over every process
+        n_pairs = float(R.global_sum(sum(len(r["pairs"]) for r in rows)))
         # 2. log-probs of every completion under pi_theta and pi_ref; the loss over every pair
         keys = ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy",
                 "logps/chosen", "logps/rejected")
         sums = dict.fromkeys(keys, 0.0)
-        n_pairs = sum(len(r["pairs"]) for r in rows)
-        for s in range(0, len(rows), args.micro_batch_size):
+        starts = range(0, len(rows), args.micro_batch_size)
+        for s in starts:
             batch, ci, ri, weight = pair_batch(rows[s:s + args.micro_batch_size],
                                                tok.pad_token_id, device)
-            logp = sequence_logprobs(model, batch, amp)  # (completions,), with gradients
-            with torch.no_grad():
-                ref_logp = sequence_logprobs(ref, batch, amp)
-            loss, r_chosen, r_rejected = dpo_loss(logp[ci], logp[ri], ref_logp[ci], ref_logp[ri],
-                                                  args.beta, args.loss_type, args.label_smoothing,
-                                                  weight, len(rows))
-            loss.backward()  # gradients add up over the micro-batches
+            with R.sync_gradients(train_model, now=s == starts[-1]):  # DDP: at the last
+                logp = sequence_logprobs(train_model, batch, amp)  # (completions,), with grads
+                ref_logp = reference_logprobs(ref, batch, amp)
+                loss, r_chosen, r_rejected = dpo_loss(logp[ci], logp[ri], ref_logp[ci],
+                                                      ref_logp[ri], args.beta, args.loss_type,
+                                                      args.label_smoothing, weight, n_rows)
+                # gradients add up over the micro-batches. DDP (FSDP2) averages the processes'
+                # gradients: scaled by their number, that is the whole step's sum
+                (loss * run.world).backward()
             sums["loss"] += loss.item()
             for key, x in (("rewards/chosen", r_chosen), ("rewards/rejected", r_rejected),
                            ("rewards/margin", r_chosen - r_rejected),
@@ -215,18 +240,19 @@ def main():
             R.skip_update(run, "loss or gradient")
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
-        metrics = {"step": step + 1, **sums, "grad_norm": float(grad_norm), "pairs": n_pairs,
+        sums = {k: float(R.global_sum(v)) for k, v in sums.items()}  # torchrun: every process's
+        metrics = {"step": step + 1, **sums, "grad_norm": float(grad_norm), "pairs": int(n_pairs),
                    "epoch": step * args.batch_size / len(train), "lr": opt.param_groups[0]["lr"],
                    "step_time": time.time() - t0}
-        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
-        if R.every(step, args.eval_every) and not last:
+        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, None, opt)
         bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
                          ("loss", "rewards/margin", "rewards/accuracy", "eval") if k in metrics})
-        if R.every(step, args.save_every) or last or R.STOP["requested"]:
+        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
+        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
-        if R.STOP["requested"]:
+        if stopping:
             break
     R.finish_run(run, device, "accuracy", eval_before, evaluate,
                  charts=("loss", "rewards/margin", "rewards/accuracy"))

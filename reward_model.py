@@ -19,9 +19,10 @@ template), so the checkpoint is a reward model as it is for `ppo.py --reward_mod
 and `grpo.py --rewards rm --reward_model OUT/checkpoint`. It starts from a causal LM (InstructGPT:
 the SFT model) with a fresh score head, N(0, 1/sqrt(d + 1)) (N details); a reward model keeps its
 own. Logged: loss, pair accuracy, margin r_w - r_l, the scores' mean and std. Held out: pair
-accuracy on a fixed fifth of the prompts, scored by C.rm_scores() itself.
+accuracy on a fixed fifth of the prompts, scored as C.rm_scores() scores (score_forward()).
 
 Run:  python reward_model.py             # bundled: data/rankings.jsonl, 2-core CPU, ~1 min
+      python reward_model.py --lora_r 16 --lr 1e-3   # LoRA; then tools/merge_lora.py RUN_DIR
       python reward_model.py --model OUT_SFT/checkpoint --data prefs.jsonl --lr 1e-5
 Expect (bundled default): held-out pair accuracy from about 0.5 (a random head) to about 0.9.
 """
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
+from transformers.utils import logging as hf_logging
 
 import common as C
 import runs as R
@@ -53,6 +55,11 @@ class Args:
     batch_size: int = 32  # rows (prompts) per optimizer step, all pairs of each (InstructGPT 64)
     max_steps: int = 300  # optimizer steps (about 4 passes over the bundled 2,280 train rows)
     micro_batch_size: int = 32  # rows per forward; the loss is normalised over the whole step
+    fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
+    lora_r: int = 0  # LoRA rank (pip install peft): adapters on the body, the score head in full
+    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
+    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     # --- run
     seed: int = 0  # seeds the batch order: same seed, same run
@@ -70,17 +77,32 @@ def bradley_terry_loss(r_chosen, r_rejected, margin, weight, n_rows):
     return -(weight * F.logsigmoid(r_chosen - r_rejected - margin)).sum() / n_rows
 
 
-def score_forward(rm, tok, prompts, completions, chat_template):
+class Scorer(torch.nn.Module):
+    """The reward model as one module whose forward returns r (B,): DistributedDataParallel syncs
+    the gradients of what a module's forward computes, and FSDP2 gathers the weights it needs
+    (C.rm_forward reads the backbone and the head separately)."""
+
+    def __init__(self, rm):
+        super().__init__()
+        self.rm = rm
+
+    def forward(self, ids, mask):
+        return C.rm_forward(self.rm, ids, mask)
+
+
+def score_forward(scorer, tok, prompts, completions, chat_template):
     """r (B,) with gradients, exactly as C.rm_scores reads it when ppo.py or grpo.py score with
     this model: prompt + completion + EOS (or the chat template), left-padded, the score head on
-    every row's last real token (C.rm_sequences, C.rm_forward)."""
+    every row's last real token (C.rm_sequences, C.rm_forward). scorer: a Scorer, or it wrapped."""
     seqs = C.rm_sequences(tok, prompts, completions, chat_template)
-    ids, mask = C.left_pad(seqs, tok.pad_token_id, next(rm.parameters()).device)
-    return C.rm_forward(rm, ids, mask)
+    ids, mask = C.left_pad(seqs, tok.pad_token_id, next(scorer.parameters()).device)
+    return scorer(ids, mask)
 
 
 def load_reward_model(src, tok, device, args):
     """AutoModelForSequenceClassification, num_labels=1, fp32, dropout off; a fresh head."""
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # its loading report's table of missing keys: said below
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
             src, num_labels=1, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
@@ -88,18 +110,26 @@ def load_reward_model(src, tok, device, args):
     except (OSError, ValueError) as e:
         raise C.UserError(f"model {src!r} could not be loaded as a reward model: "
                           f"{C._first_line(e)}") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     if any(k.startswith("score.") for k in info["missing_keys"]):  # a fresh head (N details)
+        if R.get_rank() == 0:
+            print(f"{src}: a causal LM; its reward model starts with a fresh score head")
         torch.nn.init.normal_(model.score.weight, std=1 / (model.config.hidden_size + 1) ** 0.5)
     model.config.pad_token_id = tok.pad_token_id  # HF's own forward finds the last token by it
     return model.to(device).eval()
 
 
 @torch.no_grad()
-def pair_accuracy(rm, tok, rows, args):
-    """Held-out fraction of pairs whose chosen completion scores higher, by C.rm_scores."""
+def pair_accuracy(scorer, tok, rows, args, micro_batch=64):
+    """Held-out fraction of pairs whose chosen completion scores higher (under torchrun, over
+    every process's rows)."""
     prompts, completions, chosen, rejected, _, _ = C.flatten(rows)
-    r = C.rm_scores(rm, tok, prompts, completions, chat_template=args.chat_template)
-    return float((r[chosen] > r[rejected]).float().mean()) if chosen else float("nan")
+    r = torch.cat([score_forward(scorer, tok, prompts[i:i + micro_batch],
+                                 completions[i:i + micro_batch], args.chat_template)
+                   for i in range(0, len(prompts), micro_batch)] or [torch.zeros(0)])
+    right, n = R.global_sum(torch.tensor([float((r[chosen] > r[rejected]).sum()), len(chosen)]))
+    return float(right / n) if n else float("nan")
 
 
 # -------------------------------------------------------------------------- the training loop
@@ -107,37 +137,49 @@ def main():
     args = R.parse_args(Args, "reward_model", __doc__)  # --resume DIR: that run's own settings
     R.check_args(args)
     train, held = C.read_preferences(args.data or C.PIPELINE_RANKINGS, args.eval_size)
+    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "reward_model")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)  # (also seeds the fresh score head)
-    device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
-    src = f"{run.dir}/checkpoint" if args.resume else args.model
-    tok = C.load_tokenizer(src, args.trust_remote_code)
-    model = load_reward_model(src, tok, device, args)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0,  # (TRL 0)
+    ckpt = f"{run.dir}/checkpoint" if args.resume else ""
+    tok = C.load_tokenizer(ckpt or args.model, args.trust_remote_code)
+    model = load_reward_model(args.model if args.lora_r else ckpt or args.model, tok, device, args)
+    if args.lora_r:  # LoRA saves the adapters and the head: tools/merge_lora.py makes a full RM
+        model = C.add_lora(model, args, ckpt, task="SEQ_CLS")
+    plain = Scorer(model)  # r (B,) from one forward: the module DDP or FSDP2 wraps
+    scorer = R.wrap_model(plain, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, or adapters and head
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=0.0,  # (TRL 0)
                             fused=True)  # fused: one kernel for all parameters
 
-    def evaluate():
-        return {"eval": pair_accuracy(model, tok, held, args)}
-    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "pair accuracy")
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="rm")
+    def evaluate():  # torchrun: each process scores a share of the rows
+        with R.gathered(plain):  # --fsdp: the whole model in every process, for any row count
+            return {"eval": pair_accuracy(plain, tok, held[run.rank::run.world], args)}
+    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "pair accuracy", [scorer])
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="rm",
+               disable=run.rank > 0)
     for step in bar:
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
-        # 1. the next batch of rows (each epoch a new shuffle)
-        batch = C.step_rows(train, args.batch_size, args.seed, step)
+        # 1. the next batch of rows (each epoch a new shuffle; torchrun: this process's share)
+        batch = R.my_share(C.step_rows(train, args.batch_size, args.seed, step))
+        n_rows = len(batch) * run.world  # the whole step's rows and pairs, over every process
+        n_pairs = float(R.global_sum(sum(len(r["pairs"]) for r in batch)))
         # 2. score each completion once; Bradley-Terry loss over every pair of the step's rows
         sums, scores = dict.fromkeys(("loss", "accuracy", "margin"), 0.0), []
-        n_pairs = sum(len(r["pairs"]) for r in batch)
-        for s in range(0, len(batch), args.micro_batch_size):
+        starts = range(0, len(batch), args.micro_batch_size)
+        for s in starts:
             prompts, completions, ci, ri, margin, weight = C.flatten(
                 batch[s:s + args.micro_batch_size])
-            with amp:
-                r = score_forward(model, tok, prompts, completions, args.chat_template)
-            loss = bradley_terry_loss(r[ci], r[ri], margin.to(device), weight.to(device),
-                                      len(batch))
-            loss.backward()  # gradients add up over the micro-batches
+            with R.sync_gradients(scorer, now=s == starts[-1]):  # DDP: at the last
+                with amp:
+                    r = score_forward(scorer, tok, prompts, completions, args.chat_template)
+                loss = bradley_terry_loss(r[ci], r[ri], margin.to(device), weight.to(device),
+                                          n_rows)
+                # gradients add up over the micro-batches. DDP (FSDP2) averages the processes'
+                # gradients: scaled by their number, that is the whole step's sum
+                (loss * run.world).backward()
             diff = (r[ci] - r[ri]).detach()
             sums["loss"] += loss.item()
             sums["accuracy"] += float((diff > 0).sum()) / n_pairs
@@ -153,17 +195,20 @@ def main():
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         scores = torch.cat(scores)
-        metrics = {"step": step + 1, **sums, "score_mean": float(scores.mean()),
-                   "score_std": float(scores.std()), "grad_norm": float(grad_norm),
-                   "pairs": n_pairs, "epoch": step * args.batch_size / len(train),
+        metrics = R.global_mean({"score_mean": float(scores.mean()),  # torchrun: the means
+                                 "score_std": float(scores.std())})  # over processes
+        metrics = {"step": step + 1, **{k: float(R.global_sum(v)) for k, v in sums.items()},
+                   **metrics, "grad_norm": float(grad_norm), "pairs": int(n_pairs),
+                   "epoch": step * args.batch_size / len(train),
                    "lr": opt.param_groups[0]["lr"], "step_time": time.time() - t0}
-        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
-        if R.every(step, args.eval_every) and not last:
+        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, None, opt)
-        if R.every(step, args.save_every) or last or R.STOP["requested"]:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
-        if R.STOP["requested"]:
+        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
+        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
+            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before},
+                              trained=[scorer])
+        if stopping:
             break
     R.finish_run(run, device, "pair accuracy", eval_before, evaluate,
                  charts=("loss", "accuracy", "score_mean"))

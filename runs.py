@@ -147,7 +147,7 @@ POSITIVE = ("lr", "critic_lr", "temperature", "max_new_tokens", "micro_batch_siz
             "lora_alpha")
 NON_NEGATIVE = ("beta", "kl_coef", "weight_decay", "vf_coef", "ent_coef", "target_kl", "seed",
                 "eval_every", "save_every", "overlong_penalty", "max_resample_rounds",
-                "missing_eos_penalty", "lora_r", "eval_samples", "threads")
+                "missing_eos_penalty", "lora_r", "eval_samples", "threads", "warmup_steps")
 UNIT = {"top_p": (False, True), "gamma": (True, True), "lam": (True, True),
         "ema_decay": (True, False), "lora_dropout": (True, False)}  # (0 allowed, 1 allowed)
 

@@ -11,7 +11,8 @@ model must learn where to stop). The prompt is context, not a target: its tokens
 N counts the step, not the micro-batch, so micro-batching leaves the gradient as it is, and a
 long answer weighs more than a short one (one term per token). The masks come from lengths,
 never from token values, so the EOS is in the loss even when the pad token is the EOS token.
-Batches are length-sorted (rows of similar length together: less padding; length_batches()).
+Batches are random draws; with --group_by_length, length-sorted (rows of similar length together:
+less padding, but batches less random; length_batches()).
 
 Rows: {"prompt": "37+48=", "completion": "85"} (the prompt is encoded exactly as the RL scripts
 encode it, chat template and all), or {"messages": [..., {"role": "assistant", "content": ...}]}:
@@ -21,10 +22,11 @@ and the task score, held-out greedy accuracy (C.evaluate) on the built-in additi
 --eval_data). The checkpoint loads with from_pretrained: pass it to grpo.py or ppo.py as --model.
 
 Run:  python sft.py                      # bundled: data/demonstrations.jsonl, 2-core CPU, ~10 s
+      python sft.py --lora_r 16 --lr 1e-3    # LoRA adapters on a frozen base (pip install peft)
       python sft.py --model Qwen/Qwen2.5-0.5B --data demos.jsonl --eval_data task.jsonl \\
           --lr 2e-5 --max_steps 1000 --batch_size 32 --micro_batch_size 8 --max_new_tokens 256
 Expect (bundled default): the demonstrations forget a carry 30% of the time, the bundled policy
-70%, so held-out greedy accuracy rises from 0.29 to about 0.83, the held-out loss from 0.32 to 0.21.
+70%, so held-out greedy accuracy rises from 0.29 to about 0.93, the held-out loss from 0.29 to 0.19.
 """
 import math
 import os
@@ -56,11 +58,18 @@ class Args:
     lr: float = 3e-4  # tiny-model value (1e-3 unstable); real models ~2e-5 (TRL), 3e-6 (TL;DR)
     weight_decay: float = 0.0  # AdamW weight decay (TRL 0)
     anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps (TL;DR details anneal)
+    warmup_steps: int = 0  # the lr rises linearly from 0 over these first steps (from scratch)
     max_grad_norm: float = 1.0  # gradient clipping (TRL 1.0)
     batch_size: int = 64  # rows per optimizer step (tiny-model value)
     max_steps: int = 60  # optimizer steps (1.5 passes over the bundled 2,500 train rows)
     micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
+    group_by_length: bool = False  # similar lengths together: less padding, less random batches
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
+    fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
+    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
+    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
+    lora_dropout: float = 0.0  # dropout on the adapters' input (peft's default 0 here too)
+    lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile the model: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     # --- run
@@ -82,12 +91,14 @@ def sft_loss(logprobs, mask, n_tokens):
 def length_batches(lengths, batch_size, seed, epoch, window=16):
     """One epoch's batches (lists of row indices), rows of similar length together: shuffle, sort
     each window of window * batch_size rows by length, cut into batches, shuffle the batches (as
-    HF's group_by_length). A function of (seed, epoch) alone, so resuming needs only the step."""
+    HF's group_by_length; window=0: no sorting). A function of (seed, epoch) alone, so resuming
+    needs only the step."""
     rng = random.Random(seed * 100003 + epoch)
     order = rng.sample(range(len(lengths)), len(lengths))
     w = window * batch_size
-    order = [i for s in range(0, len(order), w) for i in sorted(order[s:s + w],
-                                                                 key=lengths.__getitem__)]
+    if w:
+        order = [i for s in range(0, len(order), w)
+                 for i in sorted(order[s:s + w], key=lengths.__getitem__)]
     batches = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
     rng.shuffle(batches)
     return batches
@@ -95,7 +106,8 @@ def length_batches(lengths, batch_size, seed, epoch, window=16):
 
 @torch.no_grad()
 def heldout_loss(model, examples, pad_id, micro_batch_size, amp):
-    """The same loss on held-out rows: mean -log pi per completion token."""
+    """The same loss on held-out rows: mean -log pi per completion token (under torchrun, over
+    every process's rows)."""
     device = next(model.parameters()).device
     total, n = 0.0, 0.0
     for i in range(0, len(examples), micro_batch_size):
@@ -104,6 +116,7 @@ def heldout_loss(model, examples, pad_id, micro_batch_size, amp):
             lp, _ = C.token_logprobs(model, b.ids, b.attention_mask, b.completion_mask.shape[1])
         total += float(-(lp * b.completion_mask).sum())
         n += float(b.completion_mask.sum())
+    total, n = R.global_sum(torch.tensor([total, n])).tolist()
     return total / n if n else float("nan")
 
 
@@ -142,16 +155,12 @@ def read_demonstrations(path, tok, chat_template, limit):
 def main():
     args = R.parse_args(Args, "sft", __doc__)  # --resume DIR: that run's own settings
     R.check_args(args)
+    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "sft")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    device = C.pick_device()
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
-    src = f"{run.dir}/checkpoint" if args.resume else args.model
-    tok = C.load_tokenizer(src, args.trust_remote_code)
-    model = C.load_model(src, "lm", device, trust_remote_code=args.trust_remote_code,
-                         compile=args.compile)  # fp32 weights, dropout off
-    if args.gradient_checkpointing:
-        C.enable_gradient_checkpointing(model)
+    # fp32 weights, dropout off; with --lora_r a frozen base and trained adapters
+    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     limit = getattr(model.config, "max_position_embeddings", 0)
     examples = read_demonstrations(args.data or DEMOS, tok, args.chat_template, limit)
     random.Random(0).shuffle(examples)  # a fixed split, the same for every run and seed
@@ -160,35 +169,50 @@ def main():
     task = C.load_data("", args.eval_size).eval_rows if not args.eval_data else \
         C.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
     C.check_prompts(tok, model, task, args)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
+    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    def evaluate():  # task score (greedy accuracy) and held-out loss
-        loss = heldout_loss(model, held, tok.pad_token_id, args.micro_batch_size, amp)
-        return {**C.evaluate(model, tok, task, args, amp, {"math": 1.0}), "eval_loss": loss}
-    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy")
+    def evaluate():  # task score (greedy accuracy) and held-out loss; torchrun: a share each
+        mine = task[run.rank::run.world]
+        with R.gathered(model):  # --fsdp: the whole model in every process, for any row count
+            loss = heldout_loss(model, held[run.rank::run.world], tok.pad_token_id,
+                                args.micro_batch_size, amp)
+            score = R.global_mean(C.evaluate(model, tok, mine, args, amp, {"math": 1.0}),
+                                  weight=len(mine))
+        return {**score, "eval_loss": loss}
+    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy", [model])
     lengths = [len(p) + len(c) for p, c in train]
     per_epoch = math.ceil(len(train) / args.batch_size)
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="sft")
+    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="sft",
+               disable=run.rank > 0)
     for step in bar:
         t0 = time.time()
-        if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
-            opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
-        # 1. the next length-sorted batch of demonstrations, as a rollout
+        # the lr from the step number, so resuming needs no scheduler state
+        warm = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
+        opt.param_groups[0]["lr"] = args.lr * warm * ((1 - step / args.max_steps)
+                                                      if args.anneal_lr else 1.0)
+        # 1. the next batch of demonstrations, as a rollout (torchrun: this process's share)
         epoch, i = divmod(step, per_epoch)
         if i == 0 or step == start:
-            batches = length_batches(lengths, args.batch_size, args.seed, epoch)
-        batch = C.collate([train[j] for j in batches[i]], tok.pad_token_id, device)
+            batches = length_batches(lengths, args.batch_size, args.seed, epoch,
+                                     window=16 if args.group_by_length else 0)
+        batch = C.collate([train[j] for j in R.my_share(batches[i])], tok.pad_token_id, device)
         mask = batch.completion_mask  # (B, T): 1 on each completion token, EOS included
-        n_tokens = mask.sum()
+        n_tokens = R.global_sum(mask.sum())  # the whole step's, over every process
         # 2. loss over the whole step's completion tokens, micro-batch by micro-batch
         total = 0.0
-        for mb in C.micro_batches(mask, args.micro_batch_size):
-            with amp:
-                logprobs, _ = C.token_logprobs(model, batch.ids[mb], batch.attention_mask[mb],
-                                               mask.shape[1])
-            loss = sft_loss(logprobs, mask[mb], n_tokens)
-            loss.backward()  # gradients add up over the micro-batches
+        mbs = C.micro_batches(mask, args.micro_batch_size)
+        for k, mb in enumerate(mbs):
+            with R.sync_gradients(train_model, now=k == len(mbs) - 1):  # DDP: at the last
+                with amp:
+                    logprobs, _ = C.token_logprobs(train_model, batch.ids[mb],
+                                                   batch.attention_mask[mb], mask.shape[1])
+                loss = sft_loss(logprobs, mask[mb], n_tokens)
+                # gradients add up over the micro-batches. DDP (FSDP2) averages the processes'
+                # gradients: scaled by their number, that is the whole step's sum
+                (loss * run.world).backward()
             total += loss.item()
         # 3. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -200,19 +224,19 @@ def main():
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         elapsed = time.time() - t0
-        metrics = {"step": step + 1, "loss": total, "grad_norm": float(grad_norm),
-                   "epoch": step / per_epoch, "lr": opt.param_groups[0]["lr"],
-                   "tokens": int(n_tokens), "step_time": elapsed,
-                   "tokens_per_s": float(batch.attention_mask.sum()) / elapsed}
-        last = step + 1 == args.max_steps or R.STOP["requested"]  # Ctrl-C makes this the last
-        if R.every(step, args.eval_every) and not last:
+        metrics = {"step": step + 1, "loss": float(R.global_sum(total)),
+                   "grad_norm": float(grad_norm), "epoch": step / per_epoch,
+                   "lr": opt.param_groups[0]["lr"], "tokens": int(n_tokens), "step_time": elapsed,
+                   "tokens_per_s": float(R.global_sum(batch.attention_mask.sum())) / elapsed}
+        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, None, opt)
-        bar.set_postfix(loss=f"{total:.3g}", **{k: f"{metrics[k]:.3g}" for k in metrics
-                                                if k.startswith("eval")})
-        if R.every(step, args.save_every) or last or R.STOP["requested"]:
+        bar.set_postfix(loss=f"{metrics['loss']:.3g}", **{k: f"{metrics[k]:.3g}" for k in metrics
+                                                          if k.startswith("eval")})
+        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
+        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
-        if R.STOP["requested"]:
+        if stopping:
             break
     R.finish_run(run, device, "accuracy", eval_before, evaluate, charts=("loss", "eval_loss"))
 

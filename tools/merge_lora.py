@@ -3,8 +3,9 @@
     python tools/merge_lora.py runs/grpo-20261201-120000            # writes .../checkpoint-merged/
     python tools/merge_lora.py runs/grpo-20261201-120000 --out merged/
 
-A LoRA run's checkpoint/ holds only the adapters (a few MB): loading it needs the base model named
-in checkpoint/args.json and the optional package peft. The merged folder needs neither.
+A LoRA run's checkpoint/ holds only the adapters (a few MB; reward_model.py's also its score
+head): loading it needs the base model named in checkpoint/args.json and the optional package
+peft. The merged folder needs neither: a reward_model.py run's goes to ppo.py --reward_model.
 """
 import argparse
 import json
@@ -13,24 +14,32 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 
 def merge(run_dir, out=""):
     ckpt = os.path.join(run_dir, "checkpoint")
     with open(os.path.join(ckpt, "args.json")) as f:
-        args = json.load(f)["args"]
+        saved = json.load(f)
+    args = saved["args"]
     if not args.get("lora_r"):
         raise C.UserError(f"{run_dir} is not a LoRA run: its checkpoint/ is a full model already")
     try:
         import peft
     except ImportError:
         raise C.UserError("merging LoRA adapters needs peft (pip install peft)") from None
-    base = C.load_model(args["model"], "lm", C.torch.device("cpu"),
-                        trust_remote_code=args["trust_remote_code"])
+    tok = C.load_tokenizer(ckpt)
+    if saved["algo"] == "reward_model":  # the base with a head; the trained head comes from ckpt
+        base = AutoModelForSequenceClassification.from_pretrained(
+            args["model"], num_labels=1, trust_remote_code=args["trust_remote_code"])
+        base.config.pad_token_id = tok.pad_token_id
+    else:
+        base = C.load_model(args["model"], "lm", C.torch.device("cpu"),
+                            trust_remote_code=args["trust_remote_code"])
     merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
     out = out or os.path.join(run_dir, "checkpoint-merged")
     merged.save_pretrained(out, safe_serialization=True)
-    C.load_tokenizer(ckpt).save_pretrained(out)
+    tok.save_pretrained(out)
     print(f"merged {ckpt} into {args['model']} -> {out}")
     return out
 
