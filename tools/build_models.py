@@ -1,41 +1,49 @@
-"""Rebuild the bundled checkpoints in models/ deterministically (CPU, fixed seeds):
+"""Rebuild the bundled checkpoints in models/ with the repo's own pipeline, deterministically
+(CPU, fixed seeds, one thread): this script writes the data and runs sft.py and reward_model.py,
+as a user would.
 
-  models/tiny-adder     LlamaForCausalLM policy, character-level tokenizer, warm-started by
-                        supervised training on the built-in addition task in two phases: correct
-                        sums (1,500 steps), then demonstrations that forget each carry 70% of the
-                        time (1,000 steps; 57+68=15), so the right answer keeps real probability
-                        but is no longer the greedy choice.
-  models/tiny-adder-rm  LlamaForSequenceClassification (num_labels=1), same tokenizer, initialised
-                        from the policy (the SFT model, as InstructGPT does) and trained with a
-                        Bradley-Terry loss on (correct, wrong) pairs whose wrong answers are
-                        varied (dropped carries, any digit off, random numbers, a digit added or
-                        cut): a good but imperfect proxy for correctness. A reward model trained
-                        only on dropped-carry and one-digit mistakes was hacked by PPO within 20
-                        steps (answers like 55+43=107 scored above the truth), so negatives must
-                        cover what a drifting policy writes.
+  0. A fresh LlamaForCausalLM (3 blocks, d = 160, 1.0 M parameters) and a character-level
+     tokenizer: the "pretrained model" of this tiny world.
+  1. sft.py on correct sums (1,500 steps of 128 fresh demonstrations): it learns to add.
+  2. sft.py on demonstrations that forget each carry 70% of the time (1,000 steps; 57+68=15):
+     the right answer keeps real probability but is no longer the greedy choice, so RL has
+     something to find (held-out greedy accuracy about 0.3).                -> models/tiny-adder
+  3. reward_model.py, Bradley-Terry on (correct, wrong) pairs, from the policy (the SFT model, as
+     InstructGPT does). The wrong answers are varied (dropped carries, any digit off, random
+     numbers, a digit added or cut): a good but imperfect proxy for correctness. A reward model
+     trained only on dropped-carry and one-digit mistakes was hacked by PPO within 20 steps
+     (answers like 55+43=107 scored above the truth), so negatives must cover what a drifting
+     policy writes.                                                      -> models/tiny-adder-rm
 
-Neither ever sees the held-out eval pairs (common.task_eval_pairs).
-Run: python tools/build_models.py (RM_ONLY=1 retrains only the reward model from the saved policy)
-(measured 2026-11-29, 2-core CPU: about 7 minutes, of which the reward model 76 s; policy held-out
-greedy accuracy 0.288; reward model held-out pair agreement 0.862 on correct vs dropped-carry /
-one-digit-off answers).
+The correct and wrong answers stand in for human demonstrators and annotators. Neither model ever
+sees the held-out eval pairs (common.task_eval_pairs). Each stage's run folder (metrics.jsonl,
+summary.json) and data stay in runs/build-models/.
+Run: python tools/build_models.py [DEST]   (DEST: another folder than models/, for a try;
+     CLEAN_STEPS, SLOPPY_STEPS and RM_STEPS shorten the stages)
+Measured 2026-12-01 (2-core CPU shared with another job): 12 minutes; held-out greedy accuracy
+0 -> 1.000 after stage 1, 0.292 after stage 2; reward model held-out pair agreement 0.892 on
+correct vs dropped-carry / one-digit-off answers.
 """
+import json
 import os
 import random
+import shutil
+import subprocess
 import sys
 import time
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from tokenizers import Tokenizer, decoders, models, processors
-from transformers import (LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification,
-                          PreTrainedTokenizerFast)
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 
 DROP = 0.7  # probability that a demonstration forgets a carry
+BATCH, RM_BATCH = 128, 64  # demonstrations / preference pairs per optimizer step
+BUILD = os.path.join(common.ROOT, "runs", "build-models")
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
@@ -73,50 +81,6 @@ def config(tok, **kw):
                        num_key_value_heads=4, **kw)
 
 
-def batch(tok, rng, pairs, answers):
-    """Left-padded prompt+answer+EOS; labels only on the answer and the EOS."""
-    seqs, labels = [], []
-    for (a, b), ans in zip(pairs, answers):
-        p = tok(f"{a}+{b}=")["input_ids"]
-        c = tok(str(ans), add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-        seqs.append(p + c)
-        labels.append([-100] * len(p) + c)
-    ids, mask = common.left_pad(seqs, tok.pad_token_id, "cpu")
-    lab = torch.tensor([[-100] * (ids.shape[1] - len(row)) + row for row in labels])
-    return ids, mask, lab
-
-
-def train_policy(tok, steps, drop, model=None, bs=128, lr=2e-3):
-    """Supervised training on prompt -> column_sum(drop) + EOS, loss on the answer and the EOS
-    only."""
-    torch.manual_seed(0)
-    rng = random.Random(int(drop * 100))
-    model = model or LlamaForCausalLM(config(tok, hidden_size=160, num_hidden_layers=3,
-                                             intermediate_size=480))
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)
-    for step in range(steps):
-        pairs = common.task_train_pairs(rng, bs)
-        ids, mask, lab = batch(tok, rng, pairs, [column_sum(a, b, rng, drop) for a, b in pairs])
-        loss = model(input_ids=ids, attention_mask=mask, position_ids=common.positions(mask),
-                     labels=lab).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        if step % 500 == 0 or step == steps - 1:
-            print(f"policy (drop={drop}) step {step} loss {loss.item():.3f} held-out greedy "
-                  f"accuracy {held_out_accuracy(model, tok):.3f}", flush=True)
-    return model
-
-
-def held_out_accuracy(model, tok):
-    args = SimpleNamespace(chat_template="none", max_new_tokens=6, stop=())
-    rows = [common.addition_row(a, b) for a, b in common.task_eval_pairs()]
-    return common.evaluate(model, tok, rows, args, torch.autocast("cpu", enabled=False))
-
-
 def wrong_answer(a, b, rng):
     """A plausible mistake: a forgotten carry when there is one, else one digit nudged."""
     s, bad = a + b, column_sum(a, b, rng, 1.0)
@@ -149,74 +113,100 @@ def negative(a, b, rng):
     return str(s + rng.choice([-10, 10, 100, -100] if s >= 100 else [-10, 10, 100]))
 
 
-def train_reward_model(tok, steps, policy, bs=64, lr=5e-4):
-    torch.manual_seed(1)
-    rng = random.Random(1)
-    rm = LlamaForSequenceClassification(config(tok, hidden_size=160, num_hidden_layers=3,
-                                               intermediate_size=480, num_labels=1))
-    # start from the SFT model: it already adds (InstructGPT)
-    rm.model.load_state_dict(policy.model.state_dict())
-    # a fresh score head, N(0, 1/sqrt(d+1)) (N details)
-    torch.nn.init.normal_(rm.score.weight, std=1 / (rm.config.hidden_size + 1) ** 0.5)
-    opt = torch.optim.AdamW(rm.parameters(), lr=lr)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, lr, total_steps=steps, pct_start=0.05)
-    for step in range(steps):
-        pairs = common.task_train_pairs(rng, bs)
-        good = [f"{a}+{b}={a + b}" for a, b in pairs]
-        bad = [f"{a}+{b}={negative(a, b, rng)}" for a, b in pairs]
-        r = score_with_grad(rm, tok, good + bad)
-        # Bradley-Terry: P(good > bad) = sigmoid(r_good - r_bad)
-        loss = -F.logsigmoid(r[:bs] - r[bs:]).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        if step % 200 == 0:
-            print(f"reward model step {step} loss {loss.item():.3f}", flush=True)
-    return rm
 
 
-def score_with_grad(rm, tok, texts):
-    seqs = [tok(t)["input_ids"] + [tok.eos_token_id] for t in texts]
-    ids, mask = common.left_pad(seqs, tok.pad_token_id, "cpu")
-    pos = common.positions(mask)
-    hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=pos).last_hidden_state
-    return rm.score(hidden[:, -1])[:, 0]
+def write_jsonl(path, rows):
+    with open(path, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def pipeline_script(script, **flags):
+    """Run one of the repo's training scripts as a user would: python sft.py --flag value ..."""
+    cmd = [sys.executable, os.path.join(common.ROOT, script)]
+    for k, v in flags.items():
+        cmd += [f"--{k}", str(v)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # one thread: same sums
+    subprocess.run(cmd, check=True, env=env, cwd=common.ROOT)
+
+
+def ship(run_dir, dest, tok):
+    """The run's final checkpoint as a bundled model: weights and config (not the trainer state),
+    and the tokenizer as built (a reloaded one would record that it was read offline)."""
+    shutil.rmtree(dest, ignore_errors=True)
+    shutil.copytree(os.path.join(run_dir, "checkpoint"), dest,
+                    ignore=shutil.ignore_patterns("trainer_state.pt", "args.json", "tokenizer*"))
+    tok.save_pretrained(dest)
 
 
 def main():
     t0 = time.time()
+    hf_logging.disable_progress_bar()  # the library's "writing shards" bars
     clean_steps = int(os.environ.get("CLEAN_STEPS", 1500))
     sloppy_steps = int(os.environ.get("SLOPPY_STEPS", 1000))
     rm_steps = int(os.environ.get("RM_STEPS", 600))
+    dest = sys.argv[1] if len(sys.argv) > 1 else os.path.join(common.ROOT, "models")
+    policy, reward_model = f"{dest}/tiny-adder", f"{dest}/tiny-adder-rm"
+    shutil.rmtree(BUILD, ignore_errors=True)
+    os.makedirs(BUILD)
+    # 0. a fresh model and its tokenizer: the "pretrained" starting point of the pipeline
     tok = build_tokenizer()
-    if os.environ.get("RM_ONLY"):
-        # the policy build is deterministic: reuse the saved one, retrain only the RM
-        policy = LlamaForCausalLM.from_pretrained(common.DEFAULT_POLICY)
-    else:
-        # two phases: learn correct addition, then fine-tune on sloppy demonstrations
-        # that forget carries
-        policy = train_policy(tok, clean_steps, drop=0.0)
-        policy = train_policy(tok, sloppy_steps, drop=DROP, model=policy, lr=1e-3)
-        policy.generation_config.pad_token_id = tok.pad_token_id
-        policy.save_pretrained(common.DEFAULT_POLICY, safe_serialization=True)
-        tok.save_pretrained(common.DEFAULT_POLICY)
-    rm = train_reward_model(tok, rm_steps, policy)
-    rm.save_pretrained(common.DEFAULT_REWARD_MODEL, safe_serialization=True)
-    tok.save_pretrained(common.DEFAULT_REWARD_MODEL)
-    # report: held-out greedy accuracy of the policy, held-out pair agreement of the reward model
-    acc = held_out_accuracy(policy, tok)
-    rng = random.Random(2)
+    torch.manual_seed(0)
+    init = LlamaForCausalLM(config(tok, hidden_size=160, num_hidden_layers=3,
+                                   intermediate_size=480))
+    init.generation_config.pad_token_id = tok.pad_token_id
+    init.save_pretrained(f"{BUILD}/init", safe_serialization=True)
+    tok.save_pretrained(f"{BUILD}/init")
+    # the data: one row per training example, fresh pairs each (one epoch, BATCH rows a step)
+    rng = random.Random(0)
+
+    def demos(steps, drop):
+        return [{"prompt": f"{a}+{b}=", "completion": str(column_sum(a, b, rng, drop))}
+                for a, b in common.task_train_pairs(rng, steps * BATCH)]
+    write_jsonl(f"{BUILD}/clean.jsonl", demos(clean_steps, 0.0))
+    write_jsonl(f"{BUILD}/sloppy.jsonl", demos(sloppy_steps, DROP))
+    write_jsonl(f"{BUILD}/pairs.jsonl", [
+        {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": negative(a, b, rng)}
+        for a, b in common.task_train_pairs(rng, rm_steps * RM_BATCH)])
+    flags = dict(eval_every=500, save_every=0, chat_template="none")  # both SFT stages
+    # 1. SFT from scratch on correct sums: the model learns to add
+    pipeline_script("sft.py", model=f"{BUILD}/init", data=f"{BUILD}/clean.jsonl",
+                    output_dir=f"{BUILD}/sft-clean", lr=2e-3, warmup_steps=clean_steps // 20,
+                    max_steps=clean_steps, batch_size=BATCH, micro_batch_size=BATCH, **flags)
+    # 2. SFT on sloppy demonstrations: each carry forgotten 70% of the time -> the policy
+    pipeline_script("sft.py", model=f"{BUILD}/sft-clean/checkpoint",
+                    data=f"{BUILD}/sloppy.jsonl", output_dir=f"{BUILD}/sft-sloppy", lr=1e-3,
+                    warmup_steps=sloppy_steps // 20, max_steps=sloppy_steps, batch_size=BATCH,
+                    micro_batch_size=BATCH, **flags)
+    ship(f"{BUILD}/sft-sloppy", policy, tok)
+    # 3. the reward model, from the SFT model (InstructGPT), on (correct, wrong) pairs
+    pipeline_script("reward_model.py", model=policy, data=f"{BUILD}/pairs.jsonl",
+                    output_dir=f"{BUILD}/rm", lr=5e-4, max_steps=rm_steps, batch_size=RM_BATCH,
+                    micro_batch_size=RM_BATCH, eval_every=200, save_every=0, chat_template="none")
+    ship(f"{BUILD}/rm", reward_model, tok)
+    report(tok, policy, reward_model)
+    print(f"rebuild time {time.time() - t0:.0f} s; the runs' metrics and data are in {BUILD}/")
+
+
+def report(tok, policy_dir, rm_dir):
+    """Held-out greedy accuracy of the policy; held-out agreement of the reward model on correct
+    vs dropped-carry / one-digit-off answers."""
+    policy = common.load_model(policy_dir, "lm", torch.device("cpu"), frozen=True)
+    rm = common.load_model(rm_dir, "rm", torch.device("cpu"), frozen=True)
+    args = SimpleNamespace(chat_template="none", max_new_tokens=6, stop=())
     pairs = common.task_eval_pairs()
+    rows = [common.addition_row(a, b) for a, b in pairs]
+    acc = common.evaluate(policy, tok, rows, args, torch.autocast("cpu", enabled=False),
+                          {"math": 1.0})["eval"]
+    rng = random.Random(2)
     prompts = [f"{a}+{b}=" for a, b in pairs]
     with torch.no_grad():
         good = common.rm_scores(rm, tok, prompts, [str(a + b) for a, b in pairs])
         bad = common.rm_scores(rm, tok, prompts, [str(wrong_answer(a, b, rng)) for a, b in pairs])
-    n_policy = sum(p.numel() for p in policy.parameters())
-    print(f"policy params {n_policy}, held-out greedy accuracy {acc:.3f}")
-    n_rm = sum(p.numel() for p in rm.parameters())
-    print(f"reward model params {n_rm}, held-out pair agreement {(good > bad).float().mean():.3f}")
-    print(f"rebuild time {time.time() - t0:.0f} s")
+    print(f"policy params {sum(p.numel() for p in policy.parameters())}, held-out greedy "
+          f"accuracy {acc:.3f}")
+    print(f"reward model params {sum(p.numel() for p in rm.parameters())}, held-out pair "
+          f"agreement {(good > bad).float().mean():.3f}")
 
 
 if __name__ == "__main__":
