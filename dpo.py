@@ -150,7 +150,7 @@ def implicit_accuracy(model, ref, rows, args, pad_id, amp):
         h = sequence_logprobs(model, batch, amp) - reference_logprobs(ref, batch, amp)
         right += float((h[ci] > h[ri]).sum() + 0.5 * (h[ci] == h[ri]).sum())  # a tie: a coin
         n += len(ci)
-    right, n = R.global_sum(torch.tensor([right, n])).tolist()
+    right, n = R.global_sum(torch.tensor([right, n], dtype=torch.float64)).tolist()
     return right / n if n else float("nan")
 
 

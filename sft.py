@@ -116,7 +116,7 @@ def heldout_loss(model, examples, pad_id, micro_batch_size, amp):
             lp, _ = C.token_logprobs(model, b.ids, b.attention_mask, b.completion_mask.shape[1])
         total += float(-(lp * b.completion_mask).sum())
         n += float(b.completion_mask.sum())
-    total, n = R.global_sum(torch.tensor([total, n])).tolist()
+    total, n = R.global_sum(torch.tensor([total, n], dtype=torch.float64)).tolist()
     return total / n if n else float("nan")
 
 
