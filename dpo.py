@@ -189,12 +189,11 @@ def main():
                             fused=True)  # fused: one kernel for all parameters
 
     def evaluate():  # task score (greedy accuracy) and held-out implicit-reward accuracy
-        mine = task[run.rank::run.world]  # torchrun: each process scores a share
         with R.gathered(model):  # --fsdp: the whole model in every process, for any row count
             acc = implicit_accuracy(model, ref, held[run.rank::run.world], args,
-                                    tok.pad_token_id, amp)
-            score = R.global_mean(C.evaluate(model, tok, mine, args, amp, {"math": 1.0}),
-                                  weight=len(mine))
+                                    tok.pad_token_id, amp)  # torchrun: each process a share
+        score = R.split_eval(run, model, task, lambda rows: C.evaluate(model, tok, rows, args, amp,
+                                                                       {"math": 1.0}))
         return {**score, "eval_reward_acc": acc}
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy", [model])
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="dpo",

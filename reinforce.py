@@ -234,10 +234,8 @@ def main():
                             fused=True)  # fused: one kernel for all parameters
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
-        rows = data.eval_rows[run.rank::run.world]
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
-            scores = C.evaluate(model, tok, rows, args, amp, weights, rm, rm_tok, fns)
-        return R.global_mean(scores, weight=len(rows))
+        return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
+            model, tok, rows, args, amp, weights, rm, rm_tok, fns))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)

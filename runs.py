@@ -614,6 +614,15 @@ def gathered(model):
             m.reshard()
 
 
+def split_eval(run, model, rows, score):
+    """Held-out scores: under torchrun each process scores its share of the rows (score(rows) ->
+    dict of means) and the shares are merged, weighted by their sizes; --fsdp: on gathered weights,
+    so processes may run different numbers of batches. One process: score(rows)."""
+    mine = rows[run.rank::run.world]
+    with gathered(model):
+        return global_mean(score(mine), weight=len(mine))
+
+
 def _sharded(modules):
     return any(isinstance(m, FSDPModule) for module in modules for m in module.modules())
 

@@ -175,12 +175,11 @@ def main():
                             fused=True)  # fused: one kernel for all parameters
 
     def evaluate():  # task score (greedy accuracy) and held-out loss; torchrun: a share each
-        mine = task[run.rank::run.world]
         with R.gathered(model):  # --fsdp: the whole model in every process, for any row count
             loss = heldout_loss(model, held[run.rank::run.world], tok.pad_token_id,
                                 args.micro_batch_size, amp)
-            score = R.global_mean(C.evaluate(model, tok, mine, args, amp, {"math": 1.0}),
-                                  weight=len(mine))
+        score = R.split_eval(run, model, task, lambda rows: C.evaluate(model, tok, rows, args, amp,
+                                                                       {"math": 1.0}))
         return {**score, "eval_loss": loss}
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy", [model])
     lengths = [len(p) + len(c) for p, c in train]
