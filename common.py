@@ -560,6 +560,83 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
                            P=ids.shape[1])
 
 
+@torch.no_grad()
+def rollout(model, tok, prompt_ids, env, rows, max_turns, max_new_tokens, temperature=1.0,
+            top_p=1.0, greedy=False, amp=None, stop=()):
+    """Multi-turn sampling with a tool: each turn is sample() continuing the row's transcript
+    until EOS, a stop string, or the budget; then env(row, turns) reads the model's turns so far
+    (texts) and returns an observation, whose tokens are appended, or None to end the episode.
+    Token in, token out: the model's sampled ids are kept as they are (never decoded and
+    re-encoded), so every log-prob is for the exact token sampled; only observations are
+    tokenized, without special tokens. max_new_tokens is the budget of the whole completion,
+    model and observation tokens together; max_turns caps the model's turns. Each turn prefills
+    the whole transcript again (plain; no KV cache kept across turns).
+    Returns sample()'s fields, with completion_mask 1 only on model tokens (each turn's EOS or
+    stop token included) and 0 on observations, sample_logprobs 0 there, truncated = the budget
+    ran out (inside a turn or an observation); and per row: turns, tool_calls (observations),
+    observations (their texts), final (the text after the last observation: what rewards read)
+    and transcript (the whole completion, observations marked as ⟦...⟧)."""
+    B = len(prompt_ids)
+    seqs = [list(p) for p in prompt_ids]  # each row's prompt + transcript so far
+    kind = [[] for _ in range(B)]  # per completion token: 1 sampled by the model, 0 observation
+    logps = [[] for _ in range(B)]  # the sampler's log-prob per completion token (0: observation)
+    turns = [[] for _ in range(B)]  # the model's turns, decoded
+    obs = [[] for _ in range(B)]  # the environment's observations (texts)
+    truncated = [False] * B
+    live = list(range(B))  # rows whose episode goes on
+    for turn in range(max_turns):
+        left = [max_new_tokens - len(kind[i]) for i in live]  # each row's budget still unspent
+        roll = sample(model, tok, [seqs[i] for i in live], max(left), temperature, top_p, greedy,
+                      amp, stop)
+        going = []
+        for j, i in enumerate(live):
+            n = int(roll.completion_mask[j].sum())  # this turn's tokens, its EOS / stop included
+            ended = not bool(roll.truncated[j]) and n <= left[j]
+            n = min(n, left[j])  # sampled past its own budget (another row's was larger): cut
+            new = roll.ids[j, roll.P:roll.P + n].tolist()
+            seqs[i] += new
+            kind[i] += [1] * n
+            logps[i] += roll.sample_logprobs[j, :n].tolist()
+            turns[i].append(tok.decode(new, skip_special_tokens=True))
+            if not ended:  # the budget ran out inside the turn
+                truncated[i] = True
+                continue
+            text = env(rows[i], turns[i]) if turn + 1 < max_turns else None
+            if text is None:  # the episode is over
+                continue
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+            room = max_new_tokens - len(kind[i])
+            seqs[i] += ids[:room]
+            kind[i] += [0] * len(ids[:room])
+            logps[i] += [0.0] * len(ids[:room])
+            obs[i].append(text)
+            if len(ids) >= room:  # no room left for the model to answer
+                truncated[i] = True
+            else:
+                going.append(i)
+        live = going
+        if not live:
+            break
+    # one batch: the prompts left-padded (P columns), the completions right-padded
+    device = next(model.parameters()).device
+    prompt, prompt_mask = left_pad(prompt_ids, tok.pad_token_id, device)
+    T = max(1, max(len(k) for k in kind))
+    comp = [s[len(p):] for s, p in zip(seqs, prompt_ids)]
+    ids = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in comp], device=device)
+    real = torch.tensor([[1] * len(k) + [0] * (T - len(k)) for k in kind], device=device)
+    completion_mask = torch.tensor([k + [0] * (T - len(k)) for k in kind], device=device).float()
+    final = [t[-1] if len(t) > len(o) else "" for t, o in zip(turns, obs)]
+    transcript = ["".join(t + (f"⟦{o[k]}⟧" if k < len(o) else "") for k, t in enumerate(ts))
+                  for ts, o in zip(turns, obs)]
+    return SimpleNamespace(
+        ids=torch.cat([prompt, ids], 1), attention_mask=torch.cat([prompt_mask, real], 1),
+        completion_mask=completion_mask, truncated=torch.tensor(truncated, device=device),
+        sample_logprobs=torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], device=device),
+        P=prompt.shape[1], turns=torch.tensor([len(t) for t in turns]),
+        tool_calls=torch.tensor([len(o) for o in obs]), observations=obs, final=final,
+        transcript=transcript)
+
+
 def decode_completions(tok, roll):
     lengths = roll.completion_mask.sum(-1).long().tolist()
     rows = roll.ids[:, roll.P:].tolist()
@@ -890,11 +967,13 @@ def gold(completions, rows):
 
 @torch.no_grad()
 def evaluate(model, tok, rows, args, amp, weights=None, rm=None, rm_tok=None, fns=None,
-             batch_size=128):
+             batch_size=128, env=None):
     """Held-out scores, {"eval": greedy score}: accuracy or the mean of the run's --rewards (see
     eval_metric). With args.eval_samples = k > 0, also "eval_mean@k" and "eval_pass@k" over k
-    samples per prompt at the training temperature (pass@k: the best of the k, per prompt).
-    weights: the run's reward weights (default: parsed from args.rewards)."""
+    samples per prompt at the training temperature (pass@k: the best of the k, per prompt);
+    args.eval_sampled makes mean@k the "eval" and the greedy score "eval_greedy".
+    weights: the run's reward weights (default: parsed from args.rewards). env: multi-turn
+    rollouts with that environment (see rollout)."""
     if not rows:  # e.g. a data file too small to hold rows out: no score rather than a made-up 0
         return {"eval": float("nan")}
     accuracy = eval_metric(rows, getattr(args, "eval_reward", "auto")) == "accuracy"
@@ -908,13 +987,17 @@ def evaluate(model, tok, rows, args, amp, weights=None, rm=None, rm_tok=None, fn
             if not batch:
                 continue
             prompt_ids = encode_prompts(tok, [r["prompt"] for r in batch], args.chat_template)
-            if key == "eval":
+            if env is not None:  # multi-turn (--env): rewards read each row's final turn
+                roll = rollout(model, tok, prompt_ids, env, batch, args.max_turns,
+                               args.max_new_tokens, args.temperature, args.top_p,
+                               greedy=key == "eval", amp=amp, stop=args.stop)
+            elif key == "eval":
                 roll = sample(model, tok, prompt_ids, args.max_new_tokens, greedy=True, amp=amp,
                               stop=args.stop)
             else:  # at the training temperature
                 roll = sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
                               args.top_p, amp=amp, stop=args.stop)
-            texts = decode_completions(tok, roll)
+            texts = roll.final if env is not None else decode_completions(tok, roll)
             if accuracy:
                 scores[key] += [math_reward(c, r) for c, r in zip(texts, batch)]
             else:
@@ -924,4 +1007,7 @@ def evaluate(model, tok, rows, args, amp, weights=None, rm=None, rm_tok=None, fn
         per_prompt = torch.tensor(scores["sampled"]).view(-1, k)
         out[f"eval_mean@{k}"] = float(per_prompt.mean())
         out[f"eval_pass@{k}"] = float(per_prompt.max(1).values.mean())
+    if getattr(args, "eval_sampled", False):  # the headline score is mean@k, greedy beside it
+        out = {"eval": out.pop(f"eval_mean@{k}"), "eval_greedy": out["eval"],
+               f"eval_pass@{k}": out[f"eval_pass@{k}"]}
     return out

@@ -39,6 +39,7 @@ import torch
 from tqdm import tqdm
 
 import common as C
+import envs as E
 import runs as R
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]  # see aggregate()
@@ -62,6 +63,9 @@ class Args:
     temperature: float = 1.0  # sampling temperature; log-probs divide by the same one (N details)
     top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, log-probs stay the full softmax's
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    # --- tool use: multi-turn rollouts (docs/tool_use.md)
+    env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
+    max_turns: int = 3  # model turns per episode with --env (calc: call, answer, one spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
@@ -100,6 +104,7 @@ class Args:
     eval_size: int = 500  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
     eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
+    eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/grpo-<time>
@@ -167,7 +172,8 @@ def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
 
 def cat_rollouts(pieces):
     """Concatenate (rollout, kept row indices) pieces into one rollout: prompts re-left-padded,
-    completions right-padded. Padding ids are 0; every mask comes from lengths."""
+    completions right-padded. Padding ids are 0; every mask comes from lengths. Other fields:
+    (B, T) ones right-padded with 0, (B,) ones and lists (multi-turn rollouts) concatenated."""
     P = max(r.P for r, _ in pieces)
     T = max(r.completion_mask.shape[1] for r, _ in pieces)
     pad = torch.nn.functional.pad
@@ -177,18 +183,26 @@ def cat_rollouts(pieces):
         prompt, completion = x[:, :r.P], x[:, r.P:]
         completion = pad(completion, (0, T - completion.shape[1]))
         return torch.cat([pad(prompt, (P - r.P, 0)), completion], 1)
-    attention_mask = torch.cat([fit(r, "attention_mask", i) for r, i in pieces])
-    return C.SimpleNamespace(ids=torch.cat([fit(r, "ids", i) for r, i in pieces]), P=P,
-                             attention_mask=attention_mask,
-                             completion_mask=attention_mask[:, P:].float(),
-                             truncated=torch.cat([r.truncated[i] for r, i in pieces]))
+    out = {"P": P}
+    for key, x in vars(pieces[0][0]).items():
+        if key in ("ids", "attention_mask"):
+            out[key] = torch.cat([fit(r, key, i) for r, i in pieces])
+        elif isinstance(x, list):
+            out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
+        elif torch.is_tensor(x) and x.dim() == 2:
+            out[key] = torch.cat([pad(getattr(r, key)[i.to(x.device)], (0, T - x.shape[1]))
+                                  for r, i in pieces])
+        elif torch.is_tensor(x):
+            out[key] = torch.cat([getattr(r, key)[i.to(x.device)] for r, i in pieces])
+    return C.SimpleNamespace(**out)
 
 
-def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp):
+def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, env=None):
     """G completions for each of prompts_per_step prompts, scored. With dynamic_sampling (DAPO),
     groups whose rewards are all equal are dropped and more prompts sampled, up to
     max_resample_rounds extra rounds. Returns the kept rollout, its rows, completion texts and
-    rewards (B,), and `seen`: rewards, reward parts and zero-std flags of everything sampled."""
+    rewards (B,), and `seen`: rewards, reward parts and zero-std flags of everything sampled.
+    env: multi-turn rollouts with that environment; rewards then read each final turn."""
     G = args.group_size
     want = args.prompts_per_step * G // R.get_world_size()  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept = [], [], [], []
@@ -197,9 +211,14 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp):
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(G)]
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
-                        amp=amp, stop=args.stop)
-        texts = C.decode_completions(tok, roll)
+        if env:  # multi-turn: the model's turns and the environment's observations
+            roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
+                             args.max_new_tokens, args.temperature, args.top_p, amp=amp,
+                             stop=args.stop)
+        else:
+            roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
+                            args.top_p, amp=amp, stop=args.stop)
+        texts = roll.final if env else C.decode_completions(tok, roll)
         rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)
         if args.overlong_penalty:  # DAPO: 0 until the last overlong_buffer tokens, then linear
             length = roll.completion_mask.sum(-1).cpu()
@@ -240,10 +259,12 @@ def check_args(args):
 def main():
     args = R.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
+    env = E.from_args(args)  # --env: the tool environment (envs.py); None without
     fns = C.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
-                       args.prompt_field, args.answer_field, args.system_prompt)
+    data = E.task_data(args, C.load_data(args.data, args.eval_size, "math" in weights,
+                                         args.data_split, args.prompt_field, args.answer_field,
+                                         args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -266,7 +287,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, weights, rm, rm_tok, fns))
+            model, tok, rows, args, amp, weights, rm, rm_tok, fns, env=env))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     if args.num_iterations == 1 and run.rank == 0:
@@ -278,8 +299,8 @@ def main():
         t0 = time.time()
         # 1. sample G completions per prompt and score them
         with R.gathered(model):  # --fsdp: the whole model in every process while it samples
-            roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
-                                                                   weights, rm, rm_tok, fns, amp)
+            roll, rows, completions, rewards, seen = sample_groups(
+                model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, env)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -351,10 +372,12 @@ def main():
                    "completion_len": float(roll.completion_mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
-                   "tokens_per_s": float(roll.completion_mask.sum()) / elapsed}
+                   "tokens_per_s": float(roll.completion_mask.sum()) / elapsed,
+                   **(E.tool_metrics(roll) if env else {})}
         G = args.group_size
+        shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
-                   for r, c, x in zip(rows[::G][:4], completions[::G][:4], rewards[::G][:4])]
+                   for r, c, x in zip(rows[::G][:4], shown[::G][:4], rewards[::G][:4])]
         metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())

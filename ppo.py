@@ -54,6 +54,7 @@ from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
 
 import common as C
+import envs as E
 import runs as R
 
 
@@ -76,6 +77,9 @@ class Args:
     temperature: float = 1.0  # sampling temperature (N, TRL 0.7; 1.0 explores the tiny task more)
     top_p: float = 1.0  # nucleus sampling (N details: 1.0, the full distribution)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    # --- tool use: multi-turn rollouts (docs/tool_use.md)
+    env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
+    max_turns: int = 3  # model turns per episode with --env (calc: call, answer, one spare)
     # --- rewards
     rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math", ...
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
@@ -121,6 +125,7 @@ class Args:
     eval_size: int = 500  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
     eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
+    eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = 40  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/ppo-<time>
@@ -131,29 +136,37 @@ class Args:
 # --------------------------------------------------------------------------- the algorithm
 def shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator="k1"):
     """Per-token reward (B, T): -kl_coef * KL on every completion token, plus the sequence score
-    (B,) on the last real token (index length - 1: the EOS, or the last token of a truncated row;
-    TL;DR details), not at the padded end. A row with no completion token gets no score."""
+    (B,) on the last real token (the EOS, or the last token of a truncated row; TL;DR details),
+    not at the padded end. With tool use (--env) that is the last token the model sampled:
+    observation tokens (mask 0) get neither KL nor score. A row with no completion token gets no
+    score."""
     kl = C.kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask
     rewards = -kl_coef * kl
-    lengths = mask.sum(1).long()
+    T = mask.shape[1]
+    last = T - 1 - mask.flip(1).argmax(1)  # the last position where mask = 1
     rows = torch.arange(len(rewards), device=rewards.device)
-    rewards[rows, (lengths - 1).clamp(min=0)] += scores * (lengths > 0)
+    rewards[rows, last] += scores * (mask.sum(1) > 0)
     return rewards, kl
 
 
 def gae(rewards, values, mask, gamma, lam):
     """Generalised advantage estimation (Schulman et al. 2016), backwards over the completion:
     delta_t = r_t + gamma V_t+1 - V_t, A_t = delta_t + gamma lam A_t+1; V and A are 0 past a row's
-    end (the state after the EOS is terminal). (B, T) -> (advantages, returns = A + values)."""
+    end (the state after the EOS is terminal). (B, T) -> (advantages, returns = A + values).
+    Over the model's tokens only (mask 1): t+1 is the next model token, so an observation in
+    between (mask 0) is part of the environment's step, with no value, reward or advantage."""
     values, rewards = values * mask, rewards * mask
     T = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
-    last = torch.zeros_like(rewards[:, 0])  # A_t+1
+    last = torch.zeros_like(rewards[:, 0])  # A_t+1, of the next model token
+    next_value = torch.zeros_like(last)  # V_t+1, of the next model token (0: terminal)
     for t in reversed(range(T)):
-        next_value = values[:, t + 1] if t + 1 < T else torch.zeros_like(last)
+        model_token = mask[:, t] > 0
         delta = rewards[:, t] + gamma * next_value - values[:, t]
-        last = (delta + gamma * lam * last) * mask[:, t]
-        advantages[:, t] = last
+        a = delta + gamma * lam * last
+        advantages[:, t] = a * mask[:, t]
+        last = torch.where(model_token, a, last)  # observations pass A and V on unchanged
+        next_value = torch.where(model_token, values[:, t], next_value)
     return advantages, advantages + values
 
 
@@ -214,14 +227,18 @@ def explained_variance(values, returns, mask):
     return float(1 - var_diff / var_r.clamp(min=1e-8))
 
 
-def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256):
+def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256, env=None):
     """Mean and std of the score on n samples of the starting policy, for normalize_score. Its own
     data rng leaves the training stream as it is."""
     rows = data.next_batch(random.Random(args.seed + 1), n)
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-    roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
-                    amp=amp, stop=args.stop)
-    texts = C.decode_completions(tok, roll)
+    if env:  # multi-turn (--env): the score reads each final turn
+        roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns, args.max_new_tokens,
+                         args.temperature, args.top_p, amp=amp, stop=args.stop)
+    else:
+        roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
+                        args.top_p, amp=amp, stop=args.stop)
+    texts = roll.final if env else C.decode_completions(tok, roll)
     scores = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)[0]
     return float(scores.mean()), float(scores.std().clamp(min=1e-6))
 
@@ -350,10 +367,12 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
 def main():
     args = R.parse_args(Args, "ppo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
+    env = E.from_args(args)  # --env: the tool environment (envs.py); None without
     fns = C.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
-    data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
-                       args.prompt_field, args.answer_field, args.system_prompt)
+    data = E.task_data(args, C.load_data(args.data, args.eval_size, "math" in weights,
+                                         args.data_split, args.prompt_field, args.answer_field,
+                                         args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "ppo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -373,7 +392,7 @@ def main():
     if run.state:
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
-        norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp)
+        norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, env=env)
         norm = tuple(R.global_mean({"mu": norm[0], "sigma": norm[1]}).values())  # torchrun
         if run.rank == 0:
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
@@ -391,7 +410,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, weights, rm, rm_tok, fns))
+            model, tok, rows, args, amp, weights, rm, rm_tok, fns, env=env))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
@@ -407,9 +426,14 @@ def main():
         rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         with R.gathered(model):  # --fsdp: the whole model in every process while it samples
-            roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                            args.top_p, amp=amp, stop=args.stop)
-        completions = C.decode_completions(tok, roll)
+            if env:  # multi-turn: the model's turns and the environment's observations
+                roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
+                                 args.max_new_tokens, args.temperature, args.top_p, amp=amp,
+                                 stop=args.stop)
+            else:
+                roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
+                                args.top_p, amp=amp, stop=args.stop)
+        completions = roll.final if env else C.decode_completions(tok, roll)
         raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
@@ -458,9 +482,11 @@ def main():
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()),
                    "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
-                   "tokens_per_s": float(mask.sum()) / elapsed}
+                   "tokens_per_s": float(mask.sum()) / elapsed,
+                   **(E.tool_metrics(roll) if env else {})}
+        shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
-                   for r, c, s in zip(rows[:4], completions[:4], scores[:4])]
+                   for r, c, s in zip(rows[:4], shown[:4], scores[:4])]
         metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())

@@ -50,6 +50,7 @@ import torch
 from tqdm import tqdm
 
 import common as C
+import envs as E
 import runs as R
 
 
@@ -71,6 +72,9 @@ class Args:
     temperature: float = 1.0  # sampling temperature; log-probs divide by the same one (N details)
     top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, log-probs stay the full softmax's
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    # --- tool use: multi-turn rollouts (docs/tool_use.md)
+    env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
+    max_turns: int = 3  # model turns per episode with --env (calc: call, answer, one spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
@@ -106,6 +110,7 @@ class Args:
     eval_size: int = 500  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
     eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
+    eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/reinforce-<time>
@@ -209,10 +214,12 @@ def check_args(args):
 def main():
     args = R.parse_args(Args, "reinforce", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
+    env = E.from_args(args)  # --env: the tool environment (envs.py); None without
     fns = C.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    data = C.load_data(args.data, args.eval_size, "math" in weights, args.data_split,
-                       args.prompt_field, args.answer_field, args.system_prompt)
+    data = E.task_data(args, C.load_data(args.data, args.eval_size, "math" in weights,
+                                         args.data_split, args.prompt_field, args.answer_field,
+                                         args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "reinforce")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -235,7 +242,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, weights, rm, rm_tok, fns))
+            model, tok, rows, args, amp, weights, rm, rm_tok, fns, env=env))
     metric = C.eval_metric(data.eval_rows, args.eval_reward)
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
@@ -250,9 +257,14 @@ def main():
         rows = [r for r in prompts for _ in range(k)]
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         with R.gathered(model):  # --fsdp: the whole model in every process while it samples
-            roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                            args.top_p, amp=amp, stop=args.stop)
-        completions = C.decode_completions(tok, roll)
+            if env:  # multi-turn: the model's turns and the environment's observations
+                roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
+                                 args.max_new_tokens, args.temperature, args.top_p, amp=amp,
+                                 stop=args.stop)
+            else:
+                roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
+                                args.top_p, amp=amp, stop=args.stop)
+        completions = roll.final if env else C.decode_completions(tok, roll)
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
@@ -331,9 +343,11 @@ def main():
                    **({"baseline_ema": ema} if args.baseline == "ema" else {}),
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   "step_time": elapsed, "tokens_per_s": float(mask.sum()) / elapsed}
+                   "step_time": elapsed, "tokens_per_s": float(mask.sum()) / elapsed,
+                   **(E.tool_metrics(roll) if env else {})}
+        shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
-                   for r, c, x in zip(rows[::k][:4], completions[::k][:4], scores[::k][:4])]
+                   for r, c, x in zip(rows[::k][:4], shown[::k][:4], scores[::k][:4])]
         metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())

@@ -42,6 +42,7 @@ from transformers import HfArgumentParser
 from transformers.utils import logging as hf_logging
 
 import common as C
+import envs as E
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
@@ -115,9 +116,13 @@ def parse_args(args_cls, algo, doc=""):
     parser.error = error
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--resume", default="")
-    resume = pre.parse_known_args()[0].resume
+    pre.add_argument("--env", default="")
+    known = pre.parse_known_args()[0]
+    resume = known.resume
     saved = _saved_args(resume, algo) if resume else {}
     names = {f.name for f in dataclasses.fields(args_cls)}
+    if "env" in names:  # --env calc brings its own defaults (envs.preset); given flags still win
+        parser.set_defaults(**E.preset(known.env, algo))
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
     if unknown:  # e.g. a typo, or another script's flag
@@ -731,6 +736,8 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
     if run.tracker is not None:
         (getattr(run.tracker, "close", None) or run.tracker.finish)()
     _release_lock(run.dir)
+    if getattr(run.args, "eval_sampled", False):  # the headline is mean@k (common.evaluate)
+        label = f"mean@{run.args.eval_samples} sampled"
     print(f"\n{'held-out ' + metric:26}{'before':>10}{'after':>10}")
     for key in eval_before:
         name = label if key == "eval" else key[5:] + (" sampled" if "@" in key else "")

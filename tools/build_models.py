@@ -40,6 +40,7 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
+import envs  # noqa: E402
 
 DROP = 0.7  # probability that a demonstration forgets a carry
 BATCH, RM_BATCH = 128, 64  # demonstrations / preference pairs per optimizer step
@@ -139,14 +140,46 @@ def ship(run_dir, dest, tok):
     tok.save_pretrained(dest)
 
 
+def build_calc(dest, tok):
+    """4. The tool user: sft.py from tiny-adder on calculator demonstrations (envs.calc_demo: 30%
+    call the tool, the rest answer in the head, 3-4 digit sums with carries mostly forgotten),
+    1,500 steps at lr 1e-3, then 600 at 5e-4 (copies the observation better).  -> tiny-calc"""
+    steps = [int(os.environ.get("CALC_STEPS", 1500)), int(os.environ.get("CALC_STEPS2", 600))]
+    build = os.path.join(BUILD, "calc")
+    shutil.rmtree(build, ignore_errors=True)
+    os.makedirs(build)
+    rng = random.Random(28)  # its own stream: the other models' data stay as they were
+    for i, n in enumerate(steps):
+        write_jsonl(f"{build}/demos{i}.jsonl", [
+            {"prompt": f"{a}+{b}=", "completion": envs.calc_demo(a, b, rng, column_sum)}
+            for a, b in envs.calc_demo_pairs(rng, n * BATCH)])
+    start = f"{dest}/tiny-adder"
+    for i, (n, lr) in enumerate(zip(steps, (1e-3, 5e-4))):
+        pipeline_script("sft.py", model=start, data=f"{build}/demos{i}.jsonl",
+                        output_dir=f"{build}/sft{i}", lr=lr, warmup_steps=n // 20, max_steps=n,
+                        batch_size=BATCH, micro_batch_size=BATCH, eval_every=0, eval_size=200,
+                        save_every=0, chat_template="none")
+        start = f"{build}/sft{i}/checkpoint"
+    ship(f"{build}/sft1", f"{dest}/tiny-calc", tok)
+
+
 def main():
     t0 = time.time()
     hf_logging.disable_progress_bar()  # the library's "writing shards" bars
     clean_steps = int(os.environ.get("CLEAN_STEPS", 1500))
     sloppy_steps = int(os.environ.get("SLOPPY_STEPS", 1000))
     rm_steps = int(os.environ.get("RM_STEPS", 600))
-    dest = sys.argv[1] if len(sys.argv) > 1 else os.path.join(common.ROOT, "models")
+    argv = sys.argv[1:]
+    only = argv[argv.index("--only") + 1] if "--only" in argv else ""
+    argv = [a for a in argv if a not in ("--only", only)]
+    dest = argv[0] if argv else os.path.join(common.ROOT, "models")
     policy, reward_model = f"{dest}/tiny-adder", f"{dest}/tiny-adder-rm"
+    if only not in ("", "calc"):
+        raise SystemExit(f"error: --only {only!r}: the only stage built alone is calc")
+    if only == "calc":  # from the tiny-adder already in DEST, which stays as it is
+        build_calc(dest, build_tokenizer())
+        print(f"rebuild time {time.time() - t0:.0f} s; the runs are in {BUILD}/calc/")
+        return
     shutil.rmtree(BUILD, ignore_errors=True)
     os.makedirs(BUILD)
     # 0. a fresh model and its tokenizer: the "pretrained" starting point of the pipeline
@@ -185,6 +218,7 @@ def main():
                     micro_batch_size=RM_BATCH, eval_every=200, save_every=0, chat_template="none")
     ship(f"{BUILD}/rm", reward_model, tok)
     report(tok, policy, reward_model)
+    build_calc(dest, tok)
     print(f"rebuild time {time.time() - t0:.0f} s; the runs' metrics and data are in {BUILD}/")
 
 
