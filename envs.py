@@ -199,3 +199,21 @@ def from_args(args):
         raise C.UserError("--eval_sampled scores mean@k of --eval_samples k samples: give "
                           "--eval_samples k (k >= 1)")
     return load_env(args.env)
+
+
+# ------------------------------------------------------------------------ chat models' format
+def chat_observation(tok, messages, turn, result, role="tool"):
+    """A tool result in a chat model's own format: the chat template rendered for the
+    conversation with the model's turn and the tool message, minus its rendering up to the end
+    of the turn; that difference (the turn's end tag, the tool message, the next assistant
+    header) is the observation. messages: the conversation before this turn (the prompt, and
+    any earlier turns and tool messages). End the call turn on a stop string (e.g.
+    --stop '</tool_call>'), so the turn's end tag comes from the template, not the model."""
+    head = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + turn
+    whole = tok.apply_chat_template(
+        messages + [{"role": "assistant", "content": turn}, {"role": role, "content": result}],
+        tokenize=False, add_generation_prompt=True)
+    if not whole.startswith(head):
+        raise C.UserError("the chat template does not render the conversation as a prefix of "
+                          "itself plus a tool message: build the observation by hand")
+    return whole[len(head):]

@@ -190,8 +190,8 @@ def cat_rollouts(pieces):
         elif isinstance(x, list):
             out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
         elif torch.is_tensor(x) and x.dim() == 2:
-            out[key] = torch.cat([pad(getattr(r, key)[i.to(x.device)], (0, T - x.shape[1]))
-                                  for r, i in pieces])
+            out[key] = torch.cat([pad(getattr(r, key)[i.to(x.device)],
+                                      (0, T - getattr(r, key).shape[1])) for r, i in pieces])
         elif torch.is_tensor(x):
             out[key] = torch.cat([getattr(r, key)[i.to(x.device)] for r, i in pieces])
     return C.SimpleNamespace(**out)

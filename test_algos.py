@@ -39,6 +39,7 @@ from transformers import Qwen2Config
 
 import common as C
 import dpo
+import envs as E
 import grpo
 import ppo
 import reinforce as R
@@ -1353,6 +1354,421 @@ def test_gradient_checkpointing_reaches_the_ppo_critic(tok):
     assert calls == [0, 1]
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+# ---- tool use (#28): common.rollout, envs.py, --env in grpo.py, reinforce.py and ppo.py
+
+
+def always_env(text=" 12 "):
+    """An environment that answers every turn with the same observation (a tiny random model
+    never writes a tool call, so the test envs do not wait for one); its calls are recorded."""
+    calls = []
+
+    def env(row, turns):
+        calls.append((row["prompt"], list(turns)))
+        return text
+    env.calls = calls
+    return env
+
+
+def scripted_sample(script, tok):
+    """A stand-in for common.sample that 'samples' the given turns: script maps a prompt (its ids,
+    as a tuple) to the list of its turns (token ids), taken in order. Each turn is cut at the
+    budget given, truncated when it does not fit; its log-probs are -(1 + turn) / 10."""
+    taken = {p: 0 for p in script}
+
+    def sample(model, tok_, prompt_ids, max_new_tokens, *a, **k):
+        pieces = []
+        for seq in prompt_ids:
+            p = next(p for p in script if tuple(seq[:len(p)]) == p)
+            turn = script[p][taken[p]]
+            taken[p] += 1
+            out = turn[:max_new_tokens]
+            ids, mask = C.left_pad([seq], tok.pad_token_id, "cpu")
+            n = len(out)
+            pieces.append(SimpleNamespace(
+                ids=torch.cat([ids, torch.tensor([out])], 1), P=ids.shape[1],
+                attention_mask=torch.cat([mask, torch.ones(1, n, dtype=torch.long)], 1),
+                completion_mask=torch.ones(1, n), truncated=torch.tensor([len(turn) > n]),
+                sample_logprobs=torch.full((1, n), -(1 + taken[p] - 1) / 10)))
+        return grpo.cat_rollouts([(r, torch.tensor([0])) for r in pieces])
+    return sample
+
+
+def test_rollout_masks_and_ids_on_hand_made_turns(monkeypatch):
+    """Exactly the masks of #28 on scripted turns: an EOS inside the transcript (a turn ends with
+    EOS, the env answers, the model goes on), an observation cut at the budget's edge, a turn cut
+    by the budget, and pad == EOS. Model ids are exactly the sampled ones, observation ids are the
+    observation's tokens (no special tokens), and rewards read the text after the last
+    observation."""
+    t = C.load_tokenizer(C.DEFAULT_POLICY)
+    t.pad_token = t.eos_token  # pad == EOS: masks must come from positions
+    eos = t.eos_token_id
+    enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    p1, p2, p3 = (C.encode_prompts(t, [s], "none")[0] for s in ("3+4=", "33+44=", "5+5="))
+    script = {tuple(p1): [enc("ab") + [eos], enc("7") + [eos]],  # EOS, obs, answer, EOS
+              tuple(p2): [enc("<calc>33+44</calc>")],  # its observation hits the budget
+              tuple(p3): [enc("xyzxyzxyzxyzxyzxyzxyzxyz")]}  # longer than the budget
+    monkeypatch.setattr(C, "sample", scripted_sample(script, t))
+    rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "33+44=", "answer": "77"},
+            {"prompt": "5+5=", "answer": "10"}]
+
+    def env(row, turns):
+        return " 77 " if row["prompt"] != "5+5=" and len(turns) == 1 else None
+    model = tiny_model("llama")
+    budget = 20  # row 2: 18 call tokens + 2 of its 4 observation tokens
+    roll = C.rollout(model, t, [p1, p2, p3], env, rows, 3, budget)
+    comp = roll.ids[:, roll.P:]
+    want = [enc("ab") + [eos] + enc(" 77 ") + enc("7") + [eos],
+            enc("<calc>33+44</calc>") + enc(" 7"),
+            enc("xyzxyzxyzxyzxyzxyzxyz")[:budget]]
+    kinds = [[1] * 3 + [0] * 4 + [1] * 2, [1] * 18 + [0] * 2, [1] * budget]
+    for i in range(3):
+        n = len(want[i])
+        assert comp[i, :n].tolist() == want[i]
+        assert roll.completion_mask[i].tolist() == kinds[i] + [0] * (comp.shape[1] - n)
+        assert roll.attention_mask[i, roll.P:].tolist() == [1] * n + [0] * (comp.shape[1] - n)
+        lp = roll.sample_logprobs[i, :n]
+        assert (lp[torch.tensor(kinds[i]) == 0] == 0).all()
+        assert (lp[torch.tensor(kinds[i]) == 1] < 0).all()
+    assert roll.sample_logprobs[0, 7:9].tolist() == pytest.approx([-0.2, -0.2])  # second turn
+    assert roll.truncated.tolist() == [False, True, True]
+    assert roll.turns.tolist() == [2, 1, 1] and roll.tool_calls.tolist() == [1, 1, 0]
+    assert roll.final == ["7", "", "xyzxyzxyzxyzxyzxyzxy"]  # row 1: nothing after its observation
+    assert roll.transcript[0] == "ab⟦ 77 ⟧7" and roll.transcript[1] == "<calc>33+44</calc>⟦ 77 ⟧"
+    # the reward reads the final turn: the observation copied out of row 1's transcript (its last
+    # number, 77) does not score
+    assert [C.math_reward(c, r) for c, r in zip(roll.final, rows)] == [1.0, 0.0, 0.0]
+    assert C.math_reward(roll.transcript[1], rows[1]) == 1.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_rollout_logprobs_equal_a_plain_forward_and_ids_are_the_sampled_ones(arch, tok,
+                                                                              monkeypatch):
+    """On a tiny random model (EOS frequent, observations after every turn): the log-probs of
+    the whole multi-turn sequence by a plain HF forward, at the model's positions, equal the
+    sampler's own and the training forward's; the ids at those positions are exactly what each
+    turn's sample() returned; observation positions hold the observation's tokens."""
+    model = tiny_model(arch, seed=2)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    sampled, real = [], C.sample
+
+    def spy(*a, **k):
+        r = real(*a, **k)
+        sampled.append([r.ids[j, r.P:r.P + int(r.completion_mask[j].sum())].tolist()
+                        for j in range(len(r.ids))])
+        return r
+    monkeypatch.setattr(C, "sample", spy)
+    torch.manual_seed(0)
+    prompts = C.encode_prompts(tok, PROMPTS * 2)
+    env = always_env(" 12 ")
+    roll = C.rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS * 2], 3, 24)
+    mask, T = roll.completion_mask, roll.completion_mask.shape[1]
+    assert (roll.tool_calls > 0).any() and (mask[:, :-1] < mask[:, 1:]).any()  # 0 -> 1: obs
+    obs = tok(" 12 ", add_special_tokens=False)["input_ids"]
+    for i in range(len(prompts)):  # row i: its turns, each one sample() call's row, in order
+        n = int(roll.attention_mask[i, roll.P:].sum())
+        comp, kinds = roll.ids[i, roll.P:roll.P + n].tolist(), mask[i, :n].tolist()
+        assert n <= 24
+        runs_, k = [], 0  # contiguous runs of (kind, ids)
+        for x, m in zip(comp, kinds):
+            if not runs_ or runs_[-1][0] != m:
+                runs_.append((m, []))
+            runs_[-1][1].append(x)
+        turns = [ids for m, ids in runs_ if m == 1]
+        assert all(ids == obs[:len(ids)] for m, ids in runs_ if m == 0)  # the last may be cut
+        assert len(turns) == int(roll.turns[i]) and len(runs_) - len(turns) == roll.tool_calls[i]
+        for k, ids in enumerate(turns):  # turn k is one of the k-th call's rows (cut at budget)
+            assert any(t[:len(ids)] == ids and (len(t) == len(ids) or n == 24)
+                       for t in sampled[k]), (i, k)
+    ids, am = roll.ids, roll.attention_mask
+    logits = model(input_ids=ids, attention_mask=am, position_ids=C.positions(am)).logits
+    plain = logits[:, -T - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -T:, None])[..., 0]
+    torch.testing.assert_close(plain * mask, roll.sample_logprobs, atol=2e-5, rtol=0)
+    train = C.batched_logprobs(model, roll, 1.0, 4, OFF)
+    torch.testing.assert_close(train, roll.sample_logprobs, atol=2e-5, rtol=0)
+
+
+def test_rollout_respects_max_turns_and_the_budget(tok):
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    prompts = C.encode_prompts(tok, PROMPTS * 4)
+    rows = [{"prompt": p} for p in PROMPTS * 4]
+    for max_turns, budget in ((1, 30), (2, 30), (4, 40), (4, 9)):
+        env = always_env(" 1 ")
+        torch.manual_seed(0)
+        roll = C.rollout(model, tok, prompts, env, rows, max_turns, budget)
+        assert roll.turns.max() <= max_turns and roll.tool_calls.max() <= max_turns - 1
+        assert (roll.attention_mask[:, roll.P:].sum(-1) <= budget).all()
+        n_model = roll.completion_mask.sum(-1)
+        assert (roll.tool_calls <= roll.turns).all() and (n_model >= roll.turns).all()
+        assert len(env.calls) == int(roll.tool_calls.sum())  # never called after the last turn
+        full = roll.attention_mask[:, roll.P:].sum(-1) == budget
+        assert (roll.truncated <= full).all()  # truncated only where the budget is spent
+        if max_turns == 1:
+            assert not env.calls
+    assert roll.truncated.any()  # budget 9: some rows hit it
+
+
+def test_env_gets_the_row_and_the_turns_so_far(tok):
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    env = always_env(" 1 ")
+    torch.manual_seed(0)
+    prompts = C.encode_prompts(tok, PROMPTS)
+    roll = C.rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS], 3, 40)
+    for i, p in enumerate(PROMPTS):
+        mine = [turns for q, turns in env.calls if q == p]
+        assert [len(t) for t in mine] == list(range(1, len(mine) + 1))  # one more each call
+        if mine:
+            assert mine[-1] == [t for t in roll.transcript[i].split("⟦ 1 ⟧") if t][:len(mine[-1])]
+
+
+def test_calc_env_reads_calls_and_ends_on_an_answer():
+    assert E.calc({}, ["<calc>1234+5678</calc>"]) == " 6912 "
+    assert E.calc({}, ["a", "b<calc>12*3</calc>  "]) == " 36 "
+    assert E.calc({}, ["<calc>7-9</calc>"]) == " -2 "
+    assert E.calc({}, ["<calc>12+</calc>"]) == " error "
+    assert E.calc({}, ["<calc>12+34</calc>", "46"]) is None  # the answer: the episode ends
+    assert E.calc({}, ["<calc>12+34"]) is None  # no closing tag: not a call
+    pairs = E.calc_eval_pairs()
+    assert len(pairs) == 500 and pairs == E.calc_eval_pairs()
+    assert all(100 <= a < 10000 and 100 <= b < 10000 for a, b in pairs)
+    train = E.calc_train_pairs(random.Random(0), 2000)
+    assert not set(train) & set(pairs)
+    demos = E.calc_demo_pairs(random.Random(0), 2000)
+    assert not set(demos) & (set(pairs) | set(C.task_eval_pairs()))
+
+
+def write_env(tmp_path, body):
+    path = tmp_path / "myenv.py"
+    path.write_text(body)
+    return f"{path}:env"
+
+
+@pytest.mark.parametrize("body,message", [
+    ("def env(row, turns):\n    raise ValueError('boom')\n",
+     r"--env '.*myenv.py:env' raised ValueError: boom \(on the row with prompt '.*', turn 1\)"),
+    ("def env(row, turns):\n    return 12\n",
+     r"--env '.*myenv.py:env' returned int 12 \(on the row .*\): return the observation text"),
+    ("def other(row, turns):\n    return None\n", r"has no function 'env'"),
+    ("import nosuchmodule\n", r"importing .* failed: ModuleNotFoundError")])
+def test_env_errors_are_one_line(body, message, tmp_path, monkeypatch, capsys):
+    spec = write_env(tmp_path, body)  # the bundled model's turns end with an EOS: env called
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--env", spec,
+                 "--max_steps", "2", "--output_dir", str(tmp_path / "run"), guard=True)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and re.search(message, err), err
+    assert not (tmp_path / "run").exists()  # failed before step 1: no folder left
+
+
+def test_env_too_slow_or_failing_mid_run_loses_nothing(tmp_path, monkeypatch, capsys):
+    """An env that fails at step 3 stops the run with one line; the steps before are logged and
+    the checkpoint of step 2 is there. A slow env is refused the same way."""
+    spec = write_env(tmp_path, "N = [0]\ndef env(row, turns):\n    N[0] += 1\n"
+                               "    if N[0] > 60:\n        raise KeyError('late')\n"
+                               "    return ' 1 '\n")
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--env", spec, "--max_new_tokens", "12", "--max_steps", "50", "--save_every", "1",
+                 "--output_dir", str(out), guard=True)
+    assert "raised KeyError: 'late'" in capsys.readouterr().err
+    steps = [m["step"] for m in read_metrics(out)]
+    assert steps and (out / "checkpoint").is_dir()
+    monkeypatch.setattr(E, "ENV_TIMEOUT_S", -1.0)
+    env = E.load_env("calc")
+    with pytest.raises(C.UserError, match=r"--env 'calc' took 0 s \(on the row with prompt "
+                                          r"'1\+2=', turn 1\); the limit is -1 s a call"):
+        env({"prompt": "1+2="}, ["<calc>1+2</calc>"])
+
+
+def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
+    for flags, message in ((["--max_turns", "0"], "--max_turns must be >= 1"),
+                           (["--eval_sampled"], "--eval_sampled scores mean@k"),
+                           (["--env", "nocolon"], "write calc, path/to/file.py:function")):
+        with pytest.raises(C.UserError, match=message):
+            run_main(monkeypatch, grpo, *FAST_GRPO, "--model", neox_dir, *flags,
+                     "--output_dir", str(tmp_path / "x"))
+
+
+def test_env_calc_brings_its_defaults_and_given_flags_win(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--env", "calc", "--max_new_tokens", "40"])
+    args = runs.parse_args(grpo.Args, "grpo")
+    assert args.model == E.CALC_MODEL and args.stop == ["</calc>"] and args.eval_sampled
+    assert args.max_new_tokens == 40 and args.eval_samples == 4
+    monkeypatch.setattr(sys, "argv", ["ppo.py", "--env", "calc"])
+    args = runs.parse_args(ppo.Args, "ppo")
+    assert args.rewards == "math" and args.critic_init == "policy"
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    assert runs.parse_args(grpo.Args, "grpo") == grpo.Args()  # without --env: as it was
+
+
+def test_micro_batching_does_not_change_the_gradient_with_observations(tok):
+    model = tiny_model("llama", seed=3)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    torch.manual_seed(1)
+    prompts = C.encode_prompts(tok, PROMPTS + PROMPTS[:3])
+    roll = C.rollout(model, tok, prompts, always_env(" 5 "), [{"prompt": p} for p in
+                                                              PROMPTS + PROMPTS[:3]], 3, 20)
+    mask, T = roll.completion_mask, roll.completion_mask.shape[1]
+    assert (roll.tool_calls > 0).sum() >= 3 and len(set(mask.sum(-1).tolist())) > 1
+    adv = torch.randn(len(mask))
+    old = C.batched_logprobs(model, roll, 1.0, 8, OFF) + 0.05 * torch.randn(mask.shape)
+
+    def grads(mb, mode):
+        model.zero_grad()
+        for s in C.micro_batches(mask, mb):
+            lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
+            loss = grpo.per_token_loss(lp, old[s], adv[s], 0.2, 0.2)[0]
+            grpo.aggregate(loss, mask[s], mode, mask.sum(), len(mask), 20).backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+    for mode in ("token-mean", "seq-mean-token-mean"):
+        full = grads(8, mode)
+        assert full.abs().max() > 0
+        torch.testing.assert_close(grads(3, mode), full, atol=1e-6, rtol=1e-4)
+        torch.testing.assert_close(grads(1, mode), full, atol=1e-6, rtol=1e-4)
+    # an observation token's log-prob carries no gradient into the loss: changing its advantage
+    # weight there changes nothing (the mask is 0)
+    lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
+    g = torch.autograd.grad((lp * mask).sum(), lp)[0]
+    assert (g[mask == 0] == 0).all()
+
+
+def slow_gae(rewards, values, mask, gamma, lam):
+    """GAE over each row's model tokens only, written out: compact them, run the textbook
+    recursion, put the results back."""
+    adv = torch.zeros_like(rewards)
+    for i in range(len(rewards)):
+        idx = mask[i].nonzero().squeeze(-1).tolist()
+        a_next, v_next = 0.0, 0.0
+        for t in reversed(idx):
+            delta = float(rewards[i, t]) + gamma * v_next - float(values[i, t])
+            a_next = delta + gamma * lam * a_next
+            adv[i, t], v_next = a_next, float(values[i, t])
+    return adv, (adv + values) * mask
+
+
+def test_ppo_score_and_gae_skip_observation_tokens():
+    torch.manual_seed(0)
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1],
+                         [0, 0, 0, 0, 0, 0, 0]]).float()
+    lp, ref = torch.randn(4, 7), torch.randn(4, 7)
+    scores = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    rewards, kl = ppo.shaped_rewards(scores, lp, ref, mask, 0.1)
+    assert (rewards[mask == 0] == 0).all() and (kl[mask == 0] == 0).all()
+    for i, last in enumerate([5, 3, 6]):  # the score lands on each row's last model token
+        expect = -0.1 * kl[i] * mask[i]
+        expect[last] += scores[i]
+        torch.testing.assert_close(rewards[i], expect)
+    values = torch.randn(4, 7)
+    for gamma, lam in ((1.0, 0.95), (0.9, 0.7)):
+        adv, ret = ppo.gae(rewards, values, mask, gamma, lam)
+        want_adv, want_ret = slow_gae(rewards, values * mask, mask, gamma, lam)
+        torch.testing.assert_close(adv, want_adv)
+        torch.testing.assert_close(ret * mask, want_ret)
+
+
+def test_cat_rollouts_keeps_multi_turn_fields(tok):
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    torch.manual_seed(0)
+    rows = [{"prompt": p} for p in PROMPTS]
+    a = C.rollout(model, tok, C.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
+    b = C.rollout(model, tok, C.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
+    both = grpo.cat_rollouts([(a, torch.tensor([0, 2])), (b, torch.tensor([1]))])
+    assert both.final == [a.final[0], a.final[2], b.final[1]]
+    assert both.tool_calls.tolist() == [a.tool_calls[0], a.tool_calls[2], b.tool_calls[1]]
+    for key in ("completion_mask", "sample_logprobs"):
+        x = getattr(both, key)
+        assert x[2, :getattr(b, key).shape[1]].tolist() == getattr(b, key)[1].tolist()
+        assert x[2, getattr(b, key).shape[1]:].abs().sum() == 0
+    lp = C.batched_logprobs(model, both, 1.0, 8, OFF)
+    torch.testing.assert_close(lp, both.sample_logprobs, atol=2e-5, rtol=0)
+
+
+def chat_tokenizer():
+    """A tokenizer with a Qwen-style chat template (role tags, a tool role), built here."""
+    t = C.load_tokenizer(C.DEFAULT_POLICY)
+    t.chat_template = (
+        "{% for m in messages %}"
+        "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
+        "</tool_response><|im_end|>\n"
+        "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return t
+
+
+def test_chat_tool_observation_is_the_templates_difference(monkeypatch):
+    """envs.chat_observation: the chat template rendered with and without the tool message, the
+    difference. Appended after the model's turn, the transcript is the template's rendering of
+    the whole conversation, token for token, the model's own ids untouched."""
+    t = chat_tokenizer()
+    messages = [{"role": "user", "content": "1234+5678="}]
+    call = '<tool_call>{"a": 1234, "b": 5678}</tool_call>'
+    obs = E.chat_observation(t, messages, call, "6912")
+    assert obs == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912\n</tool_response>"
+                   "<|im_end|>\n<|im_start|>assistant\n")
+    enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = C.encode_prompts(t, [messages])[0]
+    script = {tuple(prompt): [enc(call), enc("6912")]}
+    monkeypatch.setattr(C, "sample", scripted_sample(script, t))
+
+    def env(row, turns):
+        return E.chat_observation(t, row["prompt"], turns[-1], "6912") if len(turns) == 1 \
+            else None
+    roll = C.rollout(tiny_model("llama"), t, [prompt], env, [{"prompt": messages}], 3, 200)
+    n = int(roll.attention_mask[0].sum())
+    whole = messages + [{"role": "assistant", "content": call},
+                        {"role": "tool", "content": "6912"}]
+    rendered = t.apply_chat_template(whole, tokenize=False, add_generation_prompt=True) + "6912"
+    assert roll.ids[0, -n:].tolist() == t(rendered, add_special_tokens=False)["input_ids"]
+    assert roll.final == ["6912"]
+
+
+def test_env_calc_runs_every_script_with_its_metrics(tmp_path, monkeypatch):
+    """grpo, reinforce and ppo with --env calc (the bundled model and task): tool metrics logged,
+    samples show transcripts with observations marked, eval is mean@k with greedy beside it."""
+    for script, flags in ((grpo, FAST_GRPO), (R, ["--prompts_per_step", "2",
+                                                  "--samples_per_prompt", "4"]),
+                          (ppo, ["--batch_size", "8", "--micro_batch_size", "8",
+                                 "--num_minibatches", "1"])):
+        out = tmp_path / script.__name__
+        run_main(monkeypatch, script, "--env", "calc", *flags, "--max_steps", "2",
+                 "--eval_size", "8", "--eval_every", "0", "--output_dir", str(out))
+        m = read_metrics(out)
+        assert {"tool_calls", "frac_tool", "turns", "tool_errors"} <= set(m[0])
+        assert all(0 <= x["frac_tool"] <= x["tool_calls"] <= 2 for x in m)
+        s = json.loads((out / "summary.json").read_text())
+        assert s["args"]["model"] == E.CALC_MODEL and {"eval_greedy", "eval_pass@4"} <= set(
+            s["evals"]["before"])
+        shown = [x["completion"] for line in (out / "samples.jsonl").read_text().splitlines()
+                 for x in json.loads(line)["samples"]]
+        assert shown and all(c.count("⟦") == c.count("</calc>⟦") for c in shown), shown
+        assert any(x["frac_tool"] > 0 for x in m)
+
+
+def test_torchrun_and_resume_with_env(tmp_path, monkeypatch):
+    """--env calc under torchrun (2 gloo processes) makes the one-process update; --resume
+    continues an --env run as a straight run goes."""
+    flags = ["--env", "calc", "--prompts_per_step", "4", "--group_size", "4",
+             "--micro_batch_size", "8", "--eval_size", "8", "--max_steps", "1"]
+    out = {}
+    for name, n in (("one", 1), ("two", 2)):
+        out[name] = tmp_path / name
+        r = run_processes(tmp_path, n, "grpo", *flags, "--output_dir", str(out[name]))
+        assert r.returncode == 0, r.stderr[-3000:]
+    a, b = read_metrics(out["one"])[0], read_metrics(out["two"])[0]
+    for key in ("reward", "tool_calls", "frac_tool", "grad_norm"):
+        assert b[key] == pytest.approx(a[key], rel=1e-5), key
+    common = ["--env", "calc", *FAST_GRPO, "--save_every", "2"]
+    run_main(monkeypatch, grpo, *common, "--output_dir", str(tmp_path / "a"), "--max_steps", "4")
+    run_main(monkeypatch, grpo, *common, "--output_dir", str(tmp_path / "b"), "--max_steps", "2")
+    run_main(monkeypatch, grpo, "--resume", str(tmp_path / "b"), "--max_steps", "4")
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    for key in ("reward", "loss", "grad_norm", "tool_calls"):
+        assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5), key
 
 
 # ---- the RLHF pipeline: sft.py, reward_model.py, dpo.py
