@@ -22,6 +22,8 @@ import random
 import re
 import time
 
+import torch
+
 import common as C
 
 CALC_MODEL = os.path.join(C.ROOT, "models", "tiny-calc")  # built by tools/build_models.py
@@ -217,3 +219,50 @@ def chat_observation(tok, messages, turn, result, role="tool"):
         raise C.UserError("the chat template does not render the conversation as a prefix of "
                           "itself plus a tool message: build the observation by hand")
     return whole[len(head):]
+
+
+# -------------------------------------------------------------- the calculator's tool-use report
+CALC_REPORT_SHAPES = ((2, 2), (3, 3), (4, 4))
+
+
+def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
+    """Per sum shape (2+2, 3+3, 4+4 digits), sampled at T = 1 (k per prompt) and greedy: how often
+    the model calls the tool, how often it is right when it calls and when it does not, and
+    overall. Held-out pairs for 3-4 digits; 2-digit ones from the bundled task's held-out split."""
+    out, rng = {}, random.Random(seed)
+    for shape in CALC_REPORT_SHAPES:
+        pairs = C.task_eval_pairs()[:n] if shape == (2, 2) else [
+            p for p in calc_eval_pairs() if (len(str(p[0])), len(str(p[1]))) == shape][:n]
+        pairs = [(a, b) for a, b in pairs if min(a, b) >= 10] if shape == (2, 2) else pairs
+        rows = [C.addition_row(a, b) for a, b in pairs for _ in range(k)]
+        for mode in ("T=1", "greedy"):
+            torch.manual_seed(rng.randrange(2**31))
+            roll = C.rollout(model, tok, C.encode_prompts(tok, [r["prompt"] for r in rows],
+                                                          "none"), calc, rows, max_turns,
+                             max_new_tokens, greedy=mode == "greedy", stop=["</calc>"])
+            right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
+            called = roll.tool_calls > 0
+            out[f"{shape[0]}+{shape[1]} {mode}"] = {
+                "calls": float(called.float().mean()),
+                "right when calling": float(right[called].mean()) if called.any() else None,
+                "right when not": float(right[~called].mean()) if (~called).any() else None,
+                "overall": float(right.mean())}
+    return out
+
+
+def main():
+    """python envs.py MODEL [K]: the calculator report (calc_report) of a model or checkpoint."""
+    import sys
+    model = C.load_model(sys.argv[1], "lm", torch.device("cpu"), frozen=True)
+    tok = C.load_tokenizer(sys.argv[1])
+    torch.set_num_threads(1)
+    rep = calc_report(model, tok, k=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    cols = ["calls", "right when calling", "right when not", "overall"]
+    print(f"{'':12}" + "".join(f"{c:>20}" for c in cols))
+    for name, r in rep.items():
+        print(f"{name:12}" + "".join(f"{'-' if r[c] is None else f'{r[c]:.3f}':>20}"
+                                     for c in cols))
+
+
+if __name__ == "__main__":
+    main()

@@ -143,7 +143,7 @@ def shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator="
     kl = C.kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask
     rewards = -kl_coef * kl
     T = mask.shape[1]
-    last = T - 1 - mask.flip(1).argmax(1)  # the last position where mask = 1
+    last = T - 1 - mask.flip(1).argmax(1)  # the last mask-1 position (single turn: lengths - 1)
     rows = torch.arange(len(rewards), device=rewards.device)
     rewards[rows, last] += scores * (mask.sum(1) > 0)
     return rewards, kl

@@ -15,11 +15,17 @@ as a user would.
      (answers like 55+43=107 scored above the truth), so negatives must cover what a drifting
      policy writes.                                                      -> models/tiny-adder-rm
 
+  4. sft.py from tiny-adder on calculator demonstrations (envs.calc_demo): 30% call the tool,
+     '<calc>1234+5678</calc> 6912 6912' (the call, the observation, the answer), the rest answer
+     in the head (right for 2-digit sums, carries forgotten 80% of the time for 3-4 digits);
+     1,500 steps at lr 1e-3, then 600 at 5e-4. For `--env calc`.          -> models/tiny-calc
+
 The correct and wrong answers stand in for human demonstrators and annotators. Neither model ever
 sees the held-out eval pairs (common.task_eval_pairs). Each stage's run folder (metrics.jsonl,
 summary.json) and data stay in runs/build-models/.
 Run: python tools/build_models.py [DEST]   (DEST: another folder than models/, for a try;
-     CLEAN_STEPS, SLOPPY_STEPS and RM_STEPS shorten the stages)
+     CLEAN_STEPS, SLOPPY_STEPS, RM_STEPS, CALC_STEPS and CALC_STEPS2 shorten the stages)
+     python tools/build_models.py [DEST] --only calc   (stage 4 alone, from DEST/tiny-adder)
 Measured 2026-12-01 (2-core CPU shared with other jobs): 11-12 minutes; held-out greedy accuracy
 0 -> 1.000 after stage 1, 0.292 after stage 2; reward model held-out pair agreement 0.892 on
 correct vs dropped-carry / one-digit-off answers. A second build wrote bit-identical files.
@@ -161,6 +167,8 @@ def build_calc(dest, tok):
                         save_every=0, chat_template="none")
         start = f"{build}/sft{i}/checkpoint"
     ship(f"{build}/sft1", f"{dest}/tiny-calc", tok)
+    subprocess.run([sys.executable, os.path.join(common.ROOT, "envs.py"), f"{dest}/tiny-calc"],
+                   check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # the tool-use report
 
 
 def main():

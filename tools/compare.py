@@ -3,6 +3,8 @@ sample budget (completions seen) and N seeds each.
 
     python tools/compare.py                 # 2 seeds x 5,120 completions (80 steps of 64)
     python tools/compare.py --quick         # 1 seed x 2,048 completions (32 steps)
+    python tools/compare.py --task calc     # the calculator tool task (--env calc; its score is
+                                            # mean@4 sampled, see docs/tool_use.md)
     python tools/compare.py --out DIR       # again into DIR: finished runs are read, not rerun
 
 Each run is the script itself (reinforce.py, ppo.py or grpo.py: its defaults, plus the flags in
@@ -41,13 +43,14 @@ def run_all(a):
     """Run every (seed, algo) not finished yet, one at a time. Returns {name: [run folders]}."""
     steps = max(1, a.samples // PER_STEP)
     done, todo = {}, [(s, n) for s in range(a.seeds) for n in a.algos]
+    env = "calc" if a.task == "calc" else ""  # --env calc: its model, data, rewards and eval
     for i, (seed, name) in enumerate(todo, 1):
         folder = os.path.join(a.out, f"{name}-s{seed}")
         done.setdefault(name, [])
         summary = P.read_summary(folder)
-        same = {"max_steps": steps, "eval_size": a.eval_size, "seed": seed}
+        same = {"max_steps": steps, "eval_size": a.eval_size, "seed": seed, "env": env}
         if summary and not summary.get("interrupted"):
-            if any(summary["args"].get(k) != v for k, v in same.items()):
+            if any(summary["args"].get(k, "") != v for k, v in same.items()):
                 raise SystemExit(f"error: {folder} holds a run with other settings (steps or "
                                  "eval size): choose another --out")
             print(f"[{i}/{len(todo)}] {name} seed {seed}: finished before, read from {folder}")
@@ -58,6 +61,10 @@ def run_all(a):
                   "remove it to run it again")
             continue
         script, flags = ALGOS[name]
+        if env:  # the calc preset sets ppo's score (math) and critic (from the policy)
+            flags = " ".join(f for f in flags.split() if f not in ("--rewards", "math",
+                                                                    "--critic_init", "policy"))
+            flags += " --env calc"
         cmd = [sys.executable, os.path.join(ROOT, script), *flags.split(), "--seed", str(seed),
                "--max_steps", str(steps), "--eval_size", str(a.eval_size),
                "--eval_every", str(max(1, steps // a.eval_points)), "--save_every", "0",
@@ -94,19 +101,26 @@ def final_kl(folder, k):
     from transformers.utils import logging
     sys.path.insert(0, ROOT)
     import common as C
+    import envs as E
     logging.disable_progress_bar()
     args, device = P.run_args(folder), torch.device("cpu")
+    env = E.load_env(args.get("env", ""))  # the calc task: multi-turn rollouts, its own rows
     torch.manual_seed(0)
     policy = C.load_model(os.path.join(folder, "checkpoint"), "lm", device, frozen=True)
     ref = C.load_model(args["model"], "lm", device, frozen=True)
     tok = C.load_tokenizer(args["model"])
-    rows = C.load_data("", args["eval_size"]).eval_rows
-    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(k)],
-                                  args["chat_template"])
+    rows = (E.calc_data(args["eval_size"]) if env else C.load_data("", args["eval_size"])).eval_rows
+    rows = [r for r in rows for _ in range(k)]
+    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args["chat_template"])
     total = 0.0
     for i in range(0, len(prompt_ids), 256):
-        roll = C.sample(policy, tok, prompt_ids[i:i + 256], args["max_new_tokens"],
-                        args["temperature"], args["top_p"], stop=args["stop"])
+        if env:  # KL at the model's tokens only: completion_mask is 0 on observations
+            roll = C.rollout(policy, tok, prompt_ids[i:i + 256], env, rows[i:i + 256],
+                             args["max_turns"], args["max_new_tokens"], args["temperature"],
+                             args["top_p"], stop=args["stop"])
+        else:
+            roll = C.sample(policy, tok, prompt_ids[i:i + 256], args["max_new_tokens"],
+                            args["temperature"], args["top_p"], stop=args["stop"])
         pos = C.positions(roll.attention_mask)
         logp = [(m(input_ids=roll.ids, attention_mask=roll.attention_mask, position_ids=pos)
                  .logits[:, roll.P - 1:-1].float() / args["temperature"]).log_softmax(-1)
@@ -143,7 +157,7 @@ def table(done, kl_samples):
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in out)
 
 
-def figure(done, path):
+def figure(done, path, score="held-out greedy accuracy"):
     """compare.png: held-out score vs completions seen and vs seconds of training, the KL each
     script logs, and the two noise proxies."""
     def lines(metric, x):  # one line per run; one colour and one legend entry per algorithm
@@ -156,8 +170,8 @@ def figure(done, path):
         return out
 
     samples = P.XLABELS["samples"]
-    panels = [("held-out greedy accuracy", samples, lines("eval", "samples")),
-              ("held-out greedy accuracy", P.XLABELS["time"], lines("eval", "time")),
+    panels = [(score, samples, lines("eval", "samples")),
+              (score, P.XLABELS["time"], lines("eval", "time")),
               ("KL per token, as logged (grpo: k3; ppo: k1)", samples, lines("kl", "samples")),
               ("grad_norm (before clipping; ppo: mean of its updates)", samples,
                lines("grad_norm", "samples")),
@@ -171,6 +185,8 @@ def main(argv=None):
                                 epilog=__doc__[__doc__.find("Each run"):],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="1 seed, 2,048 completions, 200 prompts")
+    p.add_argument("--task", choices=["add", "calc"], default="add",
+                   help="add: the bundled addition task; calc: the calculator tool task")
     p.add_argument("--seeds", type=int, help="seeds 0..N-1 (default 2; --quick 1)")
     p.add_argument("--samples", type=int, help="completions per run (default 5120; --quick 2048)")
     p.add_argument("--eval_size", type=int, help="held-out prompts (default 500; --quick 200)")
@@ -185,24 +201,26 @@ def main(argv=None):
     a.seeds = a.seeds or (1 if a.quick else 2)
     a.samples = a.samples or (2048 if a.quick else 5120)
     a.eval_size = a.eval_size or (200 if a.quick else 500)
-    a.algos = [n for n in a.algos.split(",") if n]
+    a.algos = [n for n in a.algos.split(",") if n and not (a.task == "calc" and n == "ppo-math")]
     if not set(a.algos) <= set(ALGOS):
         p.error(f"--algos: unknown {sorted(set(a.algos) - set(ALGOS))}; known: {list(ALGOS)}")
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the runs' torch threads, and final_kl's
-    a.out = a.out or os.path.join(ROOT, "runs", f"compare-{time.strftime('%Y%m%d-%H%M%S')}")
+    task = "-calc" if a.task == "calc" else ""  # (calc: ppo already scores math, see run_all)
+    a.out = a.out or os.path.join(ROOT, "runs", f"compare{task}-{time.strftime('%Y%m%d-%H%M%S')}")
     os.makedirs(a.out, exist_ok=True)
     steps = max(1, a.samples // PER_STEP)
     print(f"runs go to {a.out}/: {len(a.algos)} algorithms x {a.seeds} seeds, {steps} steps of "
           f"{PER_STEP} completions each, {a.eval_size} held-out prompts, {a.threads} torch "
           "thread(s) per run")
     done = run_all(a)
-    print(f"\nheld-out greedy accuracy on {a.eval_size} prompts; means over {a.seeds} seed(s); "
+    score = "held-out mean@4 sampled accuracy" if task else "held-out greedy accuracy"
+    print(f"\n{score} on {a.eval_size} prompts; means over {a.seeds} seed(s); "
           f"{steps * PER_STEP} completions per run")
     print(table(done, a.kl_samples))
     print("wall s: summary.json's wall_time_s (loading, evals and training; not imports). models:"
           " held in memory, of which trained.\nKL/compl.: KL(pi || pi_ref) in nats per "
           f"completion, measured here ({a.kl_samples} samples per prompt, exact per token).")
-    plot = figure({k: v for k, v in done.items() if v}, os.path.join(a.out, "compare.png"))
+    plot = figure({k: v for k, v in done.items() if v}, os.path.join(a.out, "compare.png"), score)
     print(f"\nwrote {plot}" if plot.endswith(".png") else f"\n{plot} (no compare.png)")
     print("where each curve's data lives (metrics.jsonl: eval, kl, grad_norm, sample_grad_rms, "
           "step_time; summary.json: eval before/after):")
