@@ -18,13 +18,13 @@ as a user would.
   4. sft.py from tiny-adder on calculator demonstrations (envs.calc_demo): 30% call the tool,
      '<calc>1234+5678</calc> 6912 6912' (the call, the observation, the answer), the rest answer
      in the head (right for 2-digit sums, carries forgotten 80% of the time for 3-4 digits);
-     1,500 steps at lr 1e-3, then 600 at 5e-4. For `--env calc`.          -> models/tiny-calc
+     1,500 steps at lr 1e-3. For `--env calc` (docs/tool_use.md).         -> models/tiny-calc
 
 The correct and wrong answers stand in for human demonstrators and annotators. Neither model ever
 sees the held-out eval pairs (common.task_eval_pairs). Each stage's run folder (metrics.jsonl,
 summary.json) and data stay in runs/build-models/.
 Run: python tools/build_models.py [DEST]   (DEST: another folder than models/, for a try;
-     CLEAN_STEPS, SLOPPY_STEPS, RM_STEPS, CALC_STEPS and CALC_STEPS2 shorten the stages)
+     CLEAN_STEPS, SLOPPY_STEPS, RM_STEPS and CALC_STEPS shorten the stages)
      python tools/build_models.py [DEST] --only calc   (stage 4 alone, from DEST/tiny-adder)
 Measured 2026-12-01 (2-core CPU shared with other jobs): 11-12 minutes; held-out greedy accuracy
 0 -> 1.000 after stage 1, 0.292 after stage 2; reward model held-out pair agreement 0.892 on
@@ -149,24 +149,20 @@ def ship(run_dir, dest, tok):
 def build_calc(dest, tok):
     """4. The tool user: sft.py from tiny-adder on calculator demonstrations (envs.calc_demo: 30%
     call the tool, the rest answer in the head, 3-4 digit sums with carries mostly forgotten),
-    1,500 steps at lr 1e-3, then 600 at 5e-4 (copies the observation better).  -> tiny-calc"""
-    steps = [int(os.environ.get("CALC_STEPS", 1500)), int(os.environ.get("CALC_STEPS2", 600))]
+    1,500 steps at lr 1e-3.                                                    -> tiny-calc"""
+    steps = int(os.environ.get("CALC_STEPS", 1500))
     build = os.path.join(BUILD, "calc")
     shutil.rmtree(build, ignore_errors=True)
     os.makedirs(build)
     rng = random.Random(28)  # its own stream: the other models' data stay as they were
-    for i, n in enumerate(steps):
-        write_jsonl(f"{build}/demos{i}.jsonl", [
-            {"prompt": f"{a}+{b}=", "completion": envs.calc_demo(a, b, rng, column_sum)}
-            for a, b in envs.calc_demo_pairs(rng, n * BATCH)])
-    start = f"{dest}/tiny-adder"
-    for i, (n, lr) in enumerate(zip(steps, (1e-3, 5e-4))):
-        pipeline_script("sft.py", model=start, data=f"{build}/demos{i}.jsonl",
-                        output_dir=f"{build}/sft{i}", lr=lr, warmup_steps=n // 20, max_steps=n,
-                        batch_size=BATCH, micro_batch_size=BATCH, eval_every=0, eval_size=200,
-                        save_every=0, chat_template="none")
-        start = f"{build}/sft{i}/checkpoint"
-    ship(f"{build}/sft1", f"{dest}/tiny-calc", tok)
+    write_jsonl(f"{build}/demos.jsonl", [
+        {"prompt": f"{a}+{b}=", "completion": envs.calc_demo(a, b, rng, column_sum)}
+        for a, b in envs.calc_demo_pairs(rng, steps * BATCH)])
+    pipeline_script("sft.py", model=f"{dest}/tiny-adder", data=f"{build}/demos.jsonl",
+                    output_dir=f"{build}/sft", lr=1e-3, warmup_steps=steps // 20,
+                    max_steps=steps, batch_size=BATCH, micro_batch_size=BATCH, eval_every=0,
+                    eval_size=200, save_every=0, chat_template="none")
+    ship(f"{build}/sft", f"{dest}/tiny-calc", tok)
     subprocess.run([sys.executable, os.path.join(common.ROOT, "envs.py"), f"{dest}/tiny-calc"],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # the tool-use report
 
