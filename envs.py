@@ -32,9 +32,10 @@ CALC_EVAL_SEED = 2828
 CALC_EVAL_SIZE = 500
 # --env calc changes these defaults (explicit flags still win): the model, a budget that fits one
 # call (a 4-digit call, its observation and the answer are 35 tokens), the call's closing tag ends
-# a turn, and the held-out score is sampled, see docs/tool_use.md
+# a turn, the held-out score is sampled (docs/tool_use.md), and a short run (GRPO's held-out
+# score is flat after about 40 steps)
 CALC_DEFAULTS = {"model": CALC_MODEL, "max_new_tokens": 48, "stop": ["</calc>"],
-                 "eval_samples": 4, "eval_sampled": True}
+                 "eval_samples": 4, "eval_sampled": True, "max_steps": 60, "eval_every": 20}
 CALC_PPO = {"rewards": "math", "critic_init": "policy"}  # ppo.py's default score is an RM's
 
 
@@ -227,8 +228,9 @@ CALC_REPORT_SHAPES = ((2, 2), (3, 3), (4, 4))
 
 def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
     """Per sum shape (2+2, 3+3, 4+4 digits), sampled at T = 1 (k per prompt) and greedy: how often
-    the model calls the tool, how often it is right when it calls and when it does not, and
-    overall. Held-out pairs for 3-4 digits; 2-digit ones from the bundled task's held-out split."""
+    the model calls the tool, how often it is right when it calls and when it does not, overall,
+    and how often a call's observation is the last thing in the transcript (nothing after it).
+    Held-out pairs for 3-4 digits; 2-digit ones from the bundled task's held-out split."""
     out, rng = {}, random.Random(seed)
     for shape in CALC_REPORT_SHAPES:
         pairs = C.task_eval_pairs()[:n] if shape == (2, 2) else [
@@ -246,7 +248,10 @@ def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
                 "calls": float(called.float().mean()),
                 "right when calling": float(right[called].mean()) if called.any() else None,
                 "right when not": float(right[~called].mean()) if (~called).any() else None,
-                "overall": float(right.mean())}
+                "overall": float(right.mean()),
+                "says nothing after": float(torch.tensor([  # the observation, of those calling
+                    f.strip() == "" for f, c in zip(roll.final, called) if c]).float().mean())
+                if called.any() else None}
     return out
 
 
@@ -257,10 +262,10 @@ def main():
     tok = C.load_tokenizer(sys.argv[1])
     torch.set_num_threads(1)
     rep = calc_report(model, tok, k=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
-    cols = ["calls", "right when calling", "right when not", "overall"]
-    print(f"{'':12}" + "".join(f"{c:>20}" for c in cols))
+    cols = ["calls", "right when calling", "right when not", "overall", "says nothing after"]
+    print(f"{'':12}" + "".join(f"{c:>19}" for c in cols))
     for name, r in rep.items():
-        print(f"{name:12}" + "".join(f"{'-' if r[c] is None else f'{r[c]:.3f}':>20}"
+        print(f"{name:12}" + "".join(f"{'-' if r[c] is None else f'{r[c]:.3f}':>19}"
                                      for c in cols))
 
 

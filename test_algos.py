@@ -1772,6 +1772,24 @@ def test_torchrun_and_resume_with_env(tmp_path, monkeypatch):
         assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5), key
 
 
+def test_compare_task_calc_runs_the_scripts_with_env_calc(tmp_path):
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, os.path.join(ROOT, "tools", "compare.py"), "--task", "calc",
+           "--quick", "--samples", "64", "--eval_size", "8", "--eval_points", "1", "--algos",
+           "rloo,ppo,ppo-math,grpo", "--kl_samples", "1", "--out", str(out)]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "held-out mean@4 sampled accuracy on 8 prompts" in r.stdout
+    table = r.stdout[r.stdout.index("algorithm"):]
+    assert not any(line.startswith("ppo-math") for line in table.splitlines())  # = ppo here
+    for name, models in (("rloo", "1 (1)"), ("ppo", "3 (2)"), ("grpo", "2 (1)")):
+        row = next(line for line in table.splitlines() if line.startswith(name + " "))
+        assert models in row and "failed" not in row, row
+        args = json.loads((out / f"{name}-s0" / "summary.json").read_text())["args"]
+        assert args["env"] == "calc" and args["model"] == E.CALC_MODEL
+
+
 def test_calc_task_learns(tmp_path):
     """grpo.py --env calc, short: the held-out score (mean@4 sampled) and the calling rate rise
     clearly (measured: MEASURED_LEARN)."""
@@ -2268,7 +2286,7 @@ def exercises():
 
 def test_exercises_quote_lines_that_still_exist():
     found = exercises()
-    assert 8 <= len(found) <= 12
+    assert 8 <= len(found) <= 14
     for title, script, line, commands in found:
         assert script in ("grpo.py", "reinforce.py", "ppo.py"), title
         assert line, f"{title}: no quoted line to change"
