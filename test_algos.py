@@ -1792,13 +1792,13 @@ def test_compare_task_calc_runs_the_scripts_with_env_calc(tmp_path):
 
 def test_calc_task_learns(tmp_path):
     """grpo.py --env calc, short: the held-out score (mean@4 sampled) and the calling rate rise
-    clearly (measured: MEASURED_LEARN)."""
+    clearly (measured, seed 0, 100 prompts: MEASURED_LEARN)."""
     out = tmp_path / "out"
-    r = run_script("grpo.py", "--env", "calc", "--max_steps", "LEARN_STEPS", "--eval_every", "0",
+    r = run_script("grpo.py", "--env", "calc", "--max_steps", "15", "--eval_every", "0",
                    "--eval_size", "100", "--save_every", "0", "--output_dir", str(out))
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["eval_after"] >= summary["eval_before"] + LEARN_MARGIN, summary
+    assert summary["eval_after"] >= summary["eval_before"] + 0.3, summary
     metrics = read_metrics(out)
     first = sum(m["frac_tool"] for m in metrics[:5]) / 5
     last = sum(m["frac_tool"] for m in metrics[-5:]) / 5
