@@ -76,6 +76,7 @@ class Args:
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
     # --- run
     seed: int = 0  # seeds the batch order: same seed, same run
     eval_every: int = 50  # steps between held-out evals (0: only before and after)
@@ -176,6 +177,7 @@ def main():
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     # the policy (fp32 weights, dropout off) and pi_ref, the starting model, frozen
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
                                                  compile=args.compile,
                                                  trust_remote_code=args.trust_remote_code)
@@ -226,7 +228,8 @@ def main():
             sums["loss"] += loss.item()
             for key, x in (("rewards/chosen", r_chosen), ("rewards/rejected", r_rejected),
                            ("rewards/margin", r_chosen - r_rejected),
-                           ("rewards/accuracy", (r_chosen > r_rejected).float()),
+                           ("rewards/accuracy",  # a tie counts 0.5, as in implicit_accuracy
+                            (r_chosen > r_rejected) + 0.5 * (r_chosen == r_rejected)),
                            ("logps/chosen", logp[ci].detach()),
                            ("logps/rejected", logp[ri].detach())):
                 sums[key] += float(x.sum()) / n_pairs  # means over the step's pairs

@@ -108,16 +108,17 @@ class Args:
 
 
 # --------------------------------------------------------------------------- the algorithm
-def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
     """A_i = r_i - mean of its group, divided by the group's std (GRPO), the batch's std, or
     nothing (Dr. GRPO). rewards (B,) with groups as contiguous rows -> (B,). A group whose rewards
-    are all equal gets A = 0: no signal (counted in frac_zero_std by zero_std_groups)."""
+    are all equal gets A = 0: no signal (counted in frac_zero_std by zero_std_groups).
+    std: the batch's std; under torchrun runs.global_std, over the whole step's rewards."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
-        adv = adv / (rewards.std() + eps)
+        adv = adv / (std(rewards) + eps)
     return adv.view(-1)
 
 
@@ -284,7 +285,8 @@ def main():
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,)
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards,
+                                      std=R.global_std).to(device)  # torchrun: the step's std
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
             mask = mask * (~roll.truncated)[:, None].float()
@@ -343,7 +345,7 @@ def main():
         parts = {k: torch.cat([p[k] for p in seen["parts"]]) for k in seen["parts"][0]}
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
-                   "reward_std": float(all_rewards.std()),
+                   "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
                    "frac_zero_std": float(torch.cat(seen["zero_std"]).float().mean()),
@@ -355,7 +357,9 @@ def main():
         G = args.group_size
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::G][:4], completions[::G][:4], rewards[::G][:4])]
-        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        # under torchrun: the mean over the processes, token means weighted by their tokens
+        token_means = ("kl", "ratio", "clip_frac", "entropy")
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

@@ -206,11 +206,16 @@ class ValueModel(torch.nn.Module):
         return critic_values(self.critic, ids, attention_mask, T)
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 a constant's worth."""
-    var_r = C.masked_mean((returns - C.masked_mean(returns, mask)) ** 2, mask)
+def explained_variance(values, returns, mask, total=None):
+    """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 a constant's worth.
+    total: sums over every torchrun process (runs.global_sum), for the global batch's variances."""
+    total = total or (lambda t: t)
+
+    def mean(x):  # over the valid tokens (of every process)
+        return total((x * mask).sum()) / total(mask.sum()).clamp(min=1)
+    var_r = mean((returns - mean(returns)) ** 2)
     diff = returns - values
-    var_diff = C.masked_mean((diff - C.masked_mean(diff, mask)) ** 2, mask)
+    var_diff = mean((diff - mean(diff)) ** 2)
     return float(1 - var_diff / var_r.clamp(min=1e-8))
 
 
@@ -223,7 +228,8 @@ def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256):
                     amp=amp, stop=args.stop)
     texts = C.decode_completions(tok, roll)
     scores = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)[0]
-    return float(scores.mean()), float(scores.std().clamp(min=1e-6))
+    mean = R.global_mean({"mu": float(scores.mean())})["mu"]  # torchrun: every process's samples
+    return mean, float(R.global_std(scores).clamp(min=1e-6))
 
 
 def load_critic(args, tok, device, norm=(0.0, 1.0)):
@@ -374,7 +380,6 @@ def main():
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
         norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp)
-        norm = tuple(R.global_mean({"mu": norm[0], "sigma": norm[1]}).values())  # torchrun
         if run.rank == 0:
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
@@ -448,11 +453,12 @@ def main():
         # 5. log, eval, checkpoint
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(raw_scores.mean()),
-                   "reward_std": float(raw_scores.std()),
+                   "reward_std": float(R.global_std(raw_scores)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
                    "kl": float(C.masked_mean(kl, mask)), "kl_seq": kl_seq, "kl_coef": used_kl_coef,
-                   **stats, "explained_var": explained_variance(old_values, returns, mask),
+                   **stats, "explained_var": explained_variance(old_values, returns, mask,
+                                                                 total=R.global_sum),
                    "returns": float(C.masked_mean(returns, mask)),
                    "values": float(C.masked_mean(old_values, mask)),
                    "completion_len": float(mask.sum(-1).mean()),
@@ -461,7 +467,9 @@ def main():
                    "tokens_per_s": float(mask.sum()) / elapsed}
         samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
                    for r, c, s in zip(rows[:4], completions[:4], scores[:4])]
-        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        # under torchrun: the mean over the processes, token means weighted by their tokens
+        token_means = ("kl", "returns", "values")
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

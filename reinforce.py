@@ -273,10 +273,13 @@ def main():
         # 2. returns and advantages, (B, T)
         returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
         per_token_kl = kl is not None and args.kl_in_reward == "token"
-        adv = advantages(returns, mask, args.baseline, k, ema, args.whiten,
+        b_ema = ema  # the ema baseline; at the first step, this step's mean return (under
+        if args.baseline == "ema":  # torchrun: over every process's rows, not this process's)
+            mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
+            b_ema = mean_return if ema is None else ema
+        adv = advantages(returns, mask, args.baseline, k, b_ema, args.whiten,
                          scores if per_token_kl else None, total=R.global_sum)
         if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
-            mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
             ema = mean_return if ema is None else \
                 args.ema_decay * ema + (1 - args.ema_decay) * mean_return
         # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser
@@ -319,22 +322,26 @@ def main():
         g = torch.cat(grad_norms)[:B] * n_seqs / run.world
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(scores.mean()),
-                   "reward_std": float(scores.std()),
+                   "reward_std": float(R.global_std(scores)),
                    **{f"reward/{key}": float(v.mean()) for key, v in parts.items()},
                    **C.gold(completions, rows),
                    "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean())
                    if k > 1 else 0.0,
                    "kl": float(C.masked_mean(kl, mask)) if kl is not None else 0.0,
                    **sums, "grad_norm": float(grad_norm),
-                   "adv_mean": float(adv[valid].mean()), "adv_std": float(adv[valid].std()),
-                   "sample_grad_rms": float(g.pow(2).mean().sqrt()),
+                   "adv_mean": float(adv[valid].mean()),
+                   "adv_std": float(R.global_std(adv[valid])),  # torchrun: over every process
+                   # sqrt of the mean of ||g_i||^2 over the step's rows (equal in every process)
+                   "sample_grad_rms": float((R.global_sum(g.pow(2).mean()) / run.world).sqrt()),
                    **({"baseline_ema": ema} if args.baseline == "ema" else {}),
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed, "tokens_per_s": float(mask.sum()) / elapsed}
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::k][:4], completions[::k][:4], scores[::k][:4])]
-        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        # under torchrun: the mean over the processes, token means weighted by their tokens
+        token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean")
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

@@ -61,6 +61,7 @@ class Args:
     lora_dropout: float = 0.0  # dropout on the adapters' input
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
     # --- run
     seed: int = 0  # seeds the batch order: same seed, same run
     eval_every: int = 100  # steps between held-out evals (0: only before and after)
@@ -144,6 +145,7 @@ def main():
     ckpt = f"{run.dir}/checkpoint" if args.resume else ""
     tok = C.load_tokenizer(ckpt or args.model, args.trust_remote_code)
     model = load_reward_model(args.model if args.lora_r else ckpt or args.model, tok, device, args)
+    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     if args.lora_r:  # LoRA saves the adapters and the head: tools/merge_lora.py makes a full RM
         model = C.add_lora(model, args, ckpt, task="SEQ_CLS")
     plain = Scorer(model)  # r (B,) from one forward: the module DDP or FSDP2 wraps
@@ -195,8 +197,9 @@ def main():
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         scores = torch.cat(scores)
-        metrics = R.global_mean({"score_mean": float(scores.mean()),  # torchrun: the means
-                                 "score_std": float(scores.std())})  # over processes
+        metrics = {"score_mean": float(scores.mean()),  # torchrun: over every process's scores
+                   "score_std": float(R.global_std(scores))}
+        metrics = R.global_mean(metrics, weights={"score_mean": len(scores)})
         metrics = {"step": step + 1, **{k: float(R.global_sum(v)) for k, v in sums.items()},
                    **metrics, "grad_norm": float(grad_norm), "pairs": int(n_pairs),
                    "epoch": step * args.batch_size / len(train),

@@ -539,15 +539,34 @@ def _collective_device():
         else torch.device("cpu")
 
 
-def global_mean(metrics, weight=1.0):
-    """Each number in a dict averaged over the processes, weighted (e.g. by rows held out)."""
+def global_mean(metrics, weight=1.0, weights=None):
+    """Each float in a dict averaged over the processes, weighted so that it is the mean one
+    process would take over all their rows: by `weight` (e.g. the rows each process scored), or
+    per key by weights[key] (a token mean by the tokens it averages: each process's kl over its
+    own tokens, weighted by them, is the kl over every token). Ints (the step) are counts every
+    process shares: kept as they are. One process: metrics itself."""
     if get_world_size() == 1:
         return metrics
-    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-    x = torch.tensor([weight] + [metrics[k] * weight for k in keys], dtype=torch.float64,
-                     device=_collective_device())
-    dist.all_reduce(x)
-    return {**metrics, **{k: float(v / x[0]) for k, v in zip(keys, x[1:])}}
+    weights = weights or {}
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, float))
+    w = torch.tensor([float(weights.get(k, weight)) for k in keys], dtype=torch.float64)
+    x = torch.tensor([metrics[k] for k in keys], dtype=torch.float64) * w
+    total = torch.cat([w, x]).to(_collective_device())
+    dist.all_reduce(total)
+    w, x = total.split(len(keys))
+    return {**metrics, **{k: float(s / n) if n else float(s) for k, s, n in zip(keys, x, w)}}
+
+
+def global_std(x):
+    """The unbiased std of x's entries over every process (as torch.std over all of them): the
+    global mean first, then the squared deviations from it. One process: x.std() itself."""
+    if get_world_size() == 1:
+        return x.std()
+    x64 = x.detach().double()
+    n, s = global_sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64),
+                                   x64.sum()]))
+    squares = global_sum(((x64 - s / n) ** 2).sum())
+    return (squares / (n - 1)).sqrt().to(x.dtype)
 
 
 def stop_requested():

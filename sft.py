@@ -72,6 +72,7 @@ class Args:
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile the model: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
     # --- run
     seed: int = 0  # seeds the batch order: same seed, same run
     eval_every: int = 20  # steps between held-out evals (0: only before and after)
@@ -161,6 +162,7 @@ def main():
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     # fp32 weights, dropout off; with --lora_r a frozen base and trained adapters
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     limit = getattr(model.config, "max_position_embeddings", 0)
     examples = read_demonstrations(args.data or DEMOS, tok, args.chat_template, limit)
     random.Random(0).shuffle(examples)  # a fixed split, the same for every run and seed
