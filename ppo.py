@@ -222,13 +222,13 @@ def explained_variance(values, returns, mask, total=None):
 def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256):
     """Mean and std of the score on n samples of the starting policy, for normalize_score. Its own
     data rng leaves the training stream as it is."""
-    rows = data.next_batch(random.Random(args.seed + 1), n)
+    rows = R.my_share(data.next_batch(random.Random(args.seed + 1), n))  # torchrun: a share
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                     amp=amp, stop=args.stop)
     texts = C.decode_completions(tok, roll)
     scores = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)[0]
-    mean = R.global_mean({"mu": float(scores.mean())})["mu"]  # torchrun: every process's samples
+    mean = R.global_mean({"mu": float(scores.mean())})["mu"]  # torchrun: over every share
     return mean, float(R.global_std(scores).clamp(min=1e-6))
 
 
