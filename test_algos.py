@@ -2591,6 +2591,33 @@ def test_report_to_tensorboard_writes_what_its_own_reader_reads_back(monkeypatch
         [s["prompt"] for s in json.loads((out / "samples.jsonl").read_text())["samples"]]
 
 
+def test_run_processes_tries_again_only_when_the_machine_fails_the_launch(monkeypatch, tmp_path):
+    """The torchrun tests' launcher: each try on a free port of its own; a gloo or rendezvous
+    failure is tried again from the run folder as it was before the launch; a failure of the code
+    is returned at once."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text("before\n")
+    calls, seen = [], []
+
+    def fake_run(cmd, **kwargs):  # the first try fails as gloo does on a busy machine
+        calls.append(cmd)
+        seen.append(sorted(os.listdir(folder)))
+        (folder / "half-written").write_text("x")
+        err = "RuntimeError: [pair.cc:534] Read error: Resource temporarily unavailable"
+        return subprocess.CompletedProcess(cmd, 1 if len(calls) == 1 else 0, "",
+                                           err if len(calls) == 1 else "")
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert run_processes(tmp_path, 2, "grpo", "--resume", folder).returncode == 0
+    assert seen == [["metrics.jsonl"], ["metrics.jsonl"]]  # the second try: as before the first
+    assert all(any(re.fullmatch(r"--rdzv-endpoint=127\.0\.0\.1:\d+", a) for a in c)
+               for c in calls)
+    calls.clear()
+    monkeypatch.setattr(subprocess, "run", lambda cmd, **kw: calls.append(cmd) or
+                        subprocess.CompletedProcess(cmd, 1, "", "ValueError: a bug"))
+    assert run_processes(tmp_path, 2, "grpo").returncode == 1 and len(calls) == 1
+
+
 def wandb_history(path):
     """The history rows of an offline wandb run file (run-*.wandb), as {key: value}: its records
     are in LevelDB's log format (a 7-byte file header, then 32 KiB blocks of pieces, each a crc32
