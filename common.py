@@ -814,6 +814,8 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
         except ValueError:
             raise UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") \
                 from None
+        if not math.isfinite(weights[name]):  # every reward would be NaN: nothing would train
+            raise UserError(f"--rewards: the weight of {name!r} must be finite, not {w}")
     if "rm" in weights and not reward_model:
         raise UserError("--rewards names 'rm' but no --reward_model is given")
     return weights

@@ -2272,7 +2272,7 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
                    samples=None)
     for _ in range(9):
         runs.skip_update(run, "gradient")
-    with pytest.raises(RuntimeError, match="non-finite updates in a row"):
+    with pytest.raises(C.UserError, match="NaN or inf in 10 updates in a row"):
         runs.skip_update(run, "gradient")
     calls = []
     real = C.compute_rewards
