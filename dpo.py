@@ -11,7 +11,10 @@ of x cancels) and fit the policy to the preferences directly:
     sigmoid (DPO):  L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)     dpo_loss()
                     eps = label_smoothing: the labels are flipped with probability eps (cDPO)
     ipo (IPO):      L = (h - 1 / (2 beta))^2: h is pulled to a target instead of pushed to
-                    infinity, so deterministic preferences do not drive pi_ref's mass to 0
+                    infinity, so deterministic preferences do not drive pi_ref's mass to 0.
+                    h sums log-probs over the tokens, the paper's form; TRL's IPO averages
+                    them per token (its h is about |y| times smaller), so a beta tuned on TRL
+                    is not the same beta here
     loss   = (1/N) sum over rows, sum over the row's pairs of w * L,  w = 1 / (pairs of the row)
 
 pi_ref is a frozen copy of the starting (SFT) model (with --lora_r, the policy itself with its
@@ -57,7 +60,7 @@ class Args:
     max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
     stop: list[str] = field(default_factory=list)  # stop strings for those answers
     # --- the DPO objective
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO (Azar et al. 2023)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO (Azar 2023; summed log-probs)
     beta: float = R.arg(0.1, "> 0")  # strength of the KL to pi_ref (DPO paper 0.1-0.5; TRL 0.1)
     label_smoothing: float = R.arg(0.0, "[0, 0.5)")  # cDPO: chance a preference is flipped (TRL 0)
     # --- optimisation

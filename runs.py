@@ -107,6 +107,24 @@ def _help(f, comment):
     return f"{comment} (default: {shown}{valid})".replace("%", "%%")  # argparse formats with %
 
 
+PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env")
+
+
+def _resolved(name, value):
+    """A local file or folder named by a relative path, made absolute (hub ids and missing paths
+    stay as given): the run stores where its files are, so --resume finds them from any folder
+    and compares like with like. reward_fn / env: path/to/file.py:function, comma lists too."""
+    if name not in PATH_FLAGS or not value:
+        return value
+    if isinstance(value, list):
+        return [_resolved(name, v) for v in value]
+    if name in ("reward_fn", "env"):
+        specs = [spec.rpartition(":") for spec in value.split(",")]
+        return ",".join(f"{_resolved('data', w) if w.endswith('.py') else w}{colon}{fn}"
+                        for w, colon, fn in specs)
+    return os.path.abspath(value) if os.path.exists(value) else value
+
+
 def parse_args(args_cls, algo, doc=""):
     """HfArgumentParser over the Args dataclass; each flag's --help is the comment beside its field.
     With --resume DIR the run's saved settings are the defaults, so it continues as it was (to its
@@ -133,9 +151,13 @@ def parse_args(args_cls, algo, doc=""):
     pre.add_argument("--resume", default="")
     resume = pre.parse_known_args()[0].resume
     saved = _saved_args(resume, algo) if resume else {}
-    names = {f.name for f in dataclasses.fields(args_cls)}
+    saved = {k: _resolved(k, v) for k, v in saved.items()}  # a run saved before paths were
+    names = {f.name for f in dataclasses.fields(args_cls)}  # stored absolute: from here
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    for name in PATH_FLAGS:
+        if hasattr(args, name):
+            setattr(args, name, _resolved(name, getattr(args, name)))
     if unknown:  # e.g. a typo, or another script's flag
         flags = [f"--{n}" for n in names]
         close = difflib.get_close_matches(unknown[0].split("=")[0], flags)
