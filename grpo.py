@@ -277,7 +277,8 @@ def main():
     for step in bar:
         t0 = time.time()
         # 1. sample G completions per prompt and score them
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
                                                                    weights, rm, rm_tok, fns, amp)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip

@@ -77,7 +77,7 @@ class Args:
     top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (N details: 1.0, the full distribution)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
-    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math", ...
+    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     missing_eos_penalty: float = R.arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
     kl_coef: float = R.arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
@@ -406,7 +406,8 @@ def main():
         # 1. sample one completion per prompt and score it
         rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
                             args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)

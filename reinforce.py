@@ -249,7 +249,8 @@ def main():
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(k)]
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
                             args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)

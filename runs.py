@@ -405,8 +405,9 @@ def _load_state(folder):
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         if not found:  # damaged bytes, not a foreign object
             raise C.UserError(f"{path} is damaged (not a trainer state); cannot resume") from None
-        raise C.UserError(f"{path} holds a {found[1]} object, and unpickling it could run code: "
-                          "refused (this program writes tensors and numbers only)") from None
+        raise C.UserError(f"{path} holds {found[1]}, not only tensors and numbers: unpickling "
+                          "it could run code, so it is refused (a run writes no such thing)") \
+            from None
     except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
         raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
 
