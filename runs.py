@@ -582,9 +582,10 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     except (OSError, RuntimeError, SafetensorError) as e:  # safetensors' "No space left on device"
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(run.dir).free / 2**20
+        kept = f"--resume {run.dir}: the checkpoint of step {run.saved_step} is intact" \
+            if run.saved_step else "no checkpoint had been saved yet"
         raise C.UserError(f"could not write the checkpoint to {tmp} ({C._first_line(e)[:80]}; "
-                          f"{free:,.0f} MB free): free some space and --resume {run.dir}; the "
-                          "previous checkpoint is intact") from None
+                          f"{free:,.0f} MB free): free some space; {kept}") from None
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
