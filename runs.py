@@ -20,6 +20,7 @@ import difflib
 import inspect
 import json
 import math
+import operator
 import os
 import pickle
 import random
@@ -197,11 +198,11 @@ def check_range(name, value, valid):
                 and (value < hi or valid[-1] == "]" and value == hi)):
             raise C.UserError(f"--{name} must be in {valid}, not {value}")
         return
-    ops = {">": float.__gt__, ">=": float.__ge__, "<": float.__lt__, "<=": float.__le__}
+    ops = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
     for condition in valid.split(","):
         op, bound = condition.split(maxsplit=1)
         limit = _bound(bound)
-        if not ops[op](float(value), float(limit)):  # float(value): also for huge ints
+        if not ops[op](value, limit):
             shown = int(limit) if float(limit).is_integer() else limit
             raise C.UserError(f"--{name} must be {op} {shown}, not {value}")
 
@@ -496,11 +497,17 @@ def stop_on_divergence(run, model, step):
     except RuntimeError as e:
         if "probability tensor contains" not in str(e):
             raise
-        bad = any(not torch.isfinite(p).all() for p in model.parameters())
+        bad = _nonfinite_weights([model])
         what = "its weights are NaN or inf" if bad else "its next-token logits overflow to inf"
         when = f"in the update of step {step}" if step else "before any update"
         stop_nonfinite(run, f"the policy diverged {when} ({what}, so step {step + 1} cannot "
                             "sample; try a lower --lr)", diverged_at=step)
+
+
+def _nonfinite_weights(modules):
+    """How many of the modules' weights hold a NaN or inf (--fsdp: in this process's shards)."""
+    return sum(float(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+               for m in modules for p in m.parameters())
 
 
 def every(step, n):
@@ -550,10 +557,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
                                                           "checkpoint.old"))
     for leftover in (tmp, old):  # of a save that was killed
         shutil.rmtree(leftover, ignore_errors=True)
-    params = [p for m in trained or [model] for p in m.parameters()]
-    bad = sum(float(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-              for p in params)  # --fsdp: this process's shards; global_sum adds them all
-    if global_sum(bad):  # never replace the last good checkpoint with NaN/inf weights
+    if global_sum(_nonfinite_weights(trained or [model])):  # keep the last good checkpoint
         stop_nonfinite(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     rng_states = [(torch.get_rng_state(), cuda_rng)]
