@@ -60,7 +60,7 @@ class Args:
     max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
     stop: list[str] = field(default_factory=list)  # stop strings for those answers
     # --- the DPO objective
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO (Azar 2023; summed log-probs)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO on summed log-probs (TRL: means)
     beta: float = R.arg(0.1, "> 0")  # strength of the KL to pi_ref (DPO paper 0.1-0.5; TRL 0.1)
     label_smoothing: float = R.arg(0.0, "[0, 0.5)")  # cDPO: chance a preference is flipped (TRL 0)
     # --- optimisation
