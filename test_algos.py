@@ -12,6 +12,7 @@ import ast
 import builtins
 import dataclasses
 import importlib
+import inspect
 import io
 import json
 import math
@@ -26,6 +27,7 @@ import sys
 import threading
 import time
 import types
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -2274,7 +2276,7 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
                    samples=None)
     for _ in range(9):
         runs.skip_update(run, "gradient")
-    with pytest.raises(RuntimeError, match="non-finite updates in a row"):
+    with pytest.raises(C.UserError, match="NaN or inf in 10 updates in a row"):
         runs.skip_update(run, "gradient")
     calls = []
     real = C.compute_rewards
@@ -2289,6 +2291,254 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     summary = json.loads((out / "summary.json").read_text())
     steps = [m["step"] for m in read_metrics(out)]
     assert summary["nonfinite_skips"] == 1 and steps == [1, 3]
+
+
+# ---- reliability round three (#26)
+def one_error_line(capsys):
+    """The run's one error line: the last thing on stderr, no traceback after it."""
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and err[-1] == errors[0], err[-5:]
+    return errors[0]
+
+
+class Payload:  # unpickling this calls builtins.open(path, "w"): code that runs on load
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (builtins.open, (self.path, "w"))
+
+
+def test_a_pickled_object_in_trainer_state_is_refused_and_never_runs(tmp_path, monkeypatch,
+                                                                     capsys):
+    """--resume reads trainer_state.pt with weights_only=True: what the scripts write loads so,
+    and a planted object is refused in one line without running."""
+    run = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run)
+    path = run / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)  # a plain state: tensors, numbers, lists
+    assert state["step"] == 1 and isinstance(state["torch_rng"][0], torch.Tensor)
+    marker = tmp_path / "ran"
+    torch.save({**state, "extra": Payload(str(marker))}, path)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--resume", run, "--max_steps", "2", guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "trainer_state.pt holds io.open, not only tensors" in line
+    assert "could run code, so it is refused" in line and not marker.exists()
+
+
+NONFINITE_REWARDS = """
+def nan(completions, rows):
+    return [float("nan")] * len(completions)
+
+
+def inf(completions, rows):
+    return [float("inf")] * len(completions)
+
+
+def huge(completions, rows):
+    return [1e300] * len(completions)
+"""
+
+
+def test_a_reward_that_is_nan_every_step_stops_in_one_line_and_keeps_the_folder(
+        tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.py").write_text(NONFINITE_REWARDS)
+    out = tmp_path / "nan"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--reward_fn", f"{tmp_path / 'bad.py'}:nan",
+                 "--max_steps", "12", "--output_dir", out, guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "the reward was NaN or inf in 10 updates in a row" in line
+    assert "no checkpoint had been saved yet" in line and (out / "metrics.jsonl").exists()
+    for fn in ("inf", "huge"):  # inf, and a float that overflows to inf, count as NaN does
+        out = tmp_path / fn
+        with pytest.raises(SystemExit) as e:  # fewer steps than 10: the end of the run says it
+            run_main(monkeypatch, grpo, *FAST_GRPO, "--reward_fn", f"{tmp_path / 'bad.py'}:{fn}",
+                     "--max_steps", "3", "--output_dir", out, guard=True)
+        line = one_error_line(capsys)
+        assert e.value.code == 2 and "every update of this run was skipped" in line, line
+        assert out.is_dir() and not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
+def test_a_non_finite_reward_weight_is_refused_up_front(weight, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, "--rewards", f"math={weight}", "--output_dir",
+                 tmp_path / "out", guard=True)
+    assert f"the weight of 'math' must be finite, not {weight}" in one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_diverged_policy_stops_naming_the_step(tmp_path, monkeypatch, capsys):
+    """--lr 1e10: after an update the logits overflow, and the next step cannot sample."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--lr", "1e10", "--max_steps", "5",
+                 "--output_dir", out, guard=True)
+    line = one_error_line(capsys)
+    found = re.search(r"the policy diverged in the update of step (\d) \(.*, so step (\d) cannot "
+                      r"sample; try a lower --lr\)", line)
+    assert e.value.code == 2 and found and int(found[2]) == int(found[1]) + 1, line
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, int(found[2])))
+
+
+def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run_dir)
+    model, tok = C.load_policy(grpo.Args(), torch.device("cpu"), str(run_dir / "checkpoint"))
+    opt = torch.optim.AdamW(model.parameters())
+    run = runs.Run(dir=str(run_dir), algo="grpo", args=grpo.Args(), state=None, metrics=None,
+                   samples=None, saved_step=1)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(C.UserError, match="the weights are NaN or inf after step 2.*the "
+                                          "checkpoint of step 1 is kept"):
+        runs.save_checkpoint(run, model, tok, opt, random.Random(0), 2, {})
+    state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1
+    model.float()
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    with pytest.raises(C.UserError, match="diverged in the update of step 3 .its weights are"):
+        with runs.stop_on_divergence(run, model, 3):
+            C.sample(model, tok, C.encode_prompts(tok, ["1+1="]), 2)
+
+
+def test_a_full_disk_inside_safetensors_is_one_line_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """safetensors raises its own SafetensorError (not OSError) on a full disk: measured on a
+    64 KB tmpfs, "Error while serializing: I/O error: No space left on device (os error 28)"."""
+    import safetensors
+    import transformers.modeling_utils as mu
+    real, calls = mu.safe_save_file, []
+
+    def save_file(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left "
+                                              "on device (os error 28)")
+        return real(*a, **kw)
+    monkeypatch.setattr(mu, "safe_save_file", save_file)
+    out = tmp_path / "run"
+    with pytest.raises(C.UserError, match="could not write the checkpoint .*No space left"):
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+                 "--output_dir", out)
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1 and not (out / "checkpoint.tmp").exists()
+
+
+def test_a_damaged_metrics_line_is_skipped_with_a_warning(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+             "--output_dir", out)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(["{not json\n", *lines[1:]]))
+    assert [m["step"] for m in plot.read_metrics(str(out))] == [2]
+    assert "metrics.jsonl, line 1 is damaged" in capsys.readouterr().err
+    run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "3")
+    assert "metrics.jsonl, line 1 is damaged" in capsys.readouterr().err
+    assert [m["step"] for m in read_metrics(out)] == [2, 3]
+
+
+def test_every_numeric_flag_declares_its_range_and_help_shows_it(monkeypatch, capsys):
+    for name, script in SCRIPTS.items():
+        source = inspect.getsource(script.Args)
+        for f in dataclasses.fields(script.Args):
+            if f.type in (int, float):
+                assert "valid" in f.metadata, f"{name}.py: --{f.name} declares no range"
+            comment = re.search(rf"^    {f.name}: .*?  # (.+)$", source, re.M)[1]
+            assert not comment.startswith("...") and not comment.endswith("..."), (name, f.name)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--help")
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert e.value.code == 0 and "(default: 0.0001; valid: > 0)" in shown
+    assert "(default: 'all-linear')" not in shown and "(default: all-linear)" in shown
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    (grpo, ["--threads", "100000"], f"--threads must be <= {4 * (os.cpu_count() or 1)}, not"),
+    (grpo, ["--seed", str(2**63)], f"--seed must be < {2**63}, not {2**63}"),
+    (grpo, ["--seed", "-1"], "--seed must be >= 0, not -1"),
+    (grpo, ["--num_iterations", "101"], "--num_iterations must be <= 100, not 101"),
+    (grpo, ["--eval_samples", "100000"], "--eval_samples must be <= 1000"),
+    (ppo, ["--ppo_epochs", str(10**20)], "--ppo_epochs must be <= 100"),
+    (ppo, ["--gamma", "1.5"], "--gamma must be in [0, 1], not 1.5"),
+    (R, ["--ema_decay", "1"], "--ema_decay must be in [0, 1), not 1.0"),
+    (dpo, ["--lora_dropout", "1"], "--lora_dropout must be in [0, 1), not 1.0"),
+    (sft, ["--warmup_steps", "-2"], "--warmup_steps must be >= 0, not -2"),
+    (grpo, ["--lora_r", "100000"], "--lora_r 100000 is above the model's width 160"),
+    (grpo, ["--lora_r", "4", "--lora_target_modules", "nosuch"],
+     "the model has no module nosuch (its linear layers: down_proj, gate_proj,"),
+    (sft, ["--lora_r", "4", "--lora_target_modules", "q_proj,v_projj"], "no module v_projj ("),
+    (dpo, ["--lora_r", "4", "--lora_target_modules", "q_proj,nosuch"], "no module nosuch (")],
+    ids=lambda x: x.__name__ if hasattr(x, "main") else None)
+def test_flags_out_of_range_get_one_line(script, argv, message, tmp_path, monkeypatch, capsys):
+    if "--lora_r" in argv:
+        pytest.importorskip("peft")
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, script, *argv, "--output_dir", tmp_path / "out", guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and message in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "args.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(C.UserError, match="--out .*file: that is a file"):
+        merge_lora(str(tmp_path / "run"), str(tmp_path / "file"))
+    with pytest.raises(C.UserError, match="no checkpoint/args.json there"):
+        merge_lora(str(tmp_path / "nothing"))
+    for argv, message in ((["--seeds", "0"], "--seeds must be >= 1, not 0"),
+                          (["--samples", "-5"], "--samples must be >= 1, not -5"),
+                          (["--output_dir", str(tmp_path / "file")], "that is a file"),
+                          (["--out", str(tmp_path / "file")], "that is a file")):
+        with pytest.raises(SystemExit) as e:
+            compare.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_merge_lora_prints_no_future_warning(tmp_path, tok):
+    pytest.importorskip("peft")
+    model, _ = C.load_policy(lora_args(), torch.device("cpu"))
+    run = tmp_path / "run"
+    model.save_pretrained(run / "checkpoint")
+    tok.save_pretrained(run / "checkpoint")
+    (run / "checkpoint" / "args.json").write_text(json.dumps(
+        {"algo": "grpo", "args": vars(lora_args())}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merge_lora(str(run))
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
+
+
+def test_a_run_with_relative_paths_resumes_from_another_folder(tmp_path, monkeypatch):
+    """--data and --reward_fn given relative to the run's folder are stored absolute; resuming
+    from elsewhere finds them, and naming them by their absolute paths is no change."""
+    work = tmp_path / "work"
+    work.mkdir()
+    write_jsonl(work / "data.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+                                      for a, b in C.task_train_pairs(random.Random(0), 40)])
+    (work / "mine.py").write_text(REWARD_FILE.replace('row["target"]', 'row["answer"]'))
+    monkeypatch.chdir(work)
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--data", "data.jsonl", "--reward_fn",
+             "mine.py:exact", "--max_steps", "1", "--output_dir", tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "args.json").read_text())["args"]
+    assert saved["data"] == str(work / "data.jsonl")
+    assert saved["reward_fn"] == [f"{work / 'mine.py'}:exact"]
+    monkeypatch.chdir(tmp_path)
+    run_main(monkeypatch, grpo, "--resume", tmp_path / "run", "--max_steps", "2",
+             "--data", work / "data.jsonl")
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_readme_own_task_shows_the_fields_its_reward_reads():
+    section = read_readme("Your own task")
+    for field_name in set(re.findall(r'row\["(\w+)"\]', section)):
+        assert f'"{field_name}":' in section, f"no data row in the README shows {field_name!r}"
 
 
 # ---- torchrun: several processes (gloo on the CPU)
@@ -2691,8 +2941,7 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, t
 # run as written: its flags exist, its links resolve, the tests it names exist.
 # Written in parallel branches and linked from the README before they land: drop each name from
 # this set once its file is in docs/ (the link test then checks it like any other).
-PENDING_DOCS = {"docs/tool_use.md", "docs/policy_losses.md", "docs/memory.md",
-                "docs/reliability.md"}
+PENDING_DOCS = {"docs/tool_use.md", "docs/policy_losses.md", "docs/memory.md"}
 SCRIPTS = {"grpo": grpo, "reinforce": R, "ppo": ppo, "sft": sft, "reward_model": reward_model,
            "dpo": dpo}
 
