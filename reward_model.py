@@ -61,7 +61,7 @@ class Args:
     lora_dropout: float = R.arg(0.0, "[0, 1)")  # dropout on the adapters' input
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
     seed: int = R.arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
     eval_every: int = R.arg(100, ">= 0")  # steps between held-out evals (0: only before and after)
