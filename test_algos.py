@@ -1041,6 +1041,20 @@ def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode,
     assert (w == 1).all() and torch.equal(weighted, plain)
 
 
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_reinforce_mismatch_correction_is_grpos(mode, level):
+    lp, old, adv, mask = random_step()
+    sample = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
+    w, raw = grpo.mismatch_weights(old, sample, mask, 1.5, mode, level)
+    w2, raw2 = R.mismatch_weights(old, sample, mask, 1.5, mode, level)
+    assert torch.equal(w, w2) and torch.equal(raw, raw2)
+    A = adv[:, None] * mask
+    got, _, _ = R.reinforce_loss(lp, A, mask, 6, mask.sum(), is_weight=w)
+    want = (-A * lp * w * mask).sum() / 6
+    torch.testing.assert_close(got, want)
+
+
 def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = [2, 43, 72]
@@ -1976,7 +1990,7 @@ def exercises():
 
 def test_exercises_quote_lines_that_still_exist():
     found = exercises()
-    assert 8 <= len(found) <= 12
+    assert 8 <= len(found) <= 15
     for title, script, line, commands in found:
         assert script in ("grpo.py", "reinforce.py", "ppo.py"), title
         assert line, f"{title}: no quoted line to change"
