@@ -105,6 +105,7 @@ class Args:
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    sample_dtype: Literal["same", "bf16", "fp32"] = "same"  # bf16: sample in bf16, a mismatch
     threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
     # --- run
     seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
@@ -154,8 +155,7 @@ def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, 
       sapo   -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, tau = tau_pos where A > 0, else
              tau_neg (SAPO, arXiv 2511.20347): a soft gate, f'(1) = 1, fading away from rho = 1
     At rho = 1 (num_iterations = 1) each has the plain policy gradient -A grad log pi_theta per
-    token (tested). is_weight (detached, (B, T) or (B, 1), from mismatch_weights) multiplies the
-    policy part: the sampler/trainer correction, as TRL applies it, before the KL term.
+    token (tested). is_weight (detached, from mismatch_weights) multiplies the policy part (TRL).
     Which KL the term pulls towards is set by its gradient, not its value. On samples y ~ pi_theta
     with log r = log pi_ref(y) - log pi_theta(y), the gradients' expectations are exactly
       k2: E[-log r * grad log pi_theta] = grad KL(pi_theta || pi_ref)    (reverse KL)
@@ -198,11 +198,9 @@ def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncat
     With top_p < 1 the sampler draws from the kept tokens, renormalised (its log-prob is
     log pi - log(kept mass)), while the trainer scores the full softmax: w = kept mass <= 1.
     The correction, detached, multiplies each token's policy loss (cap C > 0; 0 = off):
-      truncate  min(w, C)             TIS (Yao et al. 2025, "Your efficient RL framework secretly
-                                      brings you off-policy RL training")
+      truncate  min(w, C)             TIS (Yao et al. 2025, fengyao.notion.site/off-policy-rl)
       mask      w, or 0 where w > C   MIS (the Ling team's IcePop)
-    level sequence: one w per sequence, the product of its token ratios (TRL's sequence_* modes;
-    Liu, Li et al. 2025, "When speed kills stability", argue for it over the biased token level).
+    level sequence: one w per sequence, the product of its token ratios (TRL's sequence_* modes).
     Returns the weight ((B, T), (B, 1), or None when off) and the raw token ratio (B, T)."""
     log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
     raw = log_w.exp()
@@ -314,6 +312,7 @@ def main():
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    sample_amp = amp if args.sample_dtype == "same" else C.autocast(device, args.sample_dtype)
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     C.check_prompts(tok, model, data.rows, args)
@@ -344,8 +343,8 @@ def main():
         t0 = time.time()
         # 1. sample G completions per prompt and score them
         with R.gathered(model):  # --fsdp: the whole model in every process while it samples
-            roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
-                                                                   weights, rm, rm_tok, fns, amp)
+            roll, rows, completions, rewards, seen = sample_groups(
+                model, tok, data, rng, args, weights, rm, rm_tok, fns, sample_amp)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
