@@ -58,62 +58,62 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    group_size: int = 8  # G completions per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
-    prompts_per_step: int = 8  # prompts per optimizer step: G * prompts_per_step completions
-    max_new_tokens: int = 6  # completion length cap (TRL 256-512; the built-in task needs 4)
-    temperature: float = 1.0  # sampling temperature; log-probs divide by the same one (N details)
-    top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, see mismatch_weights()
+    group_size: int = R.arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
+    prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (G samples each)
+    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
+    temperature: float = R.arg(1.0, "> 0")  # sampling temperature; log-probs use it too (N details)
+    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); below 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the GRPO objective
-    beta: float = 0.04  # KL weight in the loss; 0 loads no reference model (DeepSeekMath: 0.04)
+    beta: float = R.arg(0.04, ">= 0")  # KL weight in the loss; 0: no reference model (DeepSeekMath)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: DeepSeekMath; k2: reverse KL; k1 refused
-    clip_eps: float = 0.2  # eps_low: the ratio is clipped to [1 - eps_low, ...] (PPO, TRL)
-    clip_eps_high: float = 0.2  # eps_high: [..., 1 + eps_high]; DAPO's clip-higher uses 0.28
-    num_iterations: int = 1  # mu: updates per batch; > 1 stores old log-probs (DeepSeekMath: 1)
+    clip_eps: float = R.arg(0.2, "> 0")  # eps_low: the ratio is clipped below 1 - eps_low (PPO)
+    clip_eps_high: float = R.arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
+    num_iterations: int = R.arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
     loss_agg: LossAgg = "token-mean"  # normaliser, see aggregate() (DAPO and TRL: token-mean)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std in A_i; none: Dr. GRPO
     mask_truncated: bool = False  # completions with no EOS carry no loss (DAPO overlong filtering)
-    overlong_penalty: float = 0.0  # DAPO soft overlong punishment: at most this much subtracted ...
-    overlong_buffer: int = 2  # ... rising linearly over the last this-many tokens before the cap
+    overlong_penalty: float = R.arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
+    overlong_buffer: int = R.arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
-    max_resample_rounds: int = 4  # ... at most this many extra sampling rounds per step
+    max_resample_rounds: int = R.arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
     # --- objectives since DAPO, see per_token_loss() (TRL's names in brackets)
     policy_loss: Literal["clip", "cispo", "sapo"] = "clip"  # clip: PPO/GRPO [loss_type cispo, sapo]
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO [same name]
-    seq_clip_eps: float = 3e-4  # sequence level: s_i clipped to [1 - this, ...] (GSPO paper: 3e-4)
-    seq_clip_eps_high: float = 4e-4  # ... [..., 1 + this] (GSPO paper: 4e-4)
-    sapo_tau_pos: float = 1.0  # SAPO gate temperature where A > 0 (SAPO paper, TRL: 1.0)
-    sapo_tau_neg: float = 1.05  # ... where A <= 0 (SAPO paper, TRL: 1.05) [sapo_temperature_*]
-    tis_cap: float = 0.0  # min(pi_old / pi_sampler, C) weights the loss; 0: off (TRL: 3, with vLLM)
+    seq_clip_eps: float = R.arg(3e-4, "> 0")  # sequence level: s_i >= 1 - this (GSPO paper: 3e-4)
+    seq_clip_eps_high: float = R.arg(4e-4, "> 0")  # ... s_i <= 1 + this (GSPO paper: 4e-4)
+    sapo_tau_pos: float = R.arg(1.0, "> 0")  # SAPO gate temperature where A > 0 (SAPO, TRL: 1.0)
+    sapo_tau_neg: float = R.arg(1.05, "> 0")  # ... where A <= 0 (SAPO, TRL: 1.05) [sapo_temp*]
+    tis_cap: float = R.arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
-    lr: float = 1e-4  # tiny-model value (3e-4 was worse); real models ~1e-6 (DeepSeekMath, TRL)
-    weight_decay: float = 0.0  # AdamW weight decay (TRL 0, verl 0.01)
-    max_grad_norm: float = 1.0  # gradient clipping (TRL, verl, OpenRLHF)
-    max_steps: int = 200  # optimizer steps (times num_iterations)
-    micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
-    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
+    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
+    max_steps: int = R.arg(200, "> 0")  # optimizer steps (times num_iterations)
+    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     sample_dtype: Literal["same", "bf16", "fp32"] = "same"  # bf16: sample in bf16, a mismatch
-    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
-    eval_every: int = 50  # steps between held-out greedy evals (0: only before and after)
-    eval_size: int = 500  # held-out prompts per eval
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = R.arg(50, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
-    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
+    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/grpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
@@ -342,7 +342,8 @@ def main():
     for step in bar:
         t0 = time.time()
         # 1. sample G completions per prompt and score them
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll, rows, completions, rewards, seen = sample_groups(
                 model, tok, data, rng, args, weights, rm, rm_tok, fns, sample_amp)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip

@@ -12,6 +12,7 @@ import ast
 import builtins
 import dataclasses
 import importlib
+import inspect
 import io
 import json
 import math
@@ -24,6 +25,7 @@ import subprocess
 import sys
 import time
 import types
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -2426,7 +2428,7 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
                    samples=None)
     for _ in range(9):
         runs.skip_update(run, "gradient")
-    with pytest.raises(RuntimeError, match="non-finite updates in a row"):
+    with pytest.raises(C.UserError, match="NaN or inf in 10 updates in a row"):
         runs.skip_update(run, "gradient")
     calls = []
     real = C.compute_rewards
@@ -2441,6 +2443,254 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     summary = json.loads((out / "summary.json").read_text())
     steps = [m["step"] for m in read_metrics(out)]
     assert summary["nonfinite_skips"] == 1 and steps == [1, 3]
+
+
+# ---- reliability round three (#26)
+def one_error_line(capsys):
+    """The run's one error line: the last thing on stderr, no traceback after it."""
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and err[-1] == errors[0], err[-5:]
+    return errors[0]
+
+
+class Payload:  # unpickling this calls builtins.open(path, "w"): code that runs on load
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (builtins.open, (self.path, "w"))
+
+
+def test_a_pickled_object_in_trainer_state_is_refused_and_never_runs(tmp_path, monkeypatch,
+                                                                     capsys):
+    """--resume reads trainer_state.pt with weights_only=True: what the scripts write loads so,
+    and a planted object is refused in one line without running."""
+    run = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run)
+    path = run / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)  # a plain state: tensors, numbers, lists
+    assert state["step"] == 1 and isinstance(state["torch_rng"][0], torch.Tensor)
+    marker = tmp_path / "ran"
+    torch.save({**state, "extra": Payload(str(marker))}, path)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--resume", run, "--max_steps", "2", guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "trainer_state.pt holds io.open, not only tensors" in line
+    assert "could run code, so it is refused" in line and not marker.exists()
+
+
+NONFINITE_REWARDS = """
+def nan(completions, rows):
+    return [float("nan")] * len(completions)
+
+
+def inf(completions, rows):
+    return [float("inf")] * len(completions)
+
+
+def huge(completions, rows):
+    return [1e300] * len(completions)
+"""
+
+
+def test_a_reward_that_is_nan_every_step_stops_in_one_line_and_keeps_the_folder(
+        tmp_path, monkeypatch, capsys):
+    (tmp_path / "bad.py").write_text(NONFINITE_REWARDS)
+    out = tmp_path / "nan"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--reward_fn", f"{tmp_path / 'bad.py'}:nan",
+                 "--max_steps", "12", "--output_dir", out, guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "the reward was NaN or inf in 10 updates in a row" in line
+    assert "no checkpoint had been saved yet" in line and (out / "metrics.jsonl").exists()
+    for fn in ("inf", "huge"):  # inf, and a float that overflows to inf, count as NaN does
+        out = tmp_path / fn
+        with pytest.raises(SystemExit) as e:  # fewer steps than 10: the end of the run says it
+            run_main(monkeypatch, grpo, *FAST_GRPO, "--reward_fn", f"{tmp_path / 'bad.py'}:{fn}",
+                     "--max_steps", "3", "--output_dir", out, guard=True)
+        line = one_error_line(capsys)
+        assert e.value.code == 2 and "every update of this run was skipped" in line, line
+        assert out.is_dir() and not (out / "summary.json").exists()
+
+
+@pytest.mark.parametrize("weight", ["nan", "inf", "-inf"])
+def test_a_non_finite_reward_weight_is_refused_up_front(weight, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, "--rewards", f"math={weight}", "--output_dir",
+                 tmp_path / "out", guard=True)
+    assert f"the weight of 'math' must be finite, not {weight}" in one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_diverged_policy_stops_naming_the_step(tmp_path, monkeypatch, capsys):
+    """--lr 1e10: after an update the logits overflow, and the next step cannot sample."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--lr", "1e10", "--max_steps", "5",
+                 "--output_dir", out, guard=True)
+    line = one_error_line(capsys)
+    found = re.search(r"the policy diverged in the update of step (\d) \(.*, so step (\d) cannot "
+                      r"sample; try a lower --lr\)", line)
+    assert e.value.code == 2 and found and int(found[2]) == int(found[1]) + 1, line
+    assert [m["step"] for m in read_metrics(out)] == list(range(1, int(found[2])))
+
+
+def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, capsys):
+    run_dir = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run_dir)
+    model, tok = C.load_policy(grpo.Args(), torch.device("cpu"), str(run_dir / "checkpoint"))
+    opt = torch.optim.AdamW(model.parameters())
+    run = runs.Run(dir=str(run_dir), algo="grpo", args=grpo.Args(), state=None, metrics=None,
+                   samples=None, saved_step=1)
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("nan")
+    with pytest.raises(C.UserError, match="the weights are NaN or inf after step 2.*the "
+                                          "checkpoint of step 1 is kept"):
+        runs.save_checkpoint(run, model, tok, opt, random.Random(0), 2, {})
+    state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1
+    model.float()
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    with pytest.raises(C.UserError, match="diverged in the update of step 3 .its weights are"):
+        with runs.stop_on_divergence(run, model, 3):
+            C.sample(model, tok, C.encode_prompts(tok, ["1+1="]), 2)
+
+
+def test_a_full_disk_inside_safetensors_is_one_line_and_leaves_no_tmp(tmp_path, monkeypatch):
+    """safetensors raises its own SafetensorError (not OSError) on a full disk: measured on a
+    64 KB tmpfs, "Error while serializing: I/O error: No space left on device (os error 28)"."""
+    import safetensors
+    import transformers.modeling_utils as mu
+    real, calls = mu.safe_save_file, []
+
+    def save_file(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise safetensors.SafetensorError("Error while serializing: I/O error: No space left "
+                                              "on device (os error 28)")
+        return real(*a, **kw)
+    monkeypatch.setattr(mu, "safe_save_file", save_file)
+    out = tmp_path / "run"
+    with pytest.raises(C.UserError, match="could not write the checkpoint .*No space left"):
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+                 "--output_dir", out)
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1 and not (out / "checkpoint.tmp").exists()
+
+
+def test_a_damaged_metrics_line_is_skipped_with_a_warning(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+             "--output_dir", out)
+    lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
+    (out / "metrics.jsonl").write_text("".join(["{not json\n", *lines[1:]]))
+    assert [m["step"] for m in plot.read_metrics(str(out))] == [2]
+    assert "metrics.jsonl, line 1 is damaged" in capsys.readouterr().err
+    run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "3")
+    assert "metrics.jsonl, line 1 is damaged" in capsys.readouterr().err
+    assert [m["step"] for m in read_metrics(out)] == [2, 3]
+
+
+def test_every_numeric_flag_declares_its_range_and_help_shows_it(monkeypatch, capsys):
+    for name, script in SCRIPTS.items():
+        source = inspect.getsource(script.Args)
+        for f in dataclasses.fields(script.Args):
+            if f.type in (int, float):
+                assert "valid" in f.metadata, f"{name}.py: --{f.name} declares no range"
+            comment = re.search(rf"^    {f.name}: .*?  # (.+)$", source, re.M)[1]
+            assert not comment.startswith("...") and not comment.endswith("..."), (name, f.name)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--help")
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    assert e.value.code == 0 and "(default: 0.0001; valid: > 0)" in shown
+    assert "(default: 'all-linear')" not in shown and "(default: all-linear)" in shown
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    (grpo, ["--threads", "100000"], f"--threads must be <= {4 * (os.cpu_count() or 1)}, not"),
+    (grpo, ["--seed", str(2**63)], f"--seed must be < {2**63}, not {2**63}"),
+    (grpo, ["--seed", "-1"], "--seed must be >= 0, not -1"),
+    (grpo, ["--num_iterations", "101"], "--num_iterations must be <= 100, not 101"),
+    (grpo, ["--eval_samples", "100000"], "--eval_samples must be <= 1000"),
+    (ppo, ["--ppo_epochs", str(10**20)], "--ppo_epochs must be <= 100"),
+    (ppo, ["--gamma", "1.5"], "--gamma must be in [0, 1], not 1.5"),
+    (R, ["--ema_decay", "1"], "--ema_decay must be in [0, 1), not 1.0"),
+    (dpo, ["--lora_dropout", "1"], "--lora_dropout must be in [0, 1), not 1.0"),
+    (sft, ["--warmup_steps", "-2"], "--warmup_steps must be >= 0, not -2"),
+    (grpo, ["--lora_r", "100000"], "--lora_r 100000 is above the model's width 160"),
+    (grpo, ["--lora_r", "4", "--lora_target_modules", "nosuch"],
+     "the model has no module nosuch (its linear layers: down_proj, gate_proj,"),
+    (sft, ["--lora_r", "4", "--lora_target_modules", "q_proj,v_projj"], "no module v_projj ("),
+    (dpo, ["--lora_r", "4", "--lora_target_modules", "q_proj,nosuch"], "no module nosuch (")],
+    ids=lambda x: x.__name__ if hasattr(x, "main") else None)
+def test_flags_out_of_range_get_one_line(script, argv, message, tmp_path, monkeypatch, capsys):
+    if "--lora_r" in argv:
+        pytest.importorskip("peft")
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, script, *argv, "--output_dir", tmp_path / "out", guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and message in line, line
+    assert not (tmp_path / "out").exists()
+
+
+def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "args.json").write_text("{}")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(C.UserError, match="--out .*file: that is a file"):
+        merge_lora(str(tmp_path / "run"), str(tmp_path / "file"))
+    with pytest.raises(C.UserError, match="no checkpoint/args.json there"):
+        merge_lora(str(tmp_path / "nothing"))
+    for argv, message in ((["--seeds", "0"], "--seeds must be >= 1, not 0"),
+                          (["--samples", "-5"], "--samples must be >= 1, not -5"),
+                          (["--output_dir", str(tmp_path / "file")], "that is a file"),
+                          (["--out", str(tmp_path / "file")], "that is a file")):
+        with pytest.raises(SystemExit) as e:
+            compare.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_merge_lora_prints_no_future_warning(tmp_path, tok):
+    pytest.importorskip("peft")
+    model, _ = C.load_policy(lora_args(), torch.device("cpu"))
+    run = tmp_path / "run"
+    model.save_pretrained(run / "checkpoint")
+    tok.save_pretrained(run / "checkpoint")
+    (run / "checkpoint" / "args.json").write_text(json.dumps(
+        {"algo": "grpo", "args": vars(lora_args())}))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        merge_lora(str(run))
+    assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
+
+
+def test_a_run_with_relative_paths_resumes_from_another_folder(tmp_path, monkeypatch):
+    """--data and --reward_fn given relative to the run's folder are stored absolute; resuming
+    from elsewhere finds them, and naming them by their absolute paths is no change."""
+    work = tmp_path / "work"
+    work.mkdir()
+    write_jsonl(work / "data.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+                                      for a, b in C.task_train_pairs(random.Random(0), 40)])
+    (work / "mine.py").write_text(REWARD_FILE.replace('row["target"]', 'row["answer"]'))
+    monkeypatch.chdir(work)
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--data", "data.jsonl", "--reward_fn",
+             "mine.py:exact", "--max_steps", "1", "--output_dir", tmp_path / "run")
+    saved = json.loads((tmp_path / "run" / "checkpoint" / "args.json").read_text())["args"]
+    assert saved["data"] == str(work / "data.jsonl")
+    assert saved["reward_fn"] == [f"{work / 'mine.py'}:exact"]
+    monkeypatch.chdir(tmp_path)
+    run_main(monkeypatch, grpo, "--resume", tmp_path / "run", "--max_steps", "2",
+             "--data", work / "data.jsonl")
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1, 2]
+
+
+def test_readme_own_task_shows_the_fields_its_reward_reads():
+    section = read_readme("Your own task")
+    for field_name in set(re.findall(r'row\["(\w+)"\]', section)):
+        assert f'"{field_name}":' in section, f"no data row in the README shows {field_name!r}"
 
 
 # ---- torchrun: several processes (gloo on the CPU)
@@ -2591,6 +2841,130 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, t
     assert any("ratio" in f for f in failed)
 
 
+# ---- docs/ (#30)
+# The README is the front page; docs/ holds one file a topic. Every command shown in either must
+# run as written: its flags exist, its links resolve, the tests it names exist.
+# Written in parallel branches and linked from the README before they land: drop each name from
+# this set once its file is in docs/ (the link test then checks it like any other).
+PENDING_DOCS = {"docs/tool_use.md", "docs/policy_losses.md", "docs/memory.md"}
+SCRIPTS = {"grpo": grpo, "reinforce": R, "ppo": ppo, "sft": sft, "reward_model": reward_model,
+           "dpo": dpo}
+
+
+def read_docs():
+    """{path relative to the repo: text} of README.md and every docs/*.md."""
+    paths = ["README.md"] + sorted(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs"))
+                                   if f.endswith(".md"))
+    return {p: open(os.path.join(ROOT, p), encoding="utf-8").read() for p in paths}
+
+
+def shown_commands(text):
+    """Each `python SCRIPT ...` or `torchrun ... SCRIPT ...` command the text shows: in a code
+    block (4-space indented or fenced; a trailing backslash continues the line) or inline in
+    backticks. A trailing comment (" # ...") is dropped."""
+    lines, out, fenced = text.splitlines(), [], False
+    for i, line in enumerate(lines):
+        fenced = fenced != line.startswith("```")
+        if fenced or line.startswith("    "):
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1].rstrip() + " " + lines[i].strip()
+            out.append(line.strip())
+        else:
+            out += re.findall(r"`((?:python|torchrun) [^`]+)`", line)
+    out = [part for c in out for part in c.split(" && ")]  # pip install ... && python ...
+    cmds = [re.split(r"\s+#\s", c)[0] for c in out if c.startswith(("python ", "torchrun "))]
+    return [c for c in cmds if re.search(r"\S+\.py\b", c)]
+
+
+def test_docs_commands_use_flags_their_script_has():
+    checked = 0
+    for path, text in read_docs().items():
+        for command in shown_commands(text):
+            words = command.split()
+            script = next(w for w in words if w.endswith(".py"))
+            flags = re.findall(r"(?<!\S)--(\w+)", " ".join(words[words.index(script) + 1:]))
+            name = script[:-3]
+            if name in SCRIPTS:
+                have = {f.name for f in dataclasses.fields(SCRIPTS[name].Args)} | {"help"}
+                missing = [f for f in flags if f not in have]
+            else:  # tools/ and bench/: argparse scripts, each flag spelled out in the source
+                assert os.path.isfile(os.path.join(ROOT, script)), f"{path}: no {script}: {command}"
+                source = open(os.path.join(ROOT, script), encoding="utf-8").read()
+                missing = [f for f in flags if f'"--{f}"' not in source]
+            assert not missing, f"{path}: {script} has no --{missing[0]}: {command}"
+            checked += 1
+    assert checked >= 20
+
+
+def test_shown_commands_finds_block_inline_and_continued_commands():
+    text = ("Run `python grpo.py --help` or\n\n"
+            "    python ppo.py --lr 1 \\\n        --seed 2  # why\n"
+            "\n```bash\ntorchrun --nproc_per_node 2 sft.py --lora_r 4\n```\n`pip install x`\n"
+            "\n    pip install x && python dpo.py --system_prompt 'after ####.' --seed 1\n")
+    assert shown_commands(text) == ["python grpo.py --help", "python ppo.py --lr 1 --seed 2",
+                                    "torchrun --nproc_per_node 2 sft.py --lora_r 4",
+                                    "python dpo.py --system_prompt 'after ####.' --seed 1"]
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """.ci/run installs the CPU torch first, then runs exactly the README's test command."""
+    readme = read_readme()
+    command = re.search(r"Run the tests:\n\n    (.*)\n", readme).group(1)
+    install, tests = command.split(" && ")
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
+    assert tests.replace("python ", "python3 ", 1) in ci
+    assert any("pip install" in line and line.endswith(install[len("pip install"):])
+               for line in ci), (install, ci)
+
+
+def anchor(heading):
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces -> '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_docs_relative_links_and_anchors_resolve():
+    docs = read_docs()
+    for path, text in docs.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            file, _, frag = target.partition("#")
+            where = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            if where in PENDING_DOCS:
+                continue
+            assert os.path.exists(os.path.join(ROOT, where)), f"{path}: {target}: no {where}"
+            if frag:
+                headings = re.findall(r"^#+ (.*)$", docs.get(where) or open(
+                    os.path.join(ROOT, where), encoding="utf-8").read(), re.M)
+                assert frag in {anchor(h) for h in headings}, f"{path}: no heading for {target}"
+
+
+def test_readme_links_every_docs_file():
+    readme, docs = read_readme(), [p for p in read_docs() if p.startswith("docs/")]
+    assert docs and all(f"]({p})" in readme for p in docs), [p for p in docs if p not in readme]
+
+
+def test_readme_stays_a_front_page():
+    assert len(read_readme().splitlines()) <= 300
+
+
+def test_tests_named_in_the_docs_exist():
+    source = open(os.path.join(ROOT, "test_algos.py"), encoding="utf-8").read()
+    defined = set(re.findall(r"^def (test_\w+)\(", source, re.M))
+    for path, text in read_docs().items():
+        for name in re.findall(r"`(test_\w+)`", text):
+            assert name in defined, f"{path} names {name}, which test_algos.py does not define"
+
+
+def test_docs_code_references_name_functions_that_exist():
+    """`file.py: name()` anywhere in docs/ names a function defined there (with the key symbols
+    KEY_SYMBOLS lists for it)."""
+    for path, text in read_docs().items():
+        if path != "README.md":
+            check_code_map(text, ROOT, least=0)
+
+
 # ---- the README's code map and docstrings, the 100-column rule
 # What each equation in the README must show in the code it points at: the map cannot rot.
 KEY_SYMBOLS = {"group_advantages": ["mean", "std", "eps"],
@@ -2609,30 +2983,37 @@ KEY_SYMBOLS = {"group_advantages": ["mean", "std", "eps"],
                "score_forward": ["rm_sequences", "rm_forward"],
                "dpo_loss": ["logsigmoid", "label_smoothing", "1 / (2 * beta)", "ref_chosen"],
                "sequence_logprobs": ["token_logprobs", "sum(-1)"],
-               "length_batches": ["sorted", "shuffle"]}
+               "length_batches": ["sorted", "shuffle"],
+               "token_logprobs": ["temperature", "log_softmax", "gather"],
+               "kl_estimate": ["0.5 * log_r**2", "log_r.exp() - 1 - log_r"],
+               "whiten": ["mean", "rsqrt", "mask"]}
 
 
-def check_code_map(text, folder):
+def check_code_map(text, folder, least=10):
     """Every `file.py: name()` in text names a function defined in that file (found by name, so no
-    edit elsewhere in the file breaks it) whose source holds the equation's key symbols."""
+    edit elsewhere in the file breaks it) whose source holds the equation's key symbols. With
+    least > 0 (the README's code map) every name must have its key symbols listed above."""
     refs = re.findall(r"(\w+\.py): (\w+)\(\)", text)
-    assert len(refs) >= 10
+    assert len(refs) >= least
     for file, name in refs:
         source = open(os.path.join(folder, file)).read()
         funcs = {n.name: ast.get_source_segment(source, n) for n in ast.parse(source).body
                  if isinstance(n, ast.FunctionDef)}
-        assert name in funcs, f"README points at {file}: {name}(), which is not defined there"
-        missing = [k for k in KEY_SYMBOLS[name] if k not in funcs[name]]
+        assert name in funcs, f"the docs point at {file}: {name}(), which is not defined there"
+        assert not least or name in KEY_SYMBOLS, f"{name}: add its key symbols to KEY_SYMBOLS"
+        missing = [k for k in KEY_SYMBOLS.get(name, []) if k not in funcs[name]]
         assert not missing, f"{file}: {name}() no longer shows {missing}"
 
 
-def read_readme():
+def read_readme(section=""):
+    """README.md, or only its `## section` (up to the next `## ` heading)."""
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
-        return f.read()
+        text = f.read()
+    return text.split(f"\n## {section}\n")[1].split("\n## ")[0] if section else text
 
 
 def test_readme_code_map_names_functions_that_compute_its_equations():
-    check_code_map(read_readme(), ROOT)
+    check_code_map(read_readme("Reading the code"), ROOT)
 
 
 def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
@@ -2645,10 +3026,10 @@ def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
     edit = "def rank_advantages(rewards):\n    return rewards.argsort().argsort().float()\n\n\n"
     edited = source.replace("def per_token_loss(", edit + "def per_token_loss(")
     (tmp_path / "grpo.py").write_text(edited)
-    check_code_map(read_readme(), tmp_path)
+    check_code_map(read_readme("Reading the code"), tmp_path)
     (tmp_path / "grpo.py").write_text(source.replace("def aggregate(", "def aggregate_renamed("))
     with pytest.raises(AssertionError, match="aggregate"):  # and a real rot is caught
-        check_code_map(read_readme(), tmp_path)
+        check_code_map(read_readme("Reading the code"), tmp_path)
 
 
 @pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "runs.py", "sft.py",
