@@ -85,9 +85,9 @@ class Args:
     policy_loss: Literal["clip", "cispo", "sapo"] = "clip"  # clip: PPO/GRPO [loss_type cispo, sapo]
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO [same name]
     seq_clip_eps: float = R.arg(3e-4, "> 0")  # sequence level: s_i >= 1 - this (GSPO paper: 3e-4)
-    seq_clip_eps_high: float = R.arg(4e-4, "> 0")  # ... s_i <= 1 + this (GSPO paper: 4e-4)
+    seq_clip_eps_high: float = R.arg(4e-4, "> 0")  # sequence level: s_i <= 1 + this (GSPO: 4e-4)
     sapo_tau_pos: float = R.arg(1.0, "> 0")  # SAPO gate temperature where A > 0 (SAPO, TRL: 1.0)
-    sapo_tau_neg: float = R.arg(1.05, "> 0")  # ... where A <= 0 (SAPO, TRL: 1.05) [sapo_temp*]
+    sapo_tau_neg: float = R.arg(1.05, "> 0")  # the same where A <= 0 (SAPO, TRL: 1.05) [sapo_*]
     tis_cap: float = R.arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
