@@ -194,7 +194,7 @@ def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncat
     """Sampler/trainer mismatch. The sampler (common.sample) returns log pi_sampler of each token it
     drew; the trainer's forward gives log pi_old of the same tokens. Same weights, so the raw ratio
     w = pi_old / pi_sampler is 1 up to float rounding (about 1e-6 on the CPU in fp32: incremental
-    decoding sums in another order), unless the two differ: bf16, other kernels (vLLM), or top-p.
+    decoding sums in another order), unless they differ: a bf16 sampler, vLLM kernels, top-p.
     With top_p < 1 the sampler draws from the kept tokens, renormalised (its log-prob is
     log pi - log(kept mass)), while the trainer scores the full softmax: w = kept mass <= 1.
     The correction, detached, multiplies each token's policy loss (cap C > 0; 0 = off):
