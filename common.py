@@ -514,7 +514,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
       attention_mask (B, P+T) from lengths
       completion_mask (B, T)  float, 1 on each generated token up to and including the EOS
       truncated (B,)          bool: no EOS (nor stop string) within max_new_tokens
-      sample_logprobs (B, T)  log pi_old of each sampled token, at the sampling temperature
+      sample_logprobs (B, T)  log pi_sampler of each sampled token, at the sampling temperature
+                              (over the kept tokens, renormalised, when top_p < 1)
       P                       the number of prompt columns"""
     device = next(model.parameters()).device
     B = len(prompt_ids)
@@ -549,6 +550,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             out[live, t] = nxt
             logp = (logits / (1.0 if greedy else temperature)).log_softmax(-1)
             out_lp[live, t] = logp.gather(-1, nxt[:, None])[:, 0]
+            if top_p < 1.0 and not greedy:  # it drew from the kept tokens, renormalised: their
+                out_lp[live, t] -= probs.sum(-1).log()  # mass is probs.sum() (probs unscaled)
             ended = torch.isin(nxt, eos)
             if stop:  # decode each row's last few tokens: does a stop string end at this one?
                 tails = tok.batch_decode(out[live, max(0, t + 1 - window):t + 1])

@@ -69,7 +69,7 @@ class Args:
     prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (k samples each)
     max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (the built-in task needs 4)
     temperature: float = R.arg(1.0, "> 0")  # sampling temperature; log-probs use it too (N details)
-    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); log-probs: the full softmax's
+    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); below 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
@@ -85,6 +85,10 @@ class Args:
     loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
     num_iterations: int = R.arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
     clip_eps: float = R.arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
+    # --- the sampler/trainer mismatch correction, see mismatch_weights() (grpo.py's flags)
+    tis_cap: float = R.arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
+    tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
     lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (TRL, OpenRLHF)
     weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
@@ -161,11 +165,12 @@ def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=
 
 
 def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum",
-                   old_logprobs=None, clip_eps=0.2):
+                   old_logprobs=None, clip_eps=0.2, is_weight=None):
     """This micro-batch's share of -(1/N) sum A log pi. n_seqs / n_tokens count the whole optimizer
     step, so micro-batching does not change the gradient (TRL issue #3021). With old_logprobs
     (mu > 1) the PPO clipped surrogate -min(rho A, clip(rho) A) replaces A log pi: both have the
-    gradient A grad log pi while rho = 1. Returns the loss, the ratio and the clipped mask."""
+    gradient A grad log pi while rho = 1. is_weight (detached, from mismatch_weights) multiplies
+    each token's term. Returns the loss, the ratio and the clipped mask."""
     if old_logprobs is None:
         per_token = -advantages * logprobs
         ratio = torch.ones_like(logprobs)
@@ -176,8 +181,26 @@ def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-s
         clipped_obj = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
         per_token = -torch.min(unclipped, clipped_obj)
         clipped = (clipped_obj < unclipped).float()
+    if is_weight is not None:
+        per_token = per_token * is_weight
     norm = n_seqs if loss_agg == "seq-sum" else n_tokens
     return (per_token * mask).sum() / norm, ratio, clipped
+
+
+def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
+    """The sampler/trainer mismatch, as in grpo.py (same code, tested equal): the raw ratio
+    w = pi_old / pi_sampler of each sampled token (1 to float rounding in fp32 on the CPU; the
+    kept mass with top_p < 1) and, when cap C > 0, the detached weight of each token's loss:
+    min(w, C) (truncate: TIS, Yao et al. 2025) or w with 0 where w > C (mask: MIS), per token or
+    one per sequence (the product). Returns the weight (or None) and the raw ratio (B, T)."""
+    log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
+    raw = log_w.exp()
+    if not cap:
+        return None, raw
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True)
+    w = log_w.exp()
+    return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
 
 
 def sample_grad_probe(model):
@@ -288,7 +311,9 @@ def main():
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
         n_local = mask.sum().clamp(min=1)  # for the logged means: this process's tokens
-        sums = dict.fromkeys(("loss", "ratio", "clip_frac", "entropy"), 0.0)
+        sums = dict.fromkeys(("loss", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out"),
+                             0.0)
+        is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
         grad_norms.clear()
         for it in range(args.num_iterations):
             # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
@@ -300,14 +325,21 @@ def main():
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
                     old = old_logprobs[mb] if args.num_iterations > 1 else None
+                    # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
+                    is_weight, is_ratio = mismatch_weights(
+                        logprobs.detach() if old is None else old, roll.sample_logprobs[mb],
+                        mask[mb], args.tis_cap, args.tis_mode, args.tis_level)
                     loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], n_seqs,
                                                           n_tokens, args.loss_agg, old,
-                                                          args.clip_eps)
+                                                          args.clip_eps, is_weight)
                     # gradients add up over the micro-batches. DDP (FSDP2) averages the
                     # processes' gradients: scaled by their number, that is the whole step's sum
                     (loss * run.world).backward()
-                for key, x in (("ratio", ratio), ("clip_frac", clipped), ("entropy", entropy)):
+                out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
+                for key, x in (("ratio", ratio), ("clip_frac", clipped), ("entropy", entropy),
+                               ("is_ratio", is_ratio), ("is_frac_out", out)):
                     sums[key] += float((x.detach() * mask[mb]).sum() / n_local)
+                is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
@@ -317,6 +349,7 @@ def main():
                 R.skip_update(run, "loss or gradient")
             opt.zero_grad(set_to_none=True)
         sums = {key: v / args.num_iterations for key, v in sums.items()}
+        sums["is_ratio_max"] = is_max
         # 4. log, eval, checkpoint
         valid = mask.bool()
         # g_i: each sample's term of the first update's gradient (times N, the step's sequences)

@@ -897,8 +897,9 @@ def sanity_check(model, ref, tok, rows, args, amp):
     row's mask ends on an EOS. Prints each check and a peak-memory estimate; returns failures."""
     device = next(model.parameters()).device
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template)
-    roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
-                    amp=amp, stop=args.stop)
+    # top_p 1: below 1 the sampler's log-probs are over the kept tokens (by design, not a bug)
+    roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, 1.0, amp=amp,
+                    stop=args.stop)
     lp = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
     # fp32 on the CPU: equal up to float noise. bf16 autocast (and on a GPU a bf16 reference
     # against fp32 master weights: 3e-5 KL on the bundled model) rounds each forward differently

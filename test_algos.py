@@ -929,6 +929,160 @@ def test_beta_zero_loads_no_reference_model(monkeypatch, tmp_path):
         assert compiled == [bool(flags)] * len(loaded)
 
 
+# ---- grpo.py: policy losses since DAPO (#29)
+def slow_policy_loss(lp, old, adv, mask, eps, level, kind, tau=(1.0, 1.05)):
+    """Each token's policy loss, one scalar at a time, straight from the papers' formulas."""
+    out = [[torch.zeros(()) for _ in range(lp.shape[1])] for _ in range(lp.shape[0])]
+    for i in range(lp.shape[0]):
+        toks = [t for t in range(lp.shape[1]) if mask[i, t]]
+        s = torch.exp(sum(lp[i, t] - old[i, t] for t in toks) / max(1, len(toks)))  # GSPO's s_i
+        for t in range(lp.shape[1]):
+            r = s if level == "sequence" else torch.exp(lp[i, t] - old[i, t])
+            a, w = float(adv[i]), r.clamp(1 - eps[0], 1 + eps[1])
+            if kind == "clip":
+                out[i][t] = -torch.min(r * a, w * a)
+            elif kind == "cispo":
+                out[i][t] = -w.detach() * a * lp[i, t]
+            else:
+                tau_ = tau[0] if a > 0 else tau[1]
+                out[i][t] = -torch.sigmoid(tau_ * (r - 1)) * 4 / tau_ * a
+    return torch.stack([torch.stack(row) for row in out])
+
+
+def random_step(seed=0, B=6, T=5, spread=0.3):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g) * 3
+    lp = (old + torch.randn(B, T, generator=g) * spread).requires_grad_()
+    adv = torch.randn(B, generator=g)
+    lengths = torch.tensor([1, 5, 3, 2, 4, 5])[:B]
+    mask = (torch.arange(T)[None] < lengths[:, None]).float()
+    return lp, old, adv, mask
+
+
+@pytest.mark.parametrize("kind", ["clip", "cispo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_policy_losses_and_gradients_match_slow_reference(kind, level):
+    eps = (0.2, 0.28) if level == "token" else (0.05, 0.08)  # some ratios clipped either way
+    lp, old, adv, mask = random_step()
+    loss, ratio, _, clipped = grpo.per_token_loss(lp, old, adv, *eps, mask=mask, level=level,
+                                                  policy_loss=kind)
+    (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
+    want = slow_policy_loss(lp, old, adv, mask, eps, level, kind)
+    (want_grad,) = torch.autograd.grad((want * mask).sum(), lp)
+    torch.testing.assert_close(loss * mask, want * mask, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    if kind != "sapo":
+        assert 0 < float((clipped * mask).sum()) < float(mask.sum())  # the test reaches the clip
+
+
+def test_gspo_ratio_is_one_number_per_sequence_and_its_gradient_the_papers():
+    lp, old, adv, mask = random_step(spread=0.01)
+    loss, ratio, _, _ = grpo.per_token_loss(lp, old, adv, 1.0, 1.0, mask=mask, level="sequence")
+    for i in range(len(lp)):
+        n = int(mask[i].sum())
+        s = math.exp(float(((lp.detach() - old)[i, :n]).sum()) / n)
+        assert torch.allclose(ratio[i, :n], torch.full((n,), s), atol=1e-6)  # one number
+    # GSPO (eq. 10): grad J = 1/G sum_i s_i A_i 1/|o_i| sum_t grad log pi_theta(o_i,t); with the
+    # eps this wide nothing is clipped, and seq-mean-token-mean is GSPO's own 1/G sum_i
+    agg = grpo.aggregate(loss, mask, "seq-mean-token-mean", mask.sum(), len(lp), 5)
+    (grad,) = torch.autograd.grad(agg, lp)
+    s = ratio[:, 0].detach()
+    want = -(s * adv / mask.sum(-1))[:, None] * mask / len(lp)
+    torch.testing.assert_close(grad, want, atol=1e-7, rtol=1e-5)
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens():
+    lp, old, adv, mask = random_step(spread=1.0)  # ratios far outside [0.8, 1.2]
+    cispo, _, _, clipped = grpo.per_token_loss(lp, old, adv, 0.2, 0.2, policy_loss="cispo")
+    (g_cispo,) = torch.autograd.grad((cispo * mask).sum(), lp)
+    clip, _, _, drop = grpo.per_token_loss(lp, old, adv, 0.2, 0.2)
+    (g_clip,) = torch.autograd.grad((clip * mask).sum(), lp)
+    dropped = (drop * mask).bool()
+    assert dropped.sum() >= 3
+    assert (g_clip[dropped] == 0).all()  # PPO's clip: no gradient at all
+    w = torch.exp(lp - old).clamp(0.8, 1.2).detach()  # CISPO: the clipped weight, -w A
+    torch.testing.assert_close(g_cispo[dropped], (-w * adv[:, None])[dropped])
+    assert (g_cispo[dropped].abs() > 0).all() and (clipped * mask).sum() >= dropped.sum()
+
+
+@pytest.mark.parametrize("kind", ["clip", "cispo", "sapo"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mu_one_gives_ratio_one_and_the_plain_policy_gradient(kind, level):
+    lp, _, adv, mask = random_step()
+    loss, ratio, _, _ = grpo.per_token_loss(lp, lp.detach(), adv, 3e-4, 4e-4, mask=mask,
+                                            level=level, policy_loss=kind)
+    assert (ratio == 1).all()
+    (grad,) = torch.autograd.grad((loss * mask).sum(), lp)  # plain PG: -A grad log pi per token
+    torch.testing.assert_close(grad, -adv[:, None] * mask, atol=1e-6, rtol=1e-5)
+
+
+def slow_mismatch_weight(old, sample, mask, cap, mode, level):
+    w = torch.exp((old - sample) * mask)
+    if level == "sequence":
+        w = w.prod(-1, keepdim=True)
+    return w.clamp(max=cap) if mode == "truncate" else w * (w <= cap)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode, level):
+    lp, old, adv, mask = random_step()
+    sample = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
+    w, raw = grpo.mismatch_weights(old, sample, mask, 1.5, mode, level)
+    torch.testing.assert_close(w, slow_mismatch_weight(old, sample, mask, 1.5, mode, level))
+    assert (w <= 1.5).all() and (raw * mask).max() > 1.5  # the cap is reached
+    torch.testing.assert_close(raw, torch.exp((old - sample) * mask))
+    assert grpo.mismatch_weights(old, sample, mask)[0] is None  # cap 0: off
+    # the weight multiplies the policy part, not the KL term (as TRL applies it)
+    ref = old - 0.1
+    got, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2, ref, 0.04, "k3", is_weight=w)
+    policy, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2)
+    torch.testing.assert_close(got, policy * w + 0.04 * C.kl_estimate(lp, ref, "k3"))
+    # no mismatch and an infinite cap: the weight is 1 and the loss exactly the uncorrected one
+    w, _ = grpo.mismatch_weights(old, old.clone(), mask, math.inf, mode, level)
+    plain, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2)
+    weighted, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2, is_weight=w)
+    assert (w == 1).all() and torch.equal(weighted, plain)
+
+
+@pytest.mark.parametrize("mode", ["truncate", "mask"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_reinforce_mismatch_correction_is_grpos(mode, level):
+    lp, old, adv, mask = random_step()
+    sample = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
+    w, raw = grpo.mismatch_weights(old, sample, mask, 1.5, mode, level)
+    w2, raw2 = R.mismatch_weights(old, sample, mask, 1.5, mode, level)
+    assert torch.equal(w, w2) and torch.equal(raw, raw2)
+    A = adv[:, None] * mask
+    got, _, _ = R.reinforce_loss(lp, A, mask, 6, mask.sum(), is_weight=w)
+    want = (-A * lp * w * mask).sum() / 6
+    torch.testing.assert_close(got, want)
+
+
+def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
+    model = tiny_model("llama")
+    model.generation_config.eos_token_id = [2, 43, 72]
+    prompts = C.encode_prompts(tok, PROMPTS)
+    torch.manual_seed(0)
+    roll = C.sample(model, tok, prompts, 8, temperature=0.7)
+    lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
+    _, raw = grpo.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
+    assert 0 < float((raw - 1).abs().max()) < 1e-4  # float rounding (1e-6 measured), not 0
+    # top_p 0.8: the sampler's log-prob is over the kept tokens, renormalised, the trainer's over
+    # all: the raw ratio is each step's kept mass, which a plain forward recomputes
+    roll = C.sample(model, tok, prompts, 8, temperature=0.7, top_p=0.8)
+    lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
+    _, raw = grpo.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
+    for i, p in enumerate(prompts):
+        n = int(roll.completion_mask[i].sum())
+        ids = torch.tensor([p + roll.ids[i, roll.P:roll.P + n].tolist()])
+        probs = (model(ids).logits[0, len(p) - 1:-1].float() / 0.7).softmax(-1)
+        sorted_p = probs.sort(-1, descending=True).values
+        kept = (sorted_p * (sorted_p.cumsum(-1) - sorted_p < 0.8)).sum(-1)
+        torch.testing.assert_close(raw[i, :n], kept, atol=1e-4, rtol=1e-4)
+    assert float(raw.min()) < 0.95
+
+
 # ---- reinforce.py: pure functions
 def random_mask(B, T, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -1840,7 +1994,7 @@ def exercises():
 
 def test_exercises_quote_lines_that_still_exist():
     found = exercises()
-    assert 8 <= len(found) <= 12
+    assert 8 <= len(found) <= 15
     for title, script, line, commands in found:
         assert script in ("grpo.py", "reinforce.py", "ppo.py"), title
         assert line, f"{title}: no quoted line to change"
