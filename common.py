@@ -378,6 +378,18 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
             warnings.simplefilter("ignore", FutureWarning)
             return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
     targets = args.lora_target_modules
+    names = [n for n, _ in model.named_modules()]  # peft matches a name or its dotted ending
+    bad = [t for t in targets.split(",") if targets != "all-linear"
+           and not any(n == t or n.endswith("." + t) for n in names)]
+    if bad:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise UserError(f"--lora_target_modules: the model has no module {', '.join(bad)} "
+                        f"(its linear layers: {', '.join(linear)}; or all-linear)")
+    width = getattr(model.config, "hidden_size", None)
+    if width and args.lora_r > width:  # rank r of B A (width x r, r x width) is at most width
+        raise UserError(f"--lora_r {args.lora_r} is above the model's width {width}: a rank "
+                        "beyond it adds memory and nothing else")
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
                              lora_dropout=args.lora_dropout,
                              target_modules=targets.split(",") if "," in targets else targets)
@@ -502,7 +514,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
       attention_mask (B, P+T) from lengths
       completion_mask (B, T)  float, 1 on each generated token up to and including the EOS
       truncated (B,)          bool: no EOS (nor stop string) within max_new_tokens
-      sample_logprobs (B, T)  log pi_old of each sampled token, at the sampling temperature
+      sample_logprobs (B, T)  log pi_sampler of each sampled token, at the sampling temperature
+                              (over the kept tokens, renormalised, when top_p < 1)
       P                       the number of prompt columns"""
     device = next(model.parameters()).device
     B = len(prompt_ids)
@@ -537,6 +550,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             out[live, t] = nxt
             logp = (logits / (1.0 if greedy else temperature)).log_softmax(-1)
             out_lp[live, t] = logp.gather(-1, nxt[:, None])[:, 0]
+            if top_p < 1.0 and not greedy:  # it drew from the kept tokens, renormalised: their
+                out_lp[live, t] -= probs.sum(-1).log()  # mass is probs.sum() (probs unscaled)
             ended = torch.isin(nxt, eos)
             if stop:  # decode each row's last few tokens: does a stop string end at this one?
                 tails = tok.batch_decode(out[live, max(0, t + 1 - window):t + 1])
@@ -891,6 +906,8 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
         except ValueError:
             raise UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") \
                 from None
+        if not math.isfinite(weights[name]):  # every reward would be NaN: nothing would train
+            raise UserError(f"--rewards: the weight of {name!r} must be finite, not {w}")
     if "rm" in weights and not reward_model:
         raise UserError("--rewards names 'rm' but no --reward_model is given")
     return weights

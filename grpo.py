@@ -24,7 +24,9 @@ log r = log pi_ref - log pi_theta, on samples from pi_theta; see per_token_loss)
 
 Switches: Dr. GRPO (Liu et al. 2025) = --scale_rewards none --loss_agg seq-sum-norm --beta 0;
 DAPO (Yu et al. 2025) = --clip_eps_high 0.28 --loss_agg token-mean --dynamic_sampling
---overlong_penalty 1 --beta 0.
+--overlong_penalty 1 --beta 0. Since DAPO (docs/policy_losses.md): GSPO =
+--importance_sampling_level sequence --beta 0; CISPO = --policy_loss cispo; SAPO = --policy_loss
+sapo; sampler/trainer mismatch correction (TIS) = --tis_cap 2.
 
 Run:  python grpo.py                     # bundled tiny model and task, CPU, under a minute
       python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl --max_new_tokens 256 \\
@@ -57,55 +59,66 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    group_size: int = 8  # G completions per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
-    prompts_per_step: int = 8  # prompts per optimizer step: G * prompts_per_step completions
-    max_new_tokens: int = 6  # completion length cap (TRL 256-512; the built-in task needs 4)
-    temperature: float = 1.0  # sampling temperature; log-probs divide by the same one (N details)
-    top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, log-probs stay the full softmax's
+    group_size: int = R.arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
+    prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (G samples each)
+    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
+    temperature: float = R.arg(1.0, "> 0")  # sampling temperature; log-probs use it too (N details)
+    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); below 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
-    max_turns: int = 3  # model turns per episode with --env (calc: call, answer, one spare)
+    max_turns: int = R.arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the GRPO objective
-    beta: float = 0.04  # KL weight in the loss; 0 loads no reference model (DeepSeekMath: 0.04)
+    beta: float = R.arg(0.04, ">= 0")  # KL weight in the loss; 0: no reference model (DeepSeekMath)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: DeepSeekMath; k2: reverse KL; k1 refused
-    clip_eps: float = 0.2  # eps_low: the ratio is clipped to [1 - eps_low, ...] (PPO, TRL)
-    clip_eps_high: float = 0.2  # eps_high: [..., 1 + eps_high]; DAPO's clip-higher uses 0.28
-    num_iterations: int = 1  # mu: updates per batch; > 1 stores old log-probs (DeepSeekMath: 1)
+    clip_eps: float = R.arg(0.2, "> 0")  # eps_low: the ratio is clipped below 1 - eps_low (PPO)
+    clip_eps_high: float = R.arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
+    num_iterations: int = R.arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
     loss_agg: LossAgg = "token-mean"  # normaliser, see aggregate() (DAPO and TRL: token-mean)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std in A_i; none: Dr. GRPO
     mask_truncated: bool = False  # completions with no EOS carry no loss (DAPO overlong filtering)
-    overlong_penalty: float = 0.0  # DAPO soft overlong punishment: at most this much subtracted ...
-    overlong_buffer: int = 2  # ... rising linearly over the last this-many tokens before the cap
+    overlong_penalty: float = R.arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
+    overlong_buffer: int = R.arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
-    max_resample_rounds: int = 4  # ... at most this many extra sampling rounds per step
+    max_resample_rounds: int = R.arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
+    # --- objectives since DAPO, see per_token_loss() (TRL's names in brackets)
+    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"  # clip: PPO/GRPO [loss_type cispo, sapo]
+    importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO [same name]
+    seq_clip_eps: float = R.arg(3e-4, "> 0")  # sequence level: s_i >= 1 - this (GSPO paper: 3e-4)
+    seq_clip_eps_high: float = R.arg(4e-4, "> 0")  # sequence level: s_i <= 1 + this (GSPO: 4e-4)
+    sapo_tau_pos: float = R.arg(1.0, "> 0")  # SAPO gate temperature where A > 0 (SAPO, TRL: 1.0)
+    sapo_tau_neg: float = R.arg(1.05, "> 0")  # the same where A <= 0 (SAPO, TRL: 1.05) [sapo_*]
+    tis_cap: float = R.arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
+    tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
-    lr: float = 1e-4  # tiny-model value (3e-4 was worse); real models ~1e-6 (DeepSeekMath, TRL)
-    weight_decay: float = 0.0  # AdamW weight decay (TRL 0, verl 0.01)
-    max_grad_norm: float = 1.0  # gradient clipping (TRL, verl, OpenRLHF)
-    max_steps: int = 200  # optimizer steps (times num_iterations)
-    micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
-    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
+    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
+    max_steps: int = R.arg(200, "> 0")  # optimizer steps (times num_iterations)
+    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
+    sample_dtype: Literal["same", "bf16", "fp32"] = "same"  # bf16: sample in bf16, a mismatch
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
-    eval_every: int = 50  # steps between held-out greedy evals (0: only before and after)
-    eval_size: int = 500  # held-out prompts per eval
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = R.arg(50, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
+    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
-    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/grpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
@@ -113,16 +126,17 @@ class Args:
 
 
 # --------------------------------------------------------------------------- the algorithm
-def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
     """A_i = r_i - mean of its group, divided by the group's std (GRPO), the batch's std, or
     nothing (Dr. GRPO). rewards (B,) with groups as contiguous rows -> (B,). A group whose rewards
-    are all equal gets A = 0: no signal (counted in frac_zero_std by zero_std_groups)."""
+    are all equal gets A = 0: no signal (counted in frac_zero_std by zero_std_groups).
+    std: the batch's std; under torchrun runs.global_std, over the whole step's rewards."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
-        adv = adv / (rewards.std() + eps)
+        adv = adv / (std(rewards) + eps)
     return adv.view(-1)
 
 
@@ -132,9 +146,22 @@ def zero_std_groups(rewards, group_size):
 
 
 def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, ref_logprobs=None,
-                   beta=0.0, kl_estimator="k3"):
+                   beta=0.0, kl_estimator="k3", mask=None, level="token", policy_loss="clip",
+                   tau=(1.0, 1.05), is_weight=None):
     """Clipped surrogate per token, plus beta * k to the reference: GRPO puts KL in the loss, not
-    in the reward. logprobs, old_logprobs, ref_logprobs (B, T); advantages (B,).
+    in the reward. logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,).
+    rho is the ratio pi_theta / pi_old, at the importance sampling `level`:
+      token     rho_i,t = exp(log pi_theta(o_i,t) - log pi_old(o_i,t))          (PPO, GRPO)
+      sequence  rho_i = s_i = exp(mean_t of that, over o_i's tokens), given to every token of o_i
+                (GSPO, Zheng et al. 2025; its eps are tiny); grad s_i = s_i mean_t grad log pi_theta
+    The policy part, by `policy_loss` (sg = stop-gradient, eps = clip_eps, clip_eps_high):
+      clip   -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A): a clipped token's gradient is 0
+      cispo  -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi_theta (MiniMax-M1, arXiv
+             2506.13585): the weight is clipped, never the gradient, -sg(w) A grad log pi_theta
+      sapo   -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, tau = tau_pos where A > 0, else
+             tau_neg (SAPO, arXiv 2511.20347): a soft gate, f'(1) = 1, fading away from rho = 1
+    At rho = 1 (num_iterations = 1) each has the plain policy gradient -A grad log pi_theta per
+    token (tested). is_weight (detached, from mismatch_weights) multiplies the policy part (TRL).
     Which KL the term pulls towards is set by its gradient, not its value. On samples y ~ pi_theta
     with log r = log pi_ref(y) - log pi_theta(y), the gradients' expectations are exactly
       k2: E[-log r * grad log pi_theta] = grad KL(pi_theta || pi_ref)    (reverse KL)
@@ -142,17 +169,53 @@ def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, 
       k1: E[grad log pi_theta] = 0                                       (no pull at all)
     (Schulman 2020; "A Comedy of Estimators", arXiv 2512.21852; tested by exact summation.)
     Returns the (B, T) loss and the ratio, KL and clipped-mask tensors for logging."""
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if level == "sequence":  # GSPO: the mean over the sequence's own tokens, one per sequence
+        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
+    ratio = torch.exp(log_ratio).expand_as(logprobs)  # (B, T): token ratios, or s_i per token
     adv = advantages[:, None]
-    unclipped = ratio * adv
-    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps_high) * adv
-    loss = -torch.min(unclipped, clipped)
-    is_clipped = (clipped < unclipped).float()  # the min took the clipped branch: gradient 0
+    low, high = 1 - clip_eps, 1 + clip_eps_high
+    if policy_loss == "clip":
+        unclipped = ratio * adv
+        clipped = torch.clamp(ratio, low, high) * adv
+        loss = -torch.min(unclipped, clipped)
+        is_clipped = (clipped < unclipped).float()  # the min took the clipped branch: gradient 0
+    elif policy_loss == "cispo":  # the clipped weight is a constant: every token keeps a gradient
+        loss = -torch.clamp(ratio, low, high).detach() * adv * logprobs
+        is_clipped = ((ratio < low) | (ratio > high)).float()  # weight clipped, gradient kept
+    else:  # sapo: the gate's slope is 1 at rho = 1 and decays smoothly away from it
+        t = torch.where(adv > 0, tau[0], tau[1])
+        loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
+        is_clipped = torch.zeros_like(logprobs)  # no hard clip
+    if is_weight is not None:
+        loss = loss * is_weight
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
         kl = C.kl_estimate(logprobs, ref_logprobs, kl_estimator)
         loss = loss + beta * kl
     return loss, ratio, kl, is_clipped
+
+
+def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
+    """Sampler/trainer mismatch. The sampler (common.sample) returns log pi_sampler of each token it
+    drew; the trainer's forward gives log pi_old of the same tokens. Same weights, so the raw ratio
+    w = pi_old / pi_sampler is 1 up to float rounding (about 1e-6 on the CPU in fp32: incremental
+    decoding sums in another order), unless they differ: a bf16 sampler, vLLM kernels, top-p.
+    With top_p < 1 the sampler draws from the kept tokens, renormalised (its log-prob is
+    log pi - log(kept mass)), while the trainer scores the full softmax: w = kept mass <= 1.
+    The correction, detached, multiplies each token's policy loss (cap C > 0; 0 = off):
+      truncate  min(w, C)             TIS (Yao et al. 2025, fengyao.notion.site/off-policy-rl)
+      mask      w, or 0 where w > C   MIS (the Ling team's IcePop)
+    level sequence: one w per sequence, the product of its token ratios (TRL's sequence_* modes).
+    Returns the weight ((B, T), (B, 1), or None when off) and the raw token ratio (B, T)."""
+    log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
+    raw = log_w.exp()
+    if not cap:
+        return None, raw
+    if level == "sequence":
+        log_w = log_w.sum(-1, keepdim=True)
+    w = log_w.exp()
+    return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
 
 
 def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
@@ -269,6 +332,7 @@ def main():
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    sample_amp = amp if args.sample_dtype == "same" else C.autocast(device, args.sample_dtype)
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     C.check_prompts(tok, model, data.rows, args)
@@ -298,14 +362,16 @@ def main():
     for step in bar:
         t0 = time.time()
         # 1. sample G completions per prompt and score them
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll, rows, completions, rewards, seen = sample_groups(
-                model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, env)
+                model, tok, data, rng, args, weights, rm, rm_tok, fns, sample_amp, env)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,)
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards,
+                                      std=R.global_std).to(device)  # torchrun: the step's std
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
             mask = mask * (~roll.truncated)[:, None].float()
@@ -326,7 +392,12 @@ def main():
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
         n_local = float(mask.sum().clamp(min=1))  # for the logged means: this process's tokens
-        sums = dict.fromkeys(("loss", "kl", "ratio", "clip_frac", "entropy"), 0.0)
+        sums = dict.fromkeys(("loss", "kl", "ratio", "clip_frac", "entropy", "is_ratio",
+                              "is_frac_out"), 0.0)
+        is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
+        sequence = args.importance_sampling_level == "sequence"  # GSPO's ratio: its own tiny eps
+        eps = (args.seq_clip_eps, args.seq_clip_eps_high) if sequence else (args.clip_eps,
+                                                                             args.clip_eps_high)
         for it in range(args.num_iterations):
             # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
@@ -338,18 +409,25 @@ def main():
                                                              args.temperature, entropy=True)
                     old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
                     ref_mb = ref_logprobs[mb] if ref_logprobs is not None else None
+                    # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
+                    is_weight, is_ratio = mismatch_weights(old, roll.sample_logprobs[mb], mask[mb],
+                                                           args.tis_cap, args.tis_mode,
+                                                           args.tis_level)
                     loss, ratio, kl, clipped = per_token_loss(
-                        logprobs, old, advantages[mb], args.clip_eps, args.clip_eps_high, ref_mb,
-                        args.beta, args.kl_estimator)
+                        logprobs, old, advantages[mb], *eps, ref_mb, args.beta, args.kl_estimator,
+                        mask[mb], args.importance_sampling_level, args.policy_loss,
+                        (args.sapo_tau_pos, args.sapo_tau_neg), is_weight)
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
                     # gradients add up over the micro-batches. DDP (FSDP2) averages the
                     # processes' gradients: scaled by their number, that is the whole step's sum
                     (loss * run.world).backward()
                 # logged token means over the step, averaged over the mu updates
+                out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
                 for key, x in (("kl", kl), ("ratio", ratio), ("clip_frac", clipped),
-                               ("entropy", entropy)):
+                               ("entropy", entropy), ("is_ratio", is_ratio), ("is_frac_out", out)):
                     sums[key] += float((x.detach() * mask[mb]).sum()) / n_local
+                is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
             if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
@@ -359,12 +437,13 @@ def main():
                 R.skip_update(run, "loss or gradient")
             opt.zero_grad(set_to_none=True)
         sums = {k: v / args.num_iterations for k, v in sums.items()}
+        sums["is_ratio_max"] = is_max
         # 4. log, eval, checkpoint
         all_rewards = torch.cat(seen["rewards"])
         parts = {k: torch.cat([p[k] for p in seen["parts"]]) for k in seen["parts"][0]}
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
-                   "reward_std": float(all_rewards.std()),
+                   "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
                    "frac_zero_std": float(torch.cat(seen["zero_std"]).float().mean()),
@@ -378,7 +457,9 @@ def main():
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::G][:4], shown[::G][:4], rewards[::G][:4])]
-        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        # under torchrun: the mean over the processes, token means weighted by their tokens
+        token_means = ("kl", "ratio", "clip_frac", "entropy")
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)
