@@ -295,6 +295,7 @@ def main():
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
+                    entropy = entropy.detach()  # only logged: its graph goes, backward skips it
                     old = old_logprobs[mb] if args.num_iterations > 1 else None
                     loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], n_seqs,
                                                           n_tokens, args.loss_agg, old,
