@@ -835,7 +835,12 @@ def math_reward(completion, row):
 
 
 def format_reward(completion, row):
-    return float(final_number(completion) is not None)  # states a number at all
+    """1 when the completion states its final answer in a format graders read: a non-empty
+    \\boxed{...} (MATH; "put your final answer within \\boxed{}") or a last line '#### N'
+    (GSM8K). It checks the form only; math_reward checks the value."""
+    boxed = last_boxed(completion)
+    gsm8k = re.search(r"(^|\n)\s*####\s*-?[\d,]*\.?\d+\s*$", completion)
+    return float(bool(boxed and boxed.strip()) or gsm8k is not None)
 
 
 def length_reward(completion, row):

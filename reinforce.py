@@ -27,8 +27,9 @@ unchanged (E[b grad log pi] = 0) and can cut its variance. Without one, the upda
 reward's offset: add c to every reward and each sample's gradient gains c grad log pi, pure noise.
 Logged proxies: adv_mean, adv_std and sample_grad_rms (see sample_grad_probe). On the bundled
 task, with 0/1 rewards b = 0 already is the failure reward, so `none` is no noisier than rloo;
-with --rewards math,format (+1 for any number) vanilla's per-sample gradient nearly
-triples while every baseline's stays put (README).
+with +1 added to almost every reward vanilla's per-sample gradient nearly triples while every
+baseline's stays put (README: measured with --rewards math,format when `format` paid 1 for any
+number; it now pays only a \\boxed{} or '#### N' answer, which this model never writes).
 
 Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO paper);
 num_iterations > 1 turns on a PPO-style clipped token ratio. --whiten whitens the advantages after
@@ -188,7 +189,9 @@ def sample_grad_probe(model):
     bounds the gradient's variance (tr Var(mean g) <= E||g||^2 / N). It is measured in logit space,
     not parameter space (per-parameter per-sample gradients cost a backward each): the parameter
     gradient is J_i^T g_i. On the bundled model it ranks the baselines in the same order as the
-    batch gradient's covariance over 30 batches. Returns the list it fills, in micro-batch order."""
+    batch gradient's covariance over 30 batches. Returns the list it fills, in micro-batch order.
+    Exact while token_logprobs' head chunks hold whole rows (T x V <= its chunk_elems, always on
+    the bundled model); with a large vocabulary a chunk is part of a row, and this is not."""
     norms = []
 
     def on_forward(module, inputs, logits):

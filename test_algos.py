@@ -722,7 +722,8 @@ def test_scripts_run_on_the_real_tokenizer_model(module, chat_model, tmp_path, m
     flags = {grpo: ["--group_size", "4", "--prompts_per_step", "2", "--micro_batch_size", "8",
                     "--stop", "</answer>", "--beta", "0.04"],
              R: ["--samples_per_prompt", "2", "--prompts_per_step", "2"],
-             ppo: ["--batch_size", "8", "--critic_init", "policy"], dpo: ["--batch_size", "4"]}[module]
+             ppo: ["--batch_size", "8", "--critic_init", "policy"],
+             dpo: ["--batch_size", "4"]}[module]
     run_main(monkeypatch, module, "--model", chat_model, "--max_steps", "1", "--eval_every", "0",
              "--save_every", "0", "--eval_size", "4", "--max_new_tokens", "6",
              "--output_dir", tmp_path / "run", *flags)
@@ -760,8 +761,14 @@ def test_rule_rewards():
     assert C.math_reward("75", {"answer": "85"}) == 0.0
     assert C.math_reward("", {"answer": "85"}) == 0.0
     weights = {"math": 1.0, "format": 0.5}
-    total, parts = C.compute_rewards([{"answer": "3"}] * 2, ["3", "4"], weights)
+    total, parts = C.compute_rewards([{"answer": "3"}] * 2, ["so \\boxed{3}", "So:\n#### 4"],
+                                     weights)
     assert total.tolist() == [1.5, 0.5] and parts["math"].tolist() == [1.0, 0.0]
+    # format: a final answer as \boxed{...} or a last line '#### N', nothing else
+    for text, want in (("85", 0), ("the sum is 85", 0), ("\\boxed{85}", 1), ("\\boxed{ }", 0),
+                       ("1+2\n#### 3", 1), ("#### 1,004.5", 1), ("#### 3 and more", 0),
+                       ("x #### 3", 0), ("\\boxed{3} because", 1)):
+        assert C.format_reward(text, {}) == want, text
 
 
 def test_reward_model_batch_equals_one_by_one(tok):
@@ -791,7 +798,8 @@ def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
                              do_sample=False, pad_token_id=tok.pad_token_id)
         text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
-        want.append(float(re.search(r"\d", text) is not None) - 0.5 * len(text) / 100)
+        formatted = "\\boxed{" in text or "####" in text  # never, for this model
+        want.append(float(formatted) - 0.5 * len(text) / 100)
     score = C.evaluate(model, tok, rows, args, OFF, batch_size=5)["eval"]
     assert score == pytest.approx(sum(want) / len(want), abs=1e-6)
     assert C.gold(["5", "4"], [{"prompt": "x", "answer": "5"}] * 2) == {"gold": 0.5}
@@ -799,12 +807,12 @@ def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path
     data = tmp_path / "d.jsonl"
     out = tmp_path / "out"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
-    r = run_script("grpo.py", "--data", str(data), "--rewards", "format", "--max_steps", "2",
+    r = run_script("grpo.py", "--data", str(data), "--rewards", "length", "--max_steps", "2",
                    "--eval_size", "4", "--output_dir", str(out))
     assert r.returncode == 0 and "held-out mean reward" in r.stdout, r.stderr[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_metric"] == "mean reward"
-    assert summary["eval_before"] > 0.5  # the model answers with numbers
+    assert -0.5 < summary["eval_before"] < 0  # short answers: a small length penalty
     assert not any("gold" in m for m in read_metrics(out))
 
 
