@@ -2715,8 +2715,7 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, t
 # run as written: its flags exist, its links resolve, the tests it names exist.
 # Written in parallel branches and linked from the README before they land: drop each name from
 # this set once its file is in docs/ (the link test then checks it like any other).
-PENDING_DOCS = {"docs/tool_use.md", "docs/policy_losses.md", "docs/memory.md",
-                "docs/reliability.md"}
+PENDING_DOCS = {"docs/tool_use.md", "docs/policy_losses.md", "docs/reliability.md"}
 SCRIPTS = {"grpo": grpo, "reinforce": R, "ppo": ppo, "sft": sft, "reward_model": reward_model,
            "dpo": dpo}
 
