@@ -637,8 +637,9 @@ def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=
        indexing op: gradients flow back into the one prompt forward);
     3. the LM head never makes the (B, T, V) logits: the model returns its final hidden states
        (B, T, H), and head -> logits / temperature -> fp32 log-softmax -> gather runs a chunk
-       of <= chunk_elems logits at a time (16 MB in fp32 by default); with gradients
-       each chunk is recomputed in backward (torch.utils.checkpoint), so neither pass holds more
+       of <= chunk_elems logits at a time (16 MB in fp32 by default); with gradients over
+       several chunks, backward recomputes each chunk (LinearHeadLogprobs for a plain linear
+       head, torch.utils.checkpoint for any other, e.g. LoRA's), so neither pass holds more
        than one chunk of logits. A model whose logits are not head(last hidden state) (checked
        once per class), or an FSDP2 model (its head's weight is sharded), falls back to a full
        forward with logits_to_keep, chunked only for the log-softmax (said once).
@@ -684,13 +685,17 @@ def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=
     r = max(1, chunk_elems // (Tb * V))
     c = Tb if Tb * V <= chunk_elems else max(1, chunk_elems // V)
     several = B > r or Tb > c
+    if torch.is_grad_enabled() and several and type(head) is torch.nn.Linear:
+        lp, ent = LinearHeadLogprobs.apply(x, head.weight, head.bias, targets, temperature, never,
+                                           r, c, entropy)
+        return F.pad(lp, pad), F.pad(ent, pad) if entropy else None
     lps, ents = [], []
     for i in range(0, B, r):
         row_lps, row_ents = [], []
         for j in range(0, Tb, c):
             args = (x[i:i + r, j:j + c], targets[i:i + r, j:j + c], temperature, entropy, head,
                     never)
-            if torch.is_grad_enabled() and several:  # recompute each chunk in backward
+            if torch.is_grad_enabled() and several:  # any other head (LoRA): recompute
                 lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False,
                                      preserve_rng_state=False)
             else:
@@ -709,6 +714,71 @@ def _chunk_logprobs(x, targets, temperature, entropy, head, never):
     logp = masked_logits(logits.float() / temperature, never).log_softmax(-1)
     ent = -(logp.exp() * logp).sum(-1) if entropy else None
     return logp.gather(-1, targets[..., None])[..., 0], ent
+
+
+def _blocks(B, Tb, r, c):
+    return [(slice(i, i + r), slice(j, j + c)) for i in range(0, B, r) for j in range(0, Tb, c)]
+
+
+class LinearHeadLogprobs(torch.autograd.Function):
+    """fast_token_logprobs' chunks for a plain linear head, by hand. Forward: x (B, Tb, H) final
+    hidden states, through z = (x W^T + b) / temperature a chunk at a time -> log-probs of the
+    targets and entropies (B, Tb); it keeps x only. Backward recomputes each chunk's softmax p
+    and forms dL/dz = g_lp (onehot(target) - p) - g_ent p (log p + entropy), then adds that
+    chunk's x^T-weighted terms into ONE buffer for W's gradient (a per-chunk checkpoint would
+    make a V x H gradient per chunk and sum them): one chunk of logits at a time, and the
+    entropy costs nothing in backward when the caller did not use it (g_ent is None)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, temperature, never, r, c, entropy):
+        dev = x.device.type
+        ctx.amp = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+        ctx.save_for_backward(x, weight, bias, targets)
+        ctx.args = temperature, never, r, c
+        ctx.set_materialize_grads(False)
+        lp = x.new_zeros(targets.shape, dtype=torch.float32)
+        ent = torch.zeros_like(lp)
+        head = functools.partial(F.linear, weight=weight, bias=bias)
+        for rows, cols in _blocks(*targets.shape, r, c):
+            lp[rows, cols], e = _chunk_logprobs(x[rows, cols], targets[rows, cols], temperature,
+                                                entropy, head, never)
+            if entropy:
+                ent[rows, cols] = e
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        x, weight, bias, targets = ctx.saved_tensors
+        temperature, never, r, c = ctx.args
+        (amp, dtype), dev = ctx.amp, x.device.type
+        grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
+        grad_b = None if bias is None else torch.zeros_like(bias)
+        for rows, cols in _blocks(*targets.shape, r, c):
+            xc, t = x[rows, cols], targets[rows, cols]
+            with torch.autocast(dev, dtype=dtype, enabled=amp):  # as in forward
+                logits = F.linear(xc, weight, bias)
+            logp = masked_logits(logits.float() / temperature, never).log_softmax(-1)
+            del logits
+            p = logp.exp()
+            gz = torch.zeros_like(p)
+            if g_lp is not None:
+                g = g_lp[rows, cols, None]
+                gz = (-p * g).scatter_add_(-1, t[..., None], g)
+            if g_ent is not None:
+                ent = -(p * logp).sum(-1, keepdim=True)
+                gz -= g_ent[rows, cols, None] * p * (logp + ent)
+            del p, logp
+            gz = (gz / temperature).flatten(0, 1)  # (n, V): dL/dlogits
+            low = dtype if amp else weight.dtype  # the matmuls' precision, as autograd's
+            grad_x[rows, cols] = (gz.to(low) @ weight.to(low)).view(xc.shape)
+            xf = xc.flatten(0, 1)
+            if low == grad_w.dtype:
+                grad_w.addmm_(gz.T, xf.to(low))  # in place: no V x H temporary
+            else:
+                grad_w += (gz.to(low).T @ xf.to(low)).to(grad_w.dtype)
+            if grad_b is not None:
+                grad_b += gz.sum(0).to(grad_b.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def _lm_head(model):

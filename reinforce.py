@@ -43,6 +43,7 @@ Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-c
           --max_new_tokens 256 --baseline rloo --beta 0.05 --lr 1e-6 --compile
 Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.99 with rloo.
 """
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -190,8 +191,9 @@ def sample_grad_probe(model):
     not parameter space (per-parameter per-sample gradients cost a backward each): the parameter
     gradient is J_i^T g_i. On the bundled model it ranks the baselines in the same order as the
     batch gradient's covariance over 30 batches. Returns the list it fills, in micro-batch order.
-    Exact while token_logprobs' head chunks hold whole rows (T x V <= its chunk_elems, always on
-    the bundled model); with a large vocabulary a chunk is part of a row, and this is not."""
+    Measured while token_logprobs puts whole rows through the head module at once (T x V <= its
+    chunk_elems, as on the bundled model); with a large vocabulary its chunks run the head's
+    weight by hand (C.LinearHeadLogprobs), nothing is recorded, and it is logged as nan."""
     norms = []
 
     def on_forward(module, inputs, logits):
@@ -320,7 +322,7 @@ def main():
         # 4. log, eval, checkpoint
         valid = mask.bool()
         # g_i: each sample's term of the first update's gradient (times N, the step's sequences)
-        g = torch.cat(grad_norms)[:B] * n_seqs / run.world
+        g = torch.cat(grad_norms)[:B] * n_seqs / run.world if grad_norms else torch.tensor(math.nan)
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(scores.mean()),
                    "reward_std": float(scores.std()),

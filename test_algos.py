@@ -403,16 +403,15 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
 
 def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradients(
         monkeypatch, tok):
-    """Spread over several chunks of positions, the training log-probs keep only the final hidden
-    states for backward and recompute each chunk's LM head and fp32 log-softmax there: same
-    values, entropies and gradients as one chunk and as the plain path (bf16: the head's matmul
-    on other shapes rounds differently, so to bf16 precision)."""
+    """Spread over several chunks, the training log-probs keep only the final hidden states for
+    backward (C.LinearHeadLogprobs recomputes each chunk's LM head and fp32 log-softmax there):
+    same values, entropies and gradients as one chunk and as the plain path (bf16: the head's
+    matmul on other shapes rounds differently, so to bf16 precision)."""
     model = tiny_model("llama")
     roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
-    recomputed = []
-    monkeypatch.setattr(C, "checkpoint",
-                        lambda *a, **kw: recomputed.append(1) or checkpoint(*a, **kw))
+    chunks, real = [], C._chunk_logprobs
+    monkeypatch.setattr(C, "_chunk_logprobs", lambda *a: chunks.append(a[0].shape[:2]) or real(*a))
 
     def run(chunk_elems, dtype, fast=True):
         model.zero_grad()
@@ -430,9 +429,11 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
     assert int(roll.completion_mask.sum(-1).max()) == T
     for dtype in ("fp32", "bf16"):
         one = run(2**24, dtype)
-        assert recomputed == []
-        many = run(3 * T * V, dtype)  # three rows' positions per chunk
-        assert len(recomputed) == -(-len(roll.ids) // 3)
+        assert chunks == [(len(roll.ids), T)]
+        chunks.clear()
+        many = run(3 * T * V, dtype)  # three rows per chunk
+        assert chunks == [(3, T)] * (len(roll.ids) // 3) + [(len(roll.ids) % 3, T)]
+        chunks.clear()
         plain = run(0, dtype, fast=False)
         for a, b, c in zip(many, one, plain):
             if dtype == "fp32":
@@ -441,7 +442,7 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
             else:
                 for x in (a, c):
                     assert float((x - b).norm() / b.norm()) < 2e-2
-        recomputed.clear()
+        chunks.clear()
 
 
 def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
@@ -629,16 +630,17 @@ def test_sampling_puts_only_the_last_position_through_the_lm_head(chat_model):
     assert shapes and all(s[1] == 1 for s in shapes)
 
 
-def test_logprobs_never_make_the_full_logits(chat_model):
-    """With gradients (and without), the fast path's LM head sees at most chunk_elems / V
-    positions at a time, forward and backward; values and gradients equal the plain path's."""
+def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
+    """With gradients, the fast path's LM head sees at most chunk_elems / V positions at a time,
+    forward and backward; values and gradients equal the plain path's."""
     model = C.load_model(chat_model, "lm", torch.device("cpu"))
     tok = C.load_tokenizer(chat_model)
     torch.manual_seed(0)
     roll = C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 3), 12)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
-    sizes = []
+    sizes, blocks, real = [], [], C._blocks
     hook = model.lm_head.register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[:-1])))
+    monkeypatch.setattr(C, "_blocks", lambda *a: blocks.append(real(*a)) or blocks[-1])
 
     def grads(fast):
         model.zero_grad()
@@ -648,9 +650,12 @@ def test_logprobs_never_make_the_full_logits(chat_model):
         ((lp + 0.1 * ent) * roll.completion_mask).sum().backward()
         return [lp.detach(), ent.detach()] + [p.grad.clone() for p in model.parameters()]
     fast = grads(True)
-    # the forwards' logits_to_keep=1 (rows, 1), then chunks of <= 5 positions (here: (1, c))
-    assert sizes and all(s[1] == 1 or s[0] * s[1] <= 5 for s in sizes)
-    assert sum(s[0] * s[1] for s in sizes if s[1] > 1) >= 6 * (T - 2)
+    # the head module: the forwards' logits_to_keep=1 only; the chunks, forward and backward:
+    # blocks of one row and <= 5 positions, covering every position
+    assert sizes and all(s[1] == 1 for s in sizes)
+    assert len(blocks) == 2 and blocks[0] == blocks[1]
+    assert all(b[0].stop - b[0].start == 1 and b[1].stop - b[1].start <= 5 for b in blocks[0])
+    assert len(blocks[0]) == 6 * -(-T // 5)
     hook.remove()
     for a, b in zip(fast, grads(False)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
