@@ -626,6 +626,7 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
 
 
 _HEAD_CHECKED = {}  # model class -> does its LM head turn the last hidden state into its logits?
+_SAID_FSDP = []  # the FSDP2 fallback is said once
 
 
 def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False,
@@ -784,10 +785,11 @@ class LinearHeadLogprobs(torch.autograd.Function):
 def _lm_head(model):
     """The LM head (a LoRA-wrapped one too), or None where the fast path cannot split it."""
     hf = _unwrap(model)
-    if isinstance(hf, FSDPModule) and type(hf) not in _HEAD_CHECKED:
-        _HEAD_CHECKED[type(hf)] = False
-        print(f"{type(hf).__name__}: the LM head's weight is sharded (FSDP2); log-probs make "
-              "full logits (more memory)")
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        if not _SAID_FSDP:
+            _SAID_FSDP.append(print("FSDP2: the LM head's weight is sharded; log-probs make full "
+                                    "logits (more memory)"))
+        return None
     return None if _HEAD_CHECKED.get(type(hf)) is False else hf.get_output_embeddings()
 
 
