@@ -721,6 +721,16 @@ def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path
         dist.destroy_process_group()
 
 
+def test_reward_model_names_its_eval_row_pair_accuracy_not_greedy(monkeypatch, tmp_path):
+    """reward_model.py's held-out table row is the pair accuracy (chosen scored above rejected):
+    no greedy decoding is involved."""
+    seen = {}
+    monkeypatch.setattr(runs, "finish_run", lambda *a, **kw: seen.update(metric=a[2], **kw))
+    run_main(monkeypatch, reward_model, "--max_steps", 1, "--eval_every", 0, "--eval_size", 8,
+             "--output_dir", tmp_path / "rm")
+    assert seen["metric"] == "pair accuracy" and seen["label"] == "chosen > rejected"
+
+
 @pytest.mark.parametrize("module", [grpo, R, ppo, dpo])
 def test_scripts_run_on_the_real_tokenizer_model(module, chat_model, tmp_path, monkeypatch):
     """One short run of each RL script (and DPO) on the BPE/ChatML model with extra rows."""
