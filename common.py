@@ -392,6 +392,18 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
             warnings.simplefilter("ignore", FutureWarning)
             return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
     targets = args.lora_target_modules
+    names = [n for n, _ in model.named_modules()]  # peft matches a name or its dotted ending
+    bad = [t for t in targets.split(",") if targets != "all-linear"
+           and not any(n == t or n.endswith("." + t) for n in names)]
+    if bad:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise UserError(f"--lora_target_modules: the model has no module {', '.join(bad)} "
+                        f"(its linear layers: {', '.join(linear)}; or all-linear)")
+    width = getattr(model.config, "hidden_size", None)
+    if width and args.lora_r > width:  # rank r of B A (width x r, r x width) is at most width
+        raise UserError(f"--lora_r {args.lora_r} is above the model's width {width}: a rank "
+                        "beyond it adds memory and nothing else")
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
                              lora_dropout=args.lora_dropout,
                              target_modules=targets.split(",") if "," in targets else targets)
@@ -992,6 +1004,8 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
         except ValueError:
             raise UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") \
                 from None
+        if not math.isfinite(weights[name]):  # every reward would be NaN: nothing would train
+            raise UserError(f"--rewards: the weight of {name!r} must be finite, not {w}")
     if "rm" in weights and not reward_model:
         raise UserError("--rewards names 'rm' but no --reward_model is given")
     return weights

@@ -11,7 +11,10 @@ of x cancels) and fit the policy to the preferences directly:
     sigmoid (DPO):  L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid(-beta h)     dpo_loss()
                     eps = label_smoothing: the labels are flipped with probability eps (cDPO)
     ipo (IPO):      L = (h - 1 / (2 beta))^2: h is pulled to a target instead of pushed to
-                    infinity, so deterministic preferences do not drive pi_ref's mass to 0
+                    infinity, so deterministic preferences do not drive pi_ref's mass to 0.
+                    h sums log-probs over the tokens, the paper's form; TRL's IPO averages
+                    them per token (its h is about |y| times smaller), so a beta tuned on TRL
+                    is not the same beta here
     loss   = (1/N) sum over rows, sum over the row's pairs of w * L,  w = 1 / (pairs of the row)
 
 pi_ref is a frozen copy of the starting (SFT) model (with --lora_r, the policy itself with its
@@ -54,33 +57,34 @@ class Args:
     eval_data: str = ""  # task score: '' = built-in addition task; a JSONL of {"prompt", "answer"}
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
-    max_new_tokens: int = 6  # the task score's greedy answers (the built-in task needs 4)
+    max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
     stop: list[str] = field(default_factory=list)  # stop strings for those answers
     # --- the DPO objective
-    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO (Azar et al. 2023)
-    beta: float = 0.1  # strength of the KL to pi_ref (DPO paper 0.1-0.5; TRL 0.1)
-    label_smoothing: float = 0.0  # cDPO: probability a preference is flipped (TRL 0)
+    loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO on summed log-probs (TRL: means)
+    beta: float = R.arg(0.1, "> 0")  # strength of the KL to pi_ref (DPO paper 0.1-0.5; TRL 0.1)
+    label_smoothing: float = R.arg(0.0, "[0, 0.5)")  # cDPO: chance a preference is flipped (TRL 0)
     # --- optimisation
-    lr: float = 1e-4  # tiny-model value; real models ~5e-7 (DPO paper), 1e-6 (TRL)
-    weight_decay: float = 0.0  # AdamW weight decay (TRL 0)
+    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~5e-7 (DPO paper), 1e-6 (TRL)
+    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0)
     anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps
-    max_grad_norm: float = 1.0  # gradient clipping (TRL 1.0)
-    batch_size: int = 32  # rows (prompts) per optimizer step, all pairs of each (DPO paper 64)
-    max_steps: int = 150  # optimizer steps (about 2 passes over the bundled 2,280 train rows)
-    micro_batch_size: int = 32  # rows per forward; the loss is normalised over the whole step
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
+    batch_size: int = R.arg(32, "> 0")  # prompts per step, all pairs of each (DPO paper 64)
+    max_steps: int = R.arg(150, "> 0")  # optimizer steps (2 passes over the bundled rows)
+    micro_batch_size: int = R.arg(32, "> 0")  # rows per forward; the loss is normalised per step
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. pi_ref: adapters off
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); pi_ref: adapters off
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds the batch order: same seed, same run
-    eval_every: int = 50  # steps between held-out evals (0: only before and after)
-    eval_size: int = 500  # held-out prompts at most, and task prompts for the score
-    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
+    eval_every: int = R.arg(50, ">= 0")  # steps between held-out evals (0: only before and after)
+    eval_size: int = R.arg(500, "> 0")  # held-out prompts at most, and task prompts for the score
+    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     output_dir: str = ""  # default runs/dpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 
@@ -156,11 +160,6 @@ def implicit_accuracy(model, ref, rows, args, pad_id, amp):
 
 def check_args(args):
     R.check_args(args)
-    if args.beta <= 0:  # beta = 0 would leave no gradient (sigmoid) or divide by 0 (IPO)
-        raise C.UserError(f"--beta must be > 0, not {args.beta}")
-    if not 0 <= args.label_smoothing < 0.5:
-        raise C.UserError(f"--label_smoothing must be in [0, 0.5), not {args.label_smoothing}: at "
-                          "0.5 the preferences carry no information, above it they are reversed")
     if args.loss_type == "ipo" and args.label_smoothing:
         raise C.UserError("--label_smoothing is for --loss_type sigmoid (cDPO); IPO has none")
 
@@ -176,6 +175,7 @@ def main():
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     # the policy (fp32 weights, dropout off) and pi_ref, the starting model, frozen
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
                                                  compile=args.compile,
                                                  trust_remote_code=args.trust_remote_code)
@@ -226,7 +226,8 @@ def main():
             sums["loss"] += loss.item()
             for key, x in (("rewards/chosen", r_chosen), ("rewards/rejected", r_rejected),
                            ("rewards/margin", r_chosen - r_rejected),
-                           ("rewards/accuracy", (r_chosen > r_rejected).float()),
+                           ("rewards/accuracy",  # a tie counts 0.5, as in implicit_accuracy
+                            (r_chosen > r_rejected) + 0.5 * (r_chosen == r_rejected)),
                            ("logps/chosen", logp[ci].detach()),
                            ("logps/rejected", logp[ri].detach())):
                 sums[key] += float(x.sum()) / n_pairs  # means over the step's pairs

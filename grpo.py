@@ -56,51 +56,51 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    group_size: int = 8  # G completions per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
-    prompts_per_step: int = 8  # prompts per optimizer step: G * prompts_per_step completions
-    max_new_tokens: int = 6  # completion length cap (TRL 256-512; the built-in task needs 4)
-    temperature: float = 1.0  # sampling temperature; log-probs divide by the same one (N details)
-    top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, log-probs stay the full softmax's
+    group_size: int = R.arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
+    prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (G samples each)
+    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
+    temperature: float = R.arg(1.0, "> 0")  # sampling temperature; log-probs use it too (N details)
+    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); log-probs: the full softmax's
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the GRPO objective
-    beta: float = 0.04  # KL weight in the loss; 0 loads no reference model (DeepSeekMath: 0.04)
+    beta: float = R.arg(0.04, ">= 0")  # KL weight in the loss; 0: no reference model (DeepSeekMath)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: DeepSeekMath; k2: reverse KL; k1 refused
-    clip_eps: float = 0.2  # eps_low: the ratio is clipped to [1 - eps_low, ...] (PPO, TRL)
-    clip_eps_high: float = 0.2  # eps_high: [..., 1 + eps_high]; DAPO's clip-higher uses 0.28
-    num_iterations: int = 1  # mu: updates per batch; > 1 stores old log-probs (DeepSeekMath: 1)
+    clip_eps: float = R.arg(0.2, "> 0")  # eps_low: the ratio is clipped below 1 - eps_low (PPO)
+    clip_eps_high: float = R.arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
+    num_iterations: int = R.arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
     loss_agg: LossAgg = "token-mean"  # normaliser, see aggregate() (DAPO and TRL: token-mean)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std in A_i; none: Dr. GRPO
     mask_truncated: bool = False  # completions with no EOS carry no loss (DAPO overlong filtering)
-    overlong_penalty: float = 0.0  # DAPO soft overlong punishment: at most this much subtracted ...
-    overlong_buffer: int = 2  # ... rising linearly over the last this-many tokens before the cap
+    overlong_penalty: float = R.arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
+    overlong_buffer: int = R.arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
-    max_resample_rounds: int = 4  # ... at most this many extra sampling rounds per step
+    max_resample_rounds: int = R.arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
     # --- optimisation
-    lr: float = 1e-4  # tiny-model value (3e-4 was worse); real models ~1e-6 (DeepSeekMath, TRL)
-    weight_decay: float = 0.0  # AdamW weight decay (TRL 0, verl 0.01)
-    max_grad_norm: float = 1.0  # gradient clipping (TRL, verl, OpenRLHF)
-    max_steps: int = 200  # optimizer steps (times num_iterations)
-    micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
-    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
+    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
+    max_steps: int = R.arg(200, "> 0")  # optimizer steps (times num_iterations)
+    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
-    eval_every: int = 50  # steps between held-out greedy evals (0: only before and after)
-    eval_size: int = 500  # held-out prompts per eval
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = R.arg(50, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
-    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
+    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/grpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
@@ -108,16 +108,17 @@ class Args:
 
 
 # --------------------------------------------------------------------------- the algorithm
-def group_advantages(rewards, group_size, scale="group", eps=1e-4):
+def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
     """A_i = r_i - mean of its group, divided by the group's std (GRPO), the batch's std, or
     nothing (Dr. GRPO). rewards (B,) with groups as contiguous rows -> (B,). A group whose rewards
-    are all equal gets A = 0: no signal (counted in frac_zero_std by zero_std_groups)."""
+    are all equal gets A = 0: no signal (counted in frac_zero_std by zero_std_groups).
+    std: the batch's std; under torchrun runs.global_std, over the whole step's rewards."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
-        adv = adv / (rewards.std() + eps)
+        adv = adv / (std(rewards) + eps)
     return adv.view(-1)
 
 
@@ -277,14 +278,16 @@ def main():
     for step in bar:
         t0 = time.time()
         # 1. sample G completions per prompt and score them
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll, rows, completions, rewards, seen = sample_groups(model, tok, data, rng, args,
                                                                    weights, rm, rm_tok, fns, amp)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,)
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards).to(device)
+        advantages = group_advantages(rewards, args.group_size, args.scale_rewards,
+                                      std=R.global_std).to(device)  # torchrun: the step's std
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
             mask = mask * (~roll.truncated)[:, None].float()
@@ -344,7 +347,7 @@ def main():
         parts = {k: torch.cat([p[k] for p in seen["parts"]]) for k in seen["parts"][0]}
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
-                   "reward_std": float(all_rewards.std()),
+                   "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
                    "frac_zero_std": float(torch.cat(seen["zero_std"]).float().mean()),
@@ -356,7 +359,9 @@ def main():
         G = args.group_size
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::G][:4], completions[::G][:4], rewards[::G][:4])]
-        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        # under torchrun: the mean over the processes, token means weighted by their tokens
+        token_means = ("kl", "ratio", "clip_frac", "entropy")
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

@@ -71,57 +71,57 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    batch_size: int = 64  # prompts (= completions, one each) per step (TRL 64; TL;DR 512)
-    max_new_tokens: int = 6  # completion length cap (TL;DR 53; the built-in task needs 4)
-    temperature: float = 1.0  # sampling temperature (N, TRL 0.7; 1.0 explores the tiny task more)
-    top_p: float = 1.0  # nucleus sampling (N details: 1.0, the full distribution)
+    batch_size: int = R.arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
+    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
+    temperature: float = R.arg(1.0, "> 0")  # sampling temperature (N, TRL 0.7; 1.0 explores more)
+    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (N details: 1.0, the full distribution)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
-    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math", ...
+    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
-    missing_eos_penalty: float = 1.0  # subtracted from scores with no EOS (TL;DR details; TRL none)
-    kl_coef: float = 0.05  # beta of the per-token KL in the reward (TL;DR details, TRL: 0.05)
+    missing_eos_penalty: float = R.arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
+    kl_coef: float = R.arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (N, TRL, OpenRLHF: k1)
     adaptive_kl: bool = False  # Ziegler et al.'s controller adapts kl_coef (N: on; TL;DR, TRL: off)
-    kl_target: float = 6.0  # the controller's target KL per sequence, in nats (N: 6)
-    kl_horizon: int = 10000  # the controller's horizon in episodes (N: 10000)
+    kl_target: float = R.arg(6.0, "> 0")  # the controller's target KL per sequence, in nats (N: 6)
+    kl_horizon: int = R.arg(10000, "> 0")  # the controller's horizon in episodes (N: 10000)
     normalize_score: bool = True  # score -> (score - mu) / sigma on the starting policy (N details)
     whiten_rewards: bool = False  # scale per-token rewards to unit variance (N: on; TL;DR: off)
     # --- the PPO update
-    gamma: float = 1.0  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
-    lam: float = 0.95  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
-    clip_eps: float = 0.2  # the policy ratio is clipped to [1 - eps, 1 + eps] (PPO paper, TRL)
-    clip_eps_value: float = 0.2  # values may move this far from the rollout's (TRL 0.2; verl 0.5)
-    vf_coef: float = 0.1  # weight of the value loss (N, TL;DR, TRL: 0.1)
-    ent_coef: float = 0.0  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
-    ppo_epochs: int = 4  # passes over each batch (N, TL;DR, TRL: 4)
-    num_minibatches: int = 2  # optimizer steps per epoch (TL;DR, TRL: 1; N: 1 to 8)
-    target_kl: float = 0.0  # stop the epochs when approx KL(pi_old || pi) passes it (CleanRL 0.015)
+    gamma: float = R.arg(1.0, "[0, 1]")  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
+    lam: float = R.arg(0.95, "[0, 1]")  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
+    clip_eps: float = R.arg(0.2, "> 0")  # the ratio is clipped to [1 - eps, 1 + eps] (PPO, TRL)
+    clip_eps_value: float = R.arg(0.2, "> 0")  # values move at most this far (TRL 0.2; verl 0.5)
+    vf_coef: float = R.arg(0.1, ">= 0")  # weight of the value loss (N, TL;DR, TRL: 0.1)
+    ent_coef: float = R.arg(0.0, ">= 0")  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
+    ppo_epochs: int = R.arg(4, "> 0, <= 100")  # passes over each batch (N, TL;DR, TRL: 4)
+    num_minibatches: int = R.arg(2, "> 0")  # optimizer steps per epoch (TL;DR, TRL 1; N 1-8)
+    target_kl: float = R.arg(0.0, ">= 0")  # end the epochs at this KL(pi_old || pi) (CleanRL 0.015)
     # --- optimisation
-    lr: float = 2e-4  # policy lr: tiny-model value; real models ~3e-6 (TL;DR, TRL), 1e-6 (verl)
-    critic_lr: float = 1e-3  # tiny-model value; real models ~1e-5 (verl), 9e-6 (OpenRLHF)
-    weight_decay: float = 0.0  # AdamW weight decay, policy and critic (TRL 0; verl 0.01)
+    lr: float = R.arg(2e-4, "> 0")  # tiny-model lr; real models ~3e-6 (TL;DR, TRL), 1e-6 (verl)
+    critic_lr: float = R.arg(1e-3, "> 0")  # critic lr (tiny model); real models ~1e-5 (verl)
+    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay, both models (TRL 0; verl 0.01)
     anneal_lr: bool = True  # both lrs fall linearly to 0 over max_steps (N details)
-    adam_eps: float = 1e-5  # AdamW epsilon (TL;DR details)
-    max_grad_norm: float = 1.0  # gradient clipping, per model (TRL, verl, OpenRLHF 1.0)
-    max_steps: int = 120  # PPO steps (each: one batch, ppo_epochs * num_minibatches updates)
-    micro_batch_size: int = 32  # rows per forward; the loss is normalised over the minibatch
-    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    adam_eps: float = R.arg(1e-5, "> 0")  # AdamW epsilon (TL;DR details)
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping, per model (TRL, verl, OpenRLHF)
+    max_steps: int = R.arg(120, "> 0")  # PPO steps (ppo_epochs * num_minibatches updates each)
+    micro_batch_size: int = R.arg(32, "> 0")  # rows per forward; loss normalised per minibatch
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward (policy and critic)
     fsdp: bool = False  # torchrun: shard policy and critic across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
-    eval_every: int = 40  # steps between held-out greedy evals (0: only before and after)
-    eval_size: int = 500  # held-out prompts per eval
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = R.arg(40, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
-    save_every: int = 40  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
+    save_every: int = R.arg(40, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/ppo-<time>
     resume: str = ""  # a previous output_dir: continue its run (policy, critic, kl_coef, RNG)
@@ -206,24 +206,30 @@ class ValueModel(torch.nn.Module):
         return critic_values(self.critic, ids, attention_mask, T)
 
 
-def explained_variance(values, returns, mask):
-    """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 a constant's worth."""
-    var_r = C.masked_mean((returns - C.masked_mean(returns, mask)) ** 2, mask)
+def explained_variance(values, returns, mask, total=None):
+    """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 a constant's worth.
+    total: sums over every torchrun process (runs.global_sum), for the global batch's variances."""
+    total = total or (lambda t: t)
+
+    def mean(x):  # over the valid tokens (of every process)
+        return total((x * mask).sum()) / total(mask.sum()).clamp(min=1)
+    var_r = mean((returns - mean(returns)) ** 2)
     diff = returns - values
-    var_diff = C.masked_mean((diff - C.masked_mean(diff, mask)) ** 2, mask)
+    var_diff = mean((diff - mean(diff)) ** 2)
     return float(1 - var_diff / var_r.clamp(min=1e-8))
 
 
 def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256):
     """Mean and std of the score on n samples of the starting policy, for normalize_score. Its own
     data rng leaves the training stream as it is."""
-    rows = data.next_batch(random.Random(args.seed + 1), n)
+    rows = R.my_share(data.next_batch(random.Random(args.seed + 1), n))  # torchrun: a share
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
                     amp=amp, stop=args.stop)
     texts = C.decode_completions(tok, roll)
     scores = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)[0]
-    return float(scores.mean()), float(scores.std().clamp(min=1e-6))
+    mean = R.global_mean({"mu": float(scores.mean())})["mu"]  # torchrun: over every share
+    return mean, float(R.global_std(scores).clamp(min=1e-6))
 
 
 def load_critic(args, tok, device, norm=(0.0, 1.0)):
@@ -375,7 +381,6 @@ def main():
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
         norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp)
-        norm = tuple(R.global_mean({"mu": norm[0], "sigma": norm[1]}).values())  # torchrun
         if run.rank == 0:
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
@@ -407,7 +412,8 @@ def main():
         # 1. sample one completion per prompt and score it
         rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
                             args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
@@ -449,11 +455,12 @@ def main():
         # 5. log, eval, checkpoint
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(raw_scores.mean()),
-                   "reward_std": float(raw_scores.std()),
+                   "reward_std": float(R.global_std(raw_scores)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
                    "kl": float(C.masked_mean(kl, mask)), "kl_seq": kl_seq, "kl_coef": used_kl_coef,
-                   **stats, "explained_var": explained_variance(old_values, returns, mask),
+                   **stats, "explained_var": explained_variance(old_values, returns, mask,
+                                                                 total=R.global_sum),
                    "returns": float(C.masked_mean(returns, mask)),
                    "values": float(C.masked_mean(old_values, mask)),
                    "completion_len": float(mask.sum(-1).mean()),
@@ -462,7 +469,9 @@ def main():
                    "tokens_per_s": float(mask.sum()) / elapsed}
         samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
                    for r, c, s in zip(rows[:4], completions[:4], scores[:4])]
-        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        # under torchrun: the mean over the processes, token means weighted by their tokens
+        token_means = ("kl", "returns", "values")
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

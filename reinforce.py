@@ -67,11 +67,11 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    samples_per_prompt: int = 8  # k per prompt (RLOO paper 2-4, TRL RLOO 2); rloo needs >= 2
-    prompts_per_step: int = 8  # prompts per optimizer step: k * prompts_per_step completions
-    max_new_tokens: int = 6  # completion length cap (the built-in task needs 4)
-    temperature: float = 1.0  # sampling temperature; log-probs divide by the same one (N details)
-    top_p: float = 1.0  # nucleus sampling (TRL 1.0); below 1, log-probs stay the full softmax's
+    samples_per_prompt: int = R.arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
+    prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (k samples each)
+    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (the built-in task needs 4)
+    temperature: float = R.arg(1.0, "> 0")  # sampling temperature; log-probs use it too (N details)
+    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); log-probs: the full softmax's
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
@@ -79,36 +79,36 @@ class Args:
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the REINFORCE objective
     baseline: Literal["none", "ema", "rloo", "reinforce_pp"] = "none"  # b in A = G - b (docstring)
-    ema_decay: float = 0.9  # ema baseline: b <- decay * b + (1 - decay) * mean return
+    ema_decay: float = R.arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
     whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
-    beta: float = 0.0  # KL-in-reward weight; 0 loads no reference (TRL RLOO 0.05, OpenRLHF 0.01)
+    beta: float = R.arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
     kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
     loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
-    num_iterations: int = 1  # mu: updates per batch (RLOO paper 1); > 1 clips the ratio like PPO
-    clip_eps: float = 0.2  # the ratio is clipped to [1 - eps, 1 + eps] when mu > 1 (PPO, TRL)
+    num_iterations: int = R.arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
+    clip_eps: float = R.arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
     # --- optimisation
-    lr: float = 1e-4  # tiny-model value (0.29 -> 0.99 held-out); real models ~1e-6 (TRL, OpenRLHF)
-    weight_decay: float = 0.0  # AdamW weight decay (TRL 0, verl 0.01)
-    max_grad_norm: float = 1.0  # gradient clipping (TRL, verl, OpenRLHF)
-    max_steps: int = 300  # optimizer steps (times num_iterations)
-    micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
-    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input; 0: dropout makes log-probs noisy
+    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (TRL, OpenRLHF)
+    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
+    max_steps: int = R.arg(300, "> 0")  # optimizer steps (times num_iterations)
+    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = 0  # CPU torch threads; 0 = auto: 1 under 10 M parameters, else one per core
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds sampling, the data stream and any new weights: same seed, same run
-    eval_every: int = 100  # steps between held-out greedy evals (0: only before and after)
-    eval_size: int = 500  # held-out prompts per eval
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = R.arg(100, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = 0  # k > 0: also mean@k and pass@k of k samples at the training temperature
-    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
+    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/reinforce-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
@@ -254,7 +254,8 @@ def main():
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(k)]
         prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        with R.gathered(model):  # --fsdp: the whole model in every process while it samples
+        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
+        with R.gathered(model), R.stop_on_divergence(run, model, step):
             roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
                             args.top_p, amp=amp, stop=args.stop)
         completions = C.decode_completions(tok, roll)
@@ -278,10 +279,13 @@ def main():
         # 2. returns and advantages, (B, T)
         returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
         per_token_kl = kl is not None and args.kl_in_reward == "token"
-        adv = advantages(returns, mask, args.baseline, k, ema, args.whiten,
+        b_ema = ema  # the ema baseline; at the first step, this step's mean return (under
+        if args.baseline == "ema":  # torchrun: over every process's rows, not this process's)
+            mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
+            b_ema = mean_return if ema is None else ema
+        adv = advantages(returns, mask, args.baseline, k, b_ema, args.whiten,
                          scores if per_token_kl else None, total=R.global_sum)
         if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
-            mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
             ema = mean_return if ema is None else \
                 args.ema_decay * ema + (1 - args.ema_decay) * mean_return
         # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser
@@ -325,22 +329,26 @@ def main():
         g = torch.cat(grad_norms)[:B] * n_seqs / run.world if grad_norms else torch.tensor(math.nan)
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(scores.mean()),
-                   "reward_std": float(scores.std()),
+                   "reward_std": float(R.global_std(scores)),
                    **{f"reward/{key}": float(v.mean()) for key, v in parts.items()},
                    **C.gold(completions, rows),
                    "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean())
                    if k > 1 else 0.0,
                    "kl": float(C.masked_mean(kl, mask)) if kl is not None else 0.0,
                    **sums, "grad_norm": float(grad_norm),
-                   "adv_mean": float(adv[valid].mean()), "adv_std": float(adv[valid].std()),
-                   "sample_grad_rms": float(g.pow(2).mean().sqrt()),
+                   "adv_mean": float(adv[valid].mean()),
+                   "adv_std": float(R.global_std(adv[valid])),  # torchrun: over every process
+                   # sqrt of the mean of ||g_i||^2 over the step's rows (equal in every process)
+                   "sample_grad_rms": float((R.global_sum(g.pow(2).mean()) / run.world).sqrt()),
                    **({"baseline_ema": ema} if args.baseline == "ema" else {}),
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed, "tokens_per_s": float(mask.sum()) / elapsed}
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::k][:4], completions[::k][:4], scores[::k][:4])]
-        metrics = R.global_mean(metrics)  # under torchrun: the mean over the processes
+        # under torchrun: the mean over the processes, token means weighted by their tokens
+        token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean")
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

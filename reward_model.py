@@ -49,23 +49,24 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- optimisation
-    lr: float = 3e-4  # tiny-model value (1e-3 overfits the data's bias); TRL 1e-4, TL;DR 3e-6
+    lr: float = R.arg(3e-4, "> 0")  # tiny-model lr (1e-3 overfits); TRL 1e-4, TL;DR 3e-6
     anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps (TL;DR details)
-    max_grad_norm: float = 1.0  # gradient clipping (TRL 1.0)
-    batch_size: int = 32  # rows (prompts) per optimizer step, all pairs of each (InstructGPT 64)
-    max_steps: int = 300  # optimizer steps (about 4 passes over the bundled 2,280 train rows)
-    micro_batch_size: int = 32  # rows per forward; the loss is normalised over the whole step
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
+    batch_size: int = R.arg(32, "> 0")  # prompts per step, all pairs of each (InstructGPT 64)
+    max_steps: int = R.arg(300, "> 0")  # optimizer steps (4 passes over the bundled rows)
+    micro_batch_size: int = R.arg(32, "> 0")  # rows per forward; the loss is normalised per step
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    lora_r: int = 0  # LoRA rank (pip install peft): adapters on the body, the score head in full
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (peft): adapters on the body, the head in full
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # dropout on the adapters' input
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds the batch order: same seed, same run
-    eval_every: int = 100  # steps between held-out evals (0: only before and after)
-    eval_size: int = 500  # held-out prompts at most (a fifth of them)
-    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
+    eval_every: int = R.arg(100, ">= 0")  # steps between held-out evals (0: only before and after)
+    eval_size: int = R.arg(500, "> 0")  # held-out prompts at most (a fifth of them)
+    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     output_dir: str = ""  # default runs/reward_model-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 
@@ -144,6 +145,7 @@ def main():
     ckpt = f"{run.dir}/checkpoint" if args.resume else ""
     tok = C.load_tokenizer(ckpt or args.model, args.trust_remote_code)
     model = load_reward_model(args.model if args.lora_r else ckpt or args.model, tok, device, args)
+    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     if args.lora_r:  # LoRA saves the adapters and the head: tools/merge_lora.py makes a full RM
         model = C.add_lora(model, args, ckpt, task="SEQ_CLS")
     plain = Scorer(model)  # r (B,) from one forward: the module DDP or FSDP2 wraps
@@ -195,8 +197,9 @@ def main():
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         scores = torch.cat(scores)
-        metrics = R.global_mean({"score_mean": float(scores.mean()),  # torchrun: the means
-                                 "score_std": float(scores.std())})  # over processes
+        metrics = {"score_mean": float(scores.mean()),  # torchrun: over every process's scores
+                   "score_std": float(R.global_std(scores))}
+        metrics = R.global_mean(metrics, weights={"score_mean": len(scores)})
         metrics = {"step": step + 1, **{k: float(R.global_sum(v)) for k, v in sums.items()},
                    **metrics, "grad_norm": float(grad_norm), "pairs": int(n_pairs),
                    "epoch": step * args.batch_size / len(train),

@@ -20,7 +20,9 @@ import difflib
 import inspect
 import json
 import math
+import operator
 import os
+import pickle
 import random
 import re
 import shutil
@@ -31,6 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from safetensors import SafetensorError
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict,
                                                      set_optimizer_state_dict)
@@ -97,6 +100,32 @@ def _saved_args(resume_dir, algo):
     return saved["args"]
 
 
+def _help(f, comment):
+    """A flag's --help line: the comment beside its Args field, its default, its valid range."""
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    shown = repr(default) if default in ("", []) else default
+    valid = f"; valid: {f.metadata['valid']}" if "valid" in f.metadata else ""
+    return f"{comment} (default: {shown}{valid})".replace("%", "%%")  # argparse formats with %
+
+
+PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env")
+
+
+def _resolved(name, value):
+    """A local file or folder named by a relative path, made absolute (hub ids and missing paths
+    stay as given): the run stores where its files are, so --resume finds them from any folder
+    and compares like with like. reward_fn / env: path/to/file.py:function, comma lists too."""
+    if name not in PATH_FLAGS or not value:
+        return value
+    if isinstance(value, list):
+        return [_resolved(name, v) for v in value]
+    if name in ("reward_fn", "env"):
+        specs = [spec.rpartition(":") for spec in value.split(",")]
+        return ",".join(f"{_resolved('data', w) if w.endswith('.py') else w}{colon}{fn}"
+                        for w, colon, fn in specs)
+    return os.path.abspath(value) if os.path.exists(value) else value
+
+
 def parse_args(args_cls, algo, doc=""):
     """HfArgumentParser over the Args dataclass; each flag's --help is the comment beside its field.
     With --resume DIR the run's saved settings are the defaults, so it continues as it was (to its
@@ -104,11 +133,17 @@ def parse_args(args_cls, algo, doc=""):
     refused, since the optimizer state and the data stream belong to the old settings."""
     source = inspect.getsource(args_cls)
     comments = dict(re.findall(r"^    (\w+): .*?  # (.+)$", source, re.M))
-    for f in dataclasses.fields(args_cls):
-        f.metadata = {**f.metadata, "help": comments.get(f.name, "")}
-    parser = HfArgumentParser(args_cls, description=doc.split("\n\n")[0],
-                              epilog=doc[doc.find("Run:"):] if "Run:" in doc else None,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    fields = dataclasses.fields(args_cls)
+    declared = [f.metadata for f in fields]  # e.g. {"valid": "> 0"}, from arg()
+    for f in fields:  # HfArgumentParser hands every metadata key to argparse: the help alone
+        f.metadata = {"help": _help(f, comments.get(f.name, ""))}
+    try:
+        parser = HfArgumentParser(args_cls, description=doc.split("\n\n")[0],
+                                  epilog=doc[doc.find("Run:"):] if "Run:" in doc else None,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    finally:
+        for f, metadata in zip(fields, declared):
+            f.metadata = metadata
 
     def error(message):  # argparse would print its usage, then the message: one line instead
         raise C.UserError(f"{message}; see --help")
@@ -117,9 +152,13 @@ def parse_args(args_cls, algo, doc=""):
     pre.add_argument("--resume", default="")
     resume = pre.parse_known_args()[0].resume
     saved = _saved_args(resume, algo) if resume else {}
-    names = {f.name for f in dataclasses.fields(args_cls)}
+    saved = {k: _resolved(k, v) for k, v in saved.items()}  # a run saved before paths were
+    names = {f.name for f in dataclasses.fields(args_cls)}  # stored absolute: from here
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    for name in PATH_FLAGS:
+        if hasattr(args, name):
+            setattr(args, name, _resolved(name, getattr(args, name)))
     if unknown:  # e.g. a typo, or another script's flag
         flags = [f"--{n}" for n in names]
         close = difflib.get_close_matches(unknown[0].split("=")[0], flags)
@@ -139,36 +178,46 @@ def parse_args(args_cls, algo, doc=""):
     return args
 
 
-# Valid ranges of the numeric flags, by name, checked before a run folder is made.
-POSITIVE = ("lr", "critic_lr", "temperature", "max_new_tokens", "micro_batch_size", "max_steps",
-            "prompts_per_step", "group_size", "samples_per_prompt", "batch_size", "num_minibatches",
-            "ppo_epochs", "num_iterations", "max_grad_norm", "eval_size", "adam_eps", "kl_target",
-            "kl_horizon", "overlong_buffer", "clip_eps", "clip_eps_high", "clip_eps_value",
-            "lora_alpha")
-NON_NEGATIVE = ("beta", "kl_coef", "weight_decay", "vf_coef", "ent_coef", "target_kl", "seed",
-                "eval_every", "save_every", "overlong_penalty", "max_resample_rounds",
-                "missing_eos_penalty", "lora_r", "eval_samples", "threads", "warmup_steps")
-UNIT = {"top_p": (False, True), "gamma": (True, True), "lam": (True, True),
-        "ema_decay": (True, False), "lora_dropout": (True, False)}  # (0 allowed, 1 allowed)
+def arg(default, valid):
+    """An Args field whose valid range is declared beside it, e.g. `lr: float = arg(1e-4, "> 0")`.
+    valid: conditions, comma-separated ("> 0", ">= 0, <= 4 * cores"), or an interval ("(0, 1]");
+    the bounds are number expressions, where `cores` is this machine's CPU count. check_args
+    checks every field against its range before a run folder is made; --help shows it."""
+    return field(default=default, metadata={"valid": valid})
+
+
+def _bound(text):  # "4 * cores" -> 8: arithmetic on numbers, inf and cores, nothing else
+    return eval(text, {"__builtins__": {}}, {"inf": math.inf, "cores": os.cpu_count() or 1})
+
+
+def check_range(name, value, valid):
+    """One flag against its declared range (see arg): a one-line UserError when outside it."""
+    if valid[0] in "([":  # an interval: ( ) leave the bound out, [ ] take it in
+        lo, hi = map(_bound, valid[1:-1].split(","))
+        if not ((lo < value or valid[0] == "[" and value == lo)
+                and (value < hi or valid[-1] == "]" and value == hi)):
+            raise C.UserError(f"--{name} must be in {valid}, not {value}")
+        return
+    ops = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+    for condition in valid.split(","):
+        op, bound = condition.split(maxsplit=1)
+        limit = _bound(bound)
+        if not ops[op](value, limit):
+            shown = int(limit) if float(limit).is_integer() else limit
+            raise C.UserError(f"--{name} must be {op} {shown}, not {value}")
 
 
 def check_args(args):
-    """Flags every script shares, and the valid range of each numeric flag: a value out of range
-    would otherwise fail deep inside a step (NaN probabilities, empty batches) or, worse, train
-    to the end on nonsense (a negative lr or max_grad_norm flips the update)."""
+    """Flags every script shares, and each numeric flag's range as its Args field declares it
+    (see arg): a value out of range would otherwise fail deep inside a step (NaN probabilities,
+    empty batches, a tokenizer thread pool that crashes), run for ever, or, worse, train to the
+    end on nonsense (a negative lr or max_grad_norm flips the update)."""
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise C.UserError(f"--{f.name} must be a finite number, not {value}")
-        if f.name in POSITIVE and not value > 0:
-            raise C.UserError(f"--{f.name} must be > 0, not {value}")
-        if f.name in NON_NEGATIVE and not value >= 0:
-            raise C.UserError(f"--{f.name} must be >= 0, not {value}")
-        if f.name in UNIT:
-            zero_ok, one_ok = UNIT[f.name]
-            if not ((0 < value or zero_ok and value == 0) and (value < 1 or one_ok and value == 1)):
-                interval = f"{'[' if zero_ok else '('}0, 1{']' if one_ok else ')'}"
-                raise C.UserError(f"--{f.name} must be in {interval}, not {value}")
+        if "valid" in f.metadata:
+            check_range(f.name, value, f.metadata["valid"])
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
     for name in ("prompts_per_step", "batch_size"):  # they count the whole step, all processes
         if world > 1 and getattr(args, name, 0) % world:
@@ -203,6 +252,7 @@ class Run:
     t0: float = field(default_factory=time.time)
     nonfinite: int = 0  # updates skipped for NaN/inf so far
     nonfinite_in_row: int = 0
+    saved_step: int = 0  # the step of the checkpoint on disk (0: none yet)
     warned: set = field(default_factory=set)  # kinds of skipped update already reported
     tracker: object = None  # --report_to: the experiment tracker's module or writer (rank 0)
 
@@ -242,13 +292,29 @@ def _release_lock(folder):
         pass
 
 
+def read_jsonl_lines(path):
+    """A metrics or samples file's lines as dicts. A line cut short by a crash (the last, with no
+    newline) is dropped; any other damaged line is dropped with a warning naming it."""
+    lines = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                m = json.loads(line)
+                if not isinstance(m, dict) or type(m.get("step")) not in (int, float):
+                    raise ValueError("no number 'step'")
+                lines.append(m)
+            except ValueError as e:
+                if line.endswith("\n"):  # not merely the crash-cut last line
+                    print(f"warning: {path}, line {i} is damaged ({C._first_line(e)[:60]}): "
+                          "skipped", file=sys.stderr)
+    return lines
+
+
 def _trim_jsonl(path, last_step):
-    """Keep the lines of steps <= last_step (a line cut short by a crash is dropped too)."""
+    """Keep the lines of steps <= last_step (a damaged line is dropped, see read_jsonl_lines)."""
     if not os.path.exists(path):
         return []
-    with open(path) as f:
-        lines = [json.loads(line) for line in f if line.endswith("}\n")]
-    lines = [m for m in lines if m["step"] <= last_step]
+    lines = [m for m in read_jsonl_lines(path) if m["step"] <= last_step]
     with open(path, "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in lines)
     return lines
@@ -268,7 +334,7 @@ def start_run(args, algo):
         state = _load_state(folder) if args.resume else None
         signal.signal(signal.SIGINT, _on_sigint)
         return Run(dir=folder, algo=algo, args=args, state=state, metrics=None, samples=None,
-                   rank=rank, world=world)
+                   rank=rank, world=world, saved_step=state["step"] if state else 0)
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.append(folder)
@@ -287,6 +353,7 @@ def start_run(args, algo):
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
     return Run(dir=folder, algo=algo, args=args, state=state, history=history,
+               saved_step=state["step"] if state else 0,
                metrics=open(metrics_path, "a"), samples=open(samples_path, "a"), world=world,
                tracker=open_tracker(args, folder))
 
@@ -329,9 +396,19 @@ def _report(tracker, metrics, samples):
 
 
 def _load_state(folder):
+    """trainer_state.pt, read with weights_only=True: tensors, numbers, strings, lists, tuples and
+    dicts only (save_checkpoint writes nothing else). Unpickling any other object can run code,
+    so a state that needs it (a run folder from someone else) is refused, not loaded."""
     path = os.path.join(folder, "checkpoint", "trainer_state.pt")
     try:
-        return torch.load(path, weights_only=False)
+        return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if not found:  # damaged bytes, not a foreign object
+            raise C.UserError(f"{path} is damaged (not a trainer state); cannot resume") from None
+        raise C.UserError(f"{path} holds {found[1]}, not only tensors and numbers: unpickling "
+                          "it could run code, so it is refused (a run writes no such thing)") \
+            from None
     except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
         raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
 
@@ -392,8 +469,45 @@ def skip_update(run, what, max_in_row=10):
                    "summary.json's nonfinite_skips)")
         run.warned.add(what)
     if run.nonfinite_in_row >= max_in_row:
-        raise RuntimeError(f"{max_in_row} non-finite updates in a row; stopping (the last "
-                           "checkpoint is intact)")
+        hint = "does a reward return NaN/inf?" if "reward" in what else "try a lower --lr"
+        stop_nonfinite(run, f"the {what} was NaN or inf in {max_in_row} updates in a row ({hint})")
+
+
+def stop_nonfinite(run, why, diverged_at=0):
+    """End the run with one line (exit 2) saying what went NaN/inf. The folder stays (even with
+    no step logged: it is evidence), with metrics.jsonl and the last checkpoint, if one was saved,
+    to --resume from; a checkpoint is never written from non-finite weights."""
+    if run.dir in NEW_FOLDERS:
+        NEW_FOLDERS.remove(run.dir)
+    kept = f"the checkpoint of step {run.saved_step} is kept" if run.saved_step else \
+        "no checkpoint had been saved yet"
+    if diverged_at and run.saved_step == diverged_at:  # saved just after the update that diverged
+        kept = f"the checkpoint of step {run.saved_step} holds the diverged weights"
+    raise C.UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl of the steps so far, "
+                      f"and {kept}")
+
+
+@contextlib.contextmanager
+def stop_on_divergence(run, model, step):
+    """Sampling from a policy that diverged (weights or logits NaN/inf, e.g. --lr far too high)
+    fails deep in torch.multinomial ("probability tensor contains either inf, nan or element <
+    0"): stop with one line naming the step instead."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "probability tensor contains" not in str(e):
+            raise
+        bad = _nonfinite_weights([model])
+        what = "its weights are NaN or inf" if bad else "its next-token logits overflow to inf"
+        when = f"in the update of step {step}" if step else "before any update"
+        stop_nonfinite(run, f"the policy diverged {when} ({what}, so step {step + 1} cannot "
+                            "sample; try a lower --lr)", diverged_at=step)
+
+
+def _nonfinite_weights(modules):
+    """How many of the modules' weights hold a NaN or inf (--fsdp: in this process's shards)."""
+    return sum(float(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
+               for m in modules for p in m.parameters())
 
 
 def every(step, n):
@@ -443,6 +557,8 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
                                                           "checkpoint.old"))
     for leftover in (tmp, old):  # of a save that was killed
         shutil.rmtree(leftover, ignore_errors=True)
+    if global_sum(_nonfinite_weights(trained or [model])):  # keep the last good checkpoint
+        stop_nonfinite(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     rng_states = [(torch.get_rng_state(), cuda_rng)]
     if run.world > 1:  # every process's sampling RNG, gathered on rank 0
@@ -455,6 +571,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
                                              options=StateDictOptions(full_state_dict=True,
                                                                       cpu_offload=True))
     if run.rank > 0:
+        run.saved_step = step
         return
     state = {"step": step, "optimizer": opt_state or opt.state_dict(), "data_rng": rng.getstate(),
              "torch_rng": [t for t, _ in rng_states], "cuda_rng": [c for _, c in rng_states],
@@ -465,16 +582,19 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump({"algo": run.algo, "args": dataclasses.asdict(run.args)}, f, indent=1)
-    except (OSError, RuntimeError) as e:  # e.g. a full disk ("enforce fail at inline_container")
+    # a full disk: OSError, torch.save's RuntimeError ("enforce fail at inline_container"), or
+    except (OSError, RuntimeError, SafetensorError) as e:  # safetensors' "No space left on device"
         shutil.rmtree(tmp, ignore_errors=True)
         free = shutil.disk_usage(run.dir).free / 2**20
+        kept = f"--resume {run.dir}: the checkpoint of step {run.saved_step} is intact" \
+            if run.saved_step else "no checkpoint had been saved yet"
         raise C.UserError(f"could not write the checkpoint to {tmp} ({C._first_line(e)[:80]}; "
-                          f"{free:,.0f} MB free): free some space and --resume {run.dir}; the "
-                          "previous checkpoint is intact") from None
+                          f"{free:,.0f} MB free): free some space; {kept}") from None
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
+    run.saved_step = step
 
 
 def set_threads(args, model, small=10_000_000):
@@ -539,15 +659,34 @@ def _collective_device():
         else torch.device("cpu")
 
 
-def global_mean(metrics, weight=1.0):
-    """Each number in a dict averaged over the processes, weighted (e.g. by rows held out)."""
+def global_mean(metrics, weight=1.0, weights=None):
+    """Each float in a dict averaged over the processes, weighted so that it is the mean one
+    process would take over all their rows: by `weight` (e.g. the rows each process scored), or
+    per key by weights[key] (a token mean by the tokens it averages: each process's kl over its
+    own tokens, weighted by them, is the kl over every token). Ints (the step) are counts every
+    process shares: kept as they are. One process: metrics itself."""
     if get_world_size() == 1:
         return metrics
-    keys = sorted(k for k, v in metrics.items() if isinstance(v, (int, float)))
-    x = torch.tensor([weight] + [metrics[k] * weight for k in keys], dtype=torch.float64,
-                     device=_collective_device())
-    dist.all_reduce(x)
-    return {**metrics, **{k: float(v / x[0]) for k, v in zip(keys, x[1:])}}
+    weights = weights or {}
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, float))
+    w = torch.tensor([float(weights.get(k, weight)) for k in keys], dtype=torch.float64)
+    x = torch.tensor([metrics[k] for k in keys], dtype=torch.float64) * w
+    total = torch.cat([w, x]).to(_collective_device())
+    dist.all_reduce(total)
+    w, x = total.split(len(keys))
+    return {**metrics, **{k: float(s / n) if n else float(s) for k, s, n in zip(keys, x, w)}}
+
+
+def global_std(x):
+    """The unbiased std of x's entries over every process (as torch.std over all of them): the
+    global mean first, then the squared deviations from it. One process: x.std() itself."""
+    if get_world_size() == 1:
+        return x.std()
+    x64 = x.detach().double()
+    n, s = global_sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64),
+                                   x64.sum()]))
+    squares = global_sum(((x64 - s / n) ** 2).sum())
+    return (squares / (n - 1)).sqrt().to(x.dtype)
 
 
 def stop_requested():
@@ -716,6 +855,11 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
         eval_after = evaluate()
     if run.rank > 0:
         return None
+    first = run.state["step"] if run.state else 0  # a run whose every update was skipped stops
+    if run.nonfinite_in_row and not any(math.isfinite(m.get("grad_norm", math.nan))
+                                        for m in run.history if m["step"] > first):
+        stop_nonfinite(run, f"every update of this run was skipped for NaN/inf (non-finite "
+                            f"{', '.join(sorted(run.warned))}), so nothing was trained")
     steps = [m["step"] for m in run.history]
     tokens_per_s = sum(m.get("tokens_per_s", 0) for m in run.history) / max(len(steps), 1)
     summary = {"algo": run.algo, "args": dataclasses.asdict(run.args), "eval_metric": metric,

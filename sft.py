@@ -52,31 +52,32 @@ class Args:
     eval_data: str = ""  # task score: '' = built-in addition task; a JSONL of {"prompt", "answer"}
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
-    max_new_tokens: int = 6  # the task score's greedy answers (the built-in task needs 4)
+    max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
     stop: list[str] = field(default_factory=list)  # stop strings for those answers
     # --- optimisation
-    lr: float = 3e-4  # tiny-model value (1e-3 unstable); real models ~2e-5 (TRL), 3e-6 (TL;DR)
-    weight_decay: float = 0.0  # AdamW weight decay (TRL 0)
+    lr: float = R.arg(3e-4, "> 0")  # tiny-model lr; real models ~2e-5 (TRL), 3e-6 (TL;DR)
+    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0)
     anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps (TL;DR details anneal)
-    warmup_steps: int = 0  # the lr rises linearly from 0 over these first steps (from scratch)
-    max_grad_norm: float = 1.0  # gradient clipping (TRL 1.0)
-    batch_size: int = 64  # rows per optimizer step (tiny-model value)
-    max_steps: int = 60  # optimizer steps (1.5 passes over the bundled 2,500 train rows)
-    micro_batch_size: int = 64  # rows per forward; the loss is normalised over the whole step
+    warmup_steps: int = R.arg(0, ">= 0")  # the lr rises linearly from 0 over these first steps
+    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
+    batch_size: int = R.arg(64, "> 0")  # rows per optimizer step (tiny-model value)
+    max_steps: int = R.arg(60, "> 0")  # optimizer steps (1.5 passes over the bundled rows)
+    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
     group_by_length: bool = False  # similar lengths together: less padding, less random batches
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    lora_r: int = 0  # LoRA rank (pip install peft); 0 trains every weight. The base stays frozen
-    lora_alpha: int = 32  # LoRA scale: the update is alpha / r * B A (TRL's LoRA examples: 32)
-    lora_dropout: float = 0.0  # dropout on the adapters' input (peft's default 0 here too)
+    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = R.arg(0.0, "[0, 1)")  # dropout on the adapters' input (peft's default)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile the model: faster steps after a slow first
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
+    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = 0  # seeds the batch order: same seed, same run
-    eval_every: int = 20  # steps between held-out evals (0: only before and after)
-    eval_size: int = 500  # held-out rows for the loss, and task prompts for the score
-    save_every: int = 100  # steps between checkpoints (also at the end and on Ctrl-C; 0: only then)
+    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
+    eval_every: int = R.arg(20, ">= 0")  # steps between held-out evals (0: only before and after)
+    eval_size: int = R.arg(500, "> 0")  # held-out rows for the loss, and task prompts for the score
+    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     output_dir: str = ""  # default runs/sft-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 
@@ -161,6 +162,7 @@ def main():
     amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     # fp32 weights, dropout off; with --lora_r a frozen base and trained adapters
     model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     limit = getattr(model.config, "max_position_embeddings", 0)
     examples = read_demonstrations(args.data or DEMOS, tok, args.chat_template, limit)
     random.Random(0).shuffle(examples)  # a fixed split, the same for every run and seed

@@ -1,9 +1,9 @@
 """tools/compare.py: REINFORCE, RLOO, PPO and GRPO side by side on the bundled task, with the same
 sample budget (completions seen) and N seeds each.
 
-    python tools/compare.py                 # 2 seeds x 5,120 completions (80 steps of 64)
-    python tools/compare.py --quick         # 1 seed x 2,048 completions (32 steps)
-    python tools/compare.py --out DIR       # again into DIR: finished runs are read, not rerun
+    python tools/compare.py                  # 2 seeds x 5,120 completions (80 steps of 64)
+    python tools/compare.py --quick          # 1 seed x 2,048 completions (32 steps)
+    python tools/compare.py --output_dir DIR # again into DIR: finished runs are read, not rerun
 
 Each run is the script itself (reinforce.py, ppo.py or grpo.py: its defaults, plus the flags in
 ALGOS; each samples 64 completions per step), run as a subprocess with --output_dir
@@ -49,7 +49,7 @@ def run_all(a):
         if summary and not summary.get("interrupted"):
             if any(summary["args"].get(k) != v for k, v in same.items()):
                 raise SystemExit(f"error: {folder} holds a run with other settings (steps or "
-                                 "eval size): choose another --out")
+                                 "eval size): choose another --output_dir")
             print(f"[{i}/{len(todo)}] {name} seed {seed}: finished before, read from {folder}")
             done[name].append(folder)
             continue
@@ -68,7 +68,7 @@ def run_all(a):
             log.flush()
             rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT).returncode
         if rc == 130:  # Ctrl-C reached the script too: it saved, so stop here
-            raise SystemExit(f"interrupted: rerun with --out {a.out} to go on")
+            raise SystemExit(f"interrupted: rerun with --output_dir {a.out} to go on")
         status = "done" if rc == 0 else f"FAILED (exit {rc}; see {folder}.log)"
         print(f"[{i}/{len(todo)}] {name} seed {seed}: {status} in {time.time() - t0:.0f} s")
         if rc == 0:
@@ -177,14 +177,22 @@ def main(argv=None):
     p.add_argument("--eval_points", type=int, default=8, help="held-out evals during each run")
     p.add_argument("--kl_samples", type=int, default=4, help="per prompt for the KL; 0: skip it")
     p.add_argument("--algos", default=",".join(ALGOS), help=f"comma list of {', '.join(ALGOS)}")
-    p.add_argument("--out", default="", help="the folder (default runs/compare-<time>)")
+    p.add_argument("--output_dir", "--out", dest="out", default="",
+                   help="the folder (default runs/compare-<time>)")
     p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", 1)),
                    help="torch threads per run (default: OMP_NUM_THREADS, else 1: on the bundled "
                    "model 2 threads gain 1.3x idle but lose 3x beside one busy process)")
+    p.error = lambda message: p.exit(2, f"error: {message}; see --help\n")  # one line, no usage
     a = p.parse_args(argv)
-    a.seeds = a.seeds or (1 if a.quick else 2)
-    a.samples = a.samples or (2048 if a.quick else 5120)
-    a.eval_size = a.eval_size or (200 if a.quick else 500)
+    for name, quick, full in (("seeds", 1, 2), ("samples", 2048, 5120), ("eval_size", 200, 500)):
+        if getattr(a, name) is None:  # not given: the preset's
+            setattr(a, name, quick if a.quick else full)
+    for name, least in (("seeds", 1), ("samples", 1), ("eval_size", 1), ("eval_points", 0),
+                        ("kl_samples", 0), ("threads", 1)):
+        if getattr(a, name) < least:
+            p.error(f"--{name} must be >= {least}, not {getattr(a, name)}")
+    if a.out and os.path.exists(a.out) and not os.path.isdir(a.out):
+        p.error(f"--output_dir {a.out}: that is a file, not a folder")
     a.algos = [n for n in a.algos.split(",") if n]
     if not set(a.algos) <= set(ALGOS):
         p.error(f"--algos: unknown {sorted(set(a.algos) - set(ALGOS))}; known: {list(ALGOS)}")

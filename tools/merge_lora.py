@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
@@ -19,6 +20,11 @@ from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 def merge(run_dir, out=""):
     ckpt = os.path.join(run_dir, "checkpoint")
+    if not os.path.isfile(os.path.join(ckpt, "args.json")):
+        raise C.UserError(f"{run_dir}: no checkpoint/args.json there; is it a run folder?")
+    out = out or os.path.join(run_dir, "checkpoint-merged")
+    if os.path.exists(out) and not os.path.isdir(out):  # save_pretrained would only log this
+        raise C.UserError(f"--out {out}: that is a file; give a folder to write the model into")
     with open(os.path.join(ckpt, "args.json")) as f:
         saved = json.load(f)
     args = saved["args"]
@@ -36,8 +42,9 @@ def merge(run_dir, out=""):
     else:
         base = C.load_model(args["model"], "lm", C.torch.device("cpu"),
                             trust_remote_code=args["trust_remote_code"])
-    merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
-    out = out or os.path.join(run_dir, "checkpoint-merged")
+    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_...
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+        merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
     merged.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     print(f"merged {ckpt} into {args['model']} -> {out}")

@@ -20,12 +20,24 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def read_metrics(run_dir):
-    """metrics.jsonl's lines as dicts; a line cut short by a crash (no newline yet) is skipped."""
+    """metrics.jsonl's lines as dicts; a line cut short by a crash (no newline yet) is skipped,
+    and so is a damaged line, with a warning naming it."""
     path = os.path.join(run_dir, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"error: {path} not found: not a run folder")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.endswith("}\n")]
+    lines = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for i, line in enumerate(f, 1):
+            try:
+                m = json.loads(line)
+                if not isinstance(m, dict) or type(m.get("step")) not in (int, float):
+                    raise ValueError("no number 'step'")
+                lines.append(m)
+            except ValueError as e:  # (the scripts' runs.read_jsonl_lines does the same)
+                if line.endswith("\n"):
+                    print(f"warning: {path}, line {i} is damaged ({str(e)[:60]}): skipped",
+                          file=sys.stderr)
+    return lines
 
 
 def read_summary(run_dir):
