@@ -210,9 +210,10 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 
 
 def bench_logprob_memory():
-    """One chunk (the log-softmax is a plain autograd op: its fp32 output is kept) vs the default
-    chunking (only the bf16 logits are kept; the fp32 log-softmax is recomputed chunk by chunk in
-    backward)."""
+    """One chunk (head and log-softmax are plain autograd ops: their outputs are kept) vs 2^24
+    logits a chunk (only the hidden states are kept; each chunk is recomputed in backward by
+    C.LinearHeadLogprobs). Before #27 the chunked side kept the full bf16 logits: see the
+    `memory` mode for that path."""
     out = {}
     for name, chunk_elems in (("one chunk", 2**40), ("default chunks", 2**24)):
         cmd = [sys.executable, __file__, "_logprob_memory", str(chunk_elems)]
