@@ -28,6 +28,7 @@ import warnings
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 from safetensors import SafetensorError
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import checkpoint
@@ -327,6 +328,8 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
         raise UserError(f"reward model {name!r} has no trained score head in its checkpoint: "
                         "it would score with random weights")
     model = model.to(device).eval()  # eval(): dropout off; it makes log-probs noisy, KL > 0 at 0
+    if kind == "lm":  # rows the tokenizer cannot decode are never sampled: see suppressed()
+        _suppress_untokenized_rows(model, name, trust_remote_code)
     if frozen:
         model.requires_grad_(False)
     if compile:  # dynamic shapes: new batch sizes and lengths reuse the compiled graphs
@@ -334,6 +337,17 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
         torch._dynamo.config.recompile_limit = 32  # (the default 8 would fall back to eager)
         model.forward = torch.compile(model.forward, dynamic=True)
     return model
+
+
+def _suppress_untokenized_rows(model, name, trust_remote_code):
+    try:
+        n_tokens = len(AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError):
+        return  # no tokenizer in this folder: nothing to compare with
+    rows = model.config.get_text_config().vocab_size  # the LM head's outputs, V
+    if rows > n_tokens:
+        gen = model.generation_config
+        gen.suppress_tokens = sorted({*(gen.suppress_tokens or []), *range(n_tokens, rows)})
 
 
 def enable_gradient_checkpointing(model):
@@ -468,16 +482,41 @@ def _cache_kwarg(model_cls):
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _base_class(model):  # DDP and LoRA (peft) wrappers pass arguments on to the model they wrap
+def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the model they wrap
     model = getattr(model, "module", model)  # DistributedDataParallel
-    return type(model.get_base_model() if hasattr(model, "get_base_model") else model)
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _forward(model, ids, mask, pos, cache=None, keep=0):
+def _base_class(model):
+    return type(_unwrap(model))
+
+
+def _forward(model, ids, mask, pos, cache=None, keep=0, hidden=False):
     """Every forward passes the same arguments, so --compile's guards hold. keep = logits_to_keep
-    (the last `keep` positions go through the LM head; 0 = all)."""
+    (the last `keep` positions go through the LM head; 0 = all); hidden: also return every
+    layer's hidden states (the last: the final norm's output, the LM head's input)."""
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
-                 use_cache=cache is not None, **{_cache_kwarg(_base_class(model)): cache})
+                 use_cache=cache is not None, output_hidden_states=hidden,
+                 **{_cache_kwarg(_base_class(model)): cache})
+
+
+def suppressed(model, V, device):
+    """(V,) bool: the ids this model never samples and whose probability the log-probs set to 0,
+    or None. They are its generation config's suppress_tokens (HF generate masks them too), which
+    load_model sets to the embedding rows the tokenizer has no token for (Qwen2.5: 151,936 rows,
+    151,665 tokens): sampling one would give text the tokenizer cannot decode."""
+    ids = getattr(_unwrap(model).generation_config, "suppress_tokens", None)
+    if not ids:
+        return None
+    mask = torch.zeros(V, dtype=torch.bool, device=device)
+    mask[torch.tensor([i for i in ids if i < V], dtype=torch.long, device=device)] = True
+    return mask
+
+
+def masked_logits(z, mask):
+    """z (..., V) with the suppressed ids at the most negative float, not -inf: their probability
+    is exactly 0, and p log p (entropy) stays 0 * finite = 0, not nan."""
+    return z if mask is None else z.masked_fill(mask, torch.finfo(z.dtype).min)
 
 
 def eos_ids(model, tok):
@@ -536,8 +575,9 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
             logits = logits.logits[:, -1]
         mask, pos = prompt_mask, positions(prompt_mask)[:, -1:]
-        for t in range(max_new_tokens):
-            logits = logits.float()
+        never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
+        for t in range(max_new_tokens):  # logits (rows, V): the last position only (keep=1)
+            logits = masked_logits(logits.float(), never)
             if greedy:
                 nxt = logits.argmax(-1)
             else:
@@ -659,74 +699,207 @@ def decode_completions(tok, roll):
 
 
 # ------------------------------------------------------------------------------ log-probs, KL
-def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False,
-                   entropy_grad=False, fast=True):
+def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, fast=True):
     """log pi(token_t | tokens before t) for the last T positions of ids (B, P+T): (B, T), with
-    gradients. entropy: also each position's entropy (B, T), detached unless entropy_grad (PPO's
-    bonus). fast=True takes fast_token_logprobs(): the same numbers with less compute and memory.
+    gradients. entropy: also each position's entropy (B, T), or None; with gradients when they are
+    on (PPO's bonus); a caller that only logs it detaches it at once, which drops its graph and
+    costs nothing in backward. Ids the model never samples (suppressed()) get probability 0 here
+    too, so these log-probs are those of the distribution the sampler draws from.
+    fast=True takes fast_token_logprobs(): the same numbers with less compute and memory.
     The plain computation, as a student would write it:"""
     if fast:
-        return fast_token_logprobs(model, ids, attention_mask, T, temperature, entropy,
-                                   entropy_grad)
+        return fast_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
     logits = _forward(model, ids, attention_mask, positions(attention_mask)).logits  # (B, P+T, V)
     logits = logits[:, -T - 1:-1]  # position t predicts token t + 1: shift by one
-    logp = (logits.float() / temperature).log_softmax(-1)  # fp32, at the sampling temperature
+    z = logits.float() / temperature  # fp32, at the sampling temperature
+    logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
     lp = logp.gather(-1, ids[:, -T:, None])[..., 0]  # (B, T): the log-prob of each taken token
-    ent = -(logp.exp() * logp).sum(-1) if entropy or entropy_grad else None
-    return lp, (ent if entropy_grad or ent is None else ent.detach())
+    return lp, -(logp.exp() * logp).sum(-1) if entropy else None
+
+
+_HEAD_CHECKED = {}  # model class -> does its LM head turn the last hidden state into its logits?
+_SAID_FSDP = []  # the FSDP2 fallback is said once
 
 
 def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False,
-                        entropy_grad=False, chunk_elems=2**24):
+                        chunk_elems=2**22):
     """token_logprobs() with three savings, same values and gradients (tested):
     1. completion columns that are padding in every row are not run;
     2. when rows share prompts (GRPO groups, RLOO's k samples) and that saves a quarter of the
        tokens, each distinct prompt runs once and its KV cache is indexed out to its rows (an
        indexing op: gradients flow back into the one prompt forward);
-    3. only the completion positions go through the LM head, and the fp32 log-softmax runs a few
-       rows at a time (<= chunk_elems floats); with gradients it is recomputed in backward, which
-       then keeps only the logits, never one (B, T, V) fp32 tensor."""
+    3. the LM head never makes the (B, T, V) logits: the model returns its final hidden states
+       (B, T, H), and head -> logits / temperature -> fp32 log-softmax -> gather runs a chunk
+       of <= chunk_elems logits at a time (16 MB in fp32 by default); with gradients over
+       several chunks, backward recomputes each chunk (LinearHeadLogprobs for a plain linear
+       head, torch.utils.checkpoint for any other, e.g. LoRA's), so neither pass holds more
+       than one chunk of logits. A model whose logits are not head(last hidden state) (checked
+       once per class), or an FSDP2 model (its head's weight is sharded), falls back to a full
+       forward with logits_to_keep, chunked only for the log-softmax (said once).
+    Under torchrun every model skips 2.: a DDP model wants one forward per backward, and the
+    unwrapped reference must compute exactly as the policy does (else KL and ratio are not
+    exactly 0 and 1 at policy = reference, and Adam turns the rounding into a full step)."""
     P = ids.shape[1] - T
     Tb = max(1, int(attention_mask[:, P:].sum(-1).max()))  # these rows' longest completion
     ids, attention_mask = ids[:, :P + Tb], attention_mask[:, :P + Tb]
     B = ids.shape[0]
     pos = positions(attention_mask)
+    head = _lm_head(model)  # None: fall back to logits from the model's forward
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                    return_inverse=True)
     saves = len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb)
-    # (checkpointed layers drop the KV cache; DDP, and FSDP2 with gradients, want one forward
-    # per backward: all off)
-    fsdp_grad = isinstance(model, FSDPModule) and torch.is_grad_enabled()
-    if P > 1 and saves and not hasattr(model, "no_sync") and not fsdp_grad and not any(
+    # (checkpointed layers drop the KV cache; FSDP2 wants one forward per backward)
+    if P > 1 and saves and not torch.distributed.is_initialized() and not any(
             isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
             for m in model.modules()):
         cache, p_mask = DynamicCache(), prompts[:, P:2 * P - 1]
         _forward(model, prompts[:, :P - 1], p_mask, positions(p_mask), cache, keep=1)
         cache.batch_select_indices(row_of)  # every prompt but its last token, once per prompt
         # each row feeds its last prompt token and completion tokens 0..Tb-2: they predict 0..Tb-1
-        logits = _forward(model, ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1],
-                          cache).logits
+        out = _forward(model, ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1], cache,
+                       keep=0 if head is None else 1, hidden=head is not None)
+        x = out.hidden_states[-1] if head is not None else out.logits  # (B, Tb, H), or (B, Tb, V)
     else:
-        logits = _forward(model, ids, attention_mask, pos, keep=Tb + 1).logits[:, :-1]
-    targets, lps, ents = ids[:, -Tb:], [], []
-    chunk = max(1, chunk_elems // max(1, Tb * logits.shape[-1]))
-    for i in range(0, B, chunk):
-        x = (logits[i:i + chunk], targets[i:i + chunk], temperature, entropy or entropy_grad)
-        if logits.requires_grad and logits.numel() > chunk_elems:
-            lp, ent = checkpoint(_chunk_logprobs, *x, use_reentrant=False, preserve_rng_state=False)
-        else:
-            lp, ent = _chunk_logprobs(*x)
-        lps.append(lp)
-        ents.append(ent if entropy_grad or ent is None else ent.detach())
+        out = _forward(model, ids, attention_mask, pos, keep=Tb + 1 if head is None else 1,
+                       hidden=head is not None)
+        x = out.logits[:, :-1] if head is None else out.hidden_states[-1][:, -Tb - 1:-1]
+    if head is not None:  # (B, Tb, H), small: contiguous, so the head's matmul rounds the same
+        x = x.contiguous()  # in every model (MKL's rounding can depend on the memory layout)
     pad = (0, T - Tb)
-    ent = torch.nn.functional.pad(torch.cat(ents), pad) if entropy or entropy_grad else None
-    return torch.nn.functional.pad(torch.cat(lps), pad), ent
+    if head is not None and not _head_makes_logits(model, head, out):  # (now falls back)
+        lp, ent = fast_token_logprobs(model, ids, attention_mask, Tb, temperature, entropy,
+                                      chunk_elems)
+        return F.pad(lp, pad), ent if ent is None else F.pad(ent, pad)
+    V = out.logits.shape[-1]
+    never = suppressed(model, V, ids.device)
+    targets = ids[:, -Tb:]
+    # chunks of whole rows (x[i:i + r]: (r, Tb, H), or logits (r, Tb, V)) while a row's logits
+    # fit in chunk_elems, else of c positions of one row: the same for every T beyond that
+    r = max(1, chunk_elems // (Tb * V))
+    c = Tb if Tb * V <= chunk_elems else max(1, chunk_elems // V)
+    several = B > r or Tb > c
+    if torch.is_grad_enabled() and several and type(head) is torch.nn.Linear:
+        lp, ent = LinearHeadLogprobs.apply(x, head.weight, head.bias, targets, temperature, never,
+                                           r, c, entropy)
+        return F.pad(lp, pad), F.pad(ent, pad) if entropy else None
+    lps, ents = [], []
+    for i in range(0, B, r):
+        row_lps, row_ents = [], []
+        for j in range(0, Tb, c):
+            args = (x[i:i + r, j:j + c], targets[i:i + r, j:j + c], temperature, entropy, head,
+                    never)
+            if torch.is_grad_enabled() and several:  # any other head (LoRA): recompute
+                lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False,
+                                     preserve_rng_state=False)
+            else:
+                lp, ent = _chunk_logprobs(*args)
+            row_lps.append(lp)
+            row_ents.append(ent)
+        lps.append(torch.cat(row_lps, 1))
+        ents.append(torch.cat(row_ents, 1) if entropy else None)
+    lp = F.pad(torch.cat(lps), pad)
+    return lp, F.pad(torch.cat(ents), pad) if entropy else None
 
 
-def _chunk_logprobs(logits, targets, temperature, entropy):
-    logp = (logits.float() / temperature).log_softmax(-1)
+def _chunk_logprobs(x, targets, temperature, entropy, head, never):
+    """One chunk: x (r, c, H) final hidden states through the head, or x (r, c, V) logits."""
+    logits = head(x) if head is not None else x
+    logp = masked_logits(logits.float() / temperature, never).log_softmax(-1)
     ent = -(logp.exp() * logp).sum(-1) if entropy else None
     return logp.gather(-1, targets[..., None])[..., 0], ent
+
+
+def _blocks(B, Tb, r, c):
+    return [(slice(i, i + r), slice(j, j + c)) for i in range(0, B, r) for j in range(0, Tb, c)]
+
+
+class LinearHeadLogprobs(torch.autograd.Function):
+    """fast_token_logprobs' chunks for a plain linear head, by hand. Forward: x (B, Tb, H) final
+    hidden states, through z = (x W^T + b) / temperature a chunk at a time -> log-probs of the
+    targets and entropies (B, Tb); it keeps x only. Backward recomputes each chunk's softmax p
+    and forms dL/dz = g_lp (onehot(target) - p) - g_ent p (log p + entropy), then adds that
+    chunk's x^T-weighted terms into ONE buffer for W's gradient (a per-chunk checkpoint would
+    make a V x H gradient per chunk and sum them): one chunk of logits at a time, and the
+    entropy costs nothing in backward when the caller did not use it (g_ent is None)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, targets, temperature, never, r, c, entropy):
+        dev = x.device.type
+        ctx.amp = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
+        ctx.save_for_backward(x, weight, bias, targets)
+        ctx.args = temperature, never, r, c
+        ctx.set_materialize_grads(False)
+        lp = x.new_zeros(targets.shape, dtype=torch.float32)
+        ent = torch.zeros_like(lp)
+        head = functools.partial(F.linear, weight=weight, bias=bias)
+        for rows, cols in _blocks(*targets.shape, r, c):
+            lp[rows, cols], e = _chunk_logprobs(x[rows, cols], targets[rows, cols], temperature,
+                                                entropy, head, never)
+            if entropy:
+                ent[rows, cols] = e
+        return lp, ent
+
+    @staticmethod
+    def backward(ctx, g_lp, g_ent):
+        x, weight, bias, targets = ctx.saved_tensors
+        temperature, never, r, c = ctx.args
+        (amp, dtype), dev = ctx.amp, x.device.type
+        grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
+        grad_b = None if bias is None else torch.zeros_like(bias)
+        for rows, cols in _blocks(*targets.shape, r, c):
+            xc, t = x[rows, cols], targets[rows, cols]
+            with torch.autocast(dev, dtype=dtype, enabled=amp):  # as in forward
+                logits = F.linear(xc, weight, bias)
+            logp = masked_logits(logits.float() / temperature, never).log_softmax(-1)
+            del logits
+            p = logp.exp()
+            gz = torch.zeros_like(p)
+            if g_lp is not None:
+                g = g_lp[rows, cols, None]
+                gz = (-p * g).scatter_add_(-1, t[..., None], g)
+            if g_ent is not None:
+                ent = -(p * logp).sum(-1, keepdim=True)
+                gz -= g_ent[rows, cols, None] * p * (logp + ent)
+            del p, logp
+            gz = (gz / temperature).flatten(0, 1)  # (n, V): dL/dlogits
+            low = dtype if amp else weight.dtype  # the matmuls' precision, as autograd's
+            grad_x[rows, cols] = (gz.to(low) @ weight.to(low)).view(xc.shape)
+            xf = xc.flatten(0, 1)
+            if low == grad_w.dtype:
+                grad_w.addmm_(gz.T, xf.to(low))  # in place: no V x H temporary
+            else:
+                grad_w += (gz.to(low).T @ xf.to(low)).to(grad_w.dtype)
+            if grad_b is not None:
+                grad_b += gz.sum(0).to(grad_b.dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+
+
+def _lm_head(model):
+    """The LM head (a LoRA-wrapped one too), or None where the fast path cannot split it."""
+    hf = _unwrap(model)
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        if not _SAID_FSDP:
+            _SAID_FSDP.append(print("FSDP2: the LM head's weight is sharded; log-probs make full "
+                                    "logits (more memory)"))
+        return None
+    return None if _HEAD_CHECKED.get(type(hf)) is False else hf.get_output_embeddings()
+
+
+def _head_makes_logits(model, head, out):
+    """Once per model class: head(last hidden state) equals the logits of the forward's last
+    position (not so for models that scale or soft-cap their logits); if not, say so and fall
+    back from then on."""
+    cls = type(_unwrap(model))
+    if cls not in _HEAD_CHECKED:
+        with torch.no_grad():
+            want = out.logits[:, -1].float()
+            ok = torch.allclose(head(out.hidden_states[-1][:, -1:])[:, -1].float(), want,
+                                rtol=1e-3, atol=1e-3 * float(want.abs().max()))
+        _HEAD_CHECKED[cls] = ok
+        if not ok:
+            print(f"{cls.__name__}: its logits are not its LM head applied to its last hidden "
+                  "state; log-probs make full logits (more memory)")
+    return _HEAD_CHECKED[cls]
 
 
 def micro_batches(completion_mask, size):
@@ -826,7 +999,12 @@ def math_reward(completion, row):
 
 
 def format_reward(completion, row):
-    return float(final_number(completion) is not None)  # states a number at all
+    """1 when the completion states its final answer in a format graders read: a non-empty
+    \\boxed{...} (MATH; "put your final answer within \\boxed{}") or a last line '#### N'
+    (GSM8K). It checks the form only; math_reward checks the value."""
+    boxed = last_boxed(completion)
+    gsm8k = re.search(r"(^|\n)\s*####\s*-?[\d,]*\.?\d+\s*$", completion)
+    return float(bool(boxed and boxed.strip()) or gsm8k is not None)
 
 
 def length_reward(completion, row):

@@ -326,8 +326,9 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
                     with amp:
                         logprobs, entropy = C.token_logprobs(model, roll.ids[j],
                                                              roll.attention_mask[j], T,
-                                                             args.temperature, entropy=True,
-                                                             entropy_grad=args.ent_coef > 0)
+                                                             args.temperature, entropy=True)
+                        if not args.ent_coef:  # no bonus: only logged, so drop its graph
+                            entropy = entropy.detach()
                         values = critic(roll.ids[j], roll.attention_mask[j], T)
                     pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
                                                      batch["advantages"][j], args.clip_eps)

@@ -27,8 +27,9 @@ unchanged (E[b grad log pi] = 0) and can cut its variance. Without one, the upda
 reward's offset: add c to every reward and each sample's gradient gains c grad log pi, pure noise.
 Logged proxies: adv_mean, adv_std and sample_grad_rms (see sample_grad_probe). On the bundled
 task, with 0/1 rewards b = 0 already is the failure reward, so `none` is no noisier than rloo;
-with --rewards math,format (+1 for any number) vanilla's per-sample gradient nearly
-triples while every baseline's stays put (README).
+with +1 added to almost every reward vanilla's per-sample gradient nearly triples while every
+baseline's stays put (README: measured with --rewards math,format when `format` paid 1 for any
+number; it now pays only a \\boxed{} or '#### N' answer, which this model never writes).
 
 Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO paper);
 num_iterations > 1 turns on a PPO-style clipped token ratio. --whiten whitens the advantages after
@@ -42,6 +43,7 @@ Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-c
           --max_new_tokens 256 --baseline rloo --beta 0.05 --lr 1e-6 --compile
 Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.99 with rloo.
 """
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -216,7 +218,10 @@ def sample_grad_probe(model):
     bounds the gradient's variance (tr Var(mean g) <= E||g||^2 / N). It is measured in logit space,
     not parameter space (per-parameter per-sample gradients cost a backward each): the parameter
     gradient is J_i^T g_i. On the bundled model it ranks the baselines in the same order as the
-    batch gradient's covariance over 30 batches. Returns the list it fills, in micro-batch order."""
+    batch gradient's covariance over 30 batches. Returns the list it fills, in micro-batch order.
+    Measured while token_logprobs puts whole rows through the head module at once (T x V <= its
+    chunk_elems, as on the bundled model); with a large vocabulary its chunks run the head's
+    weight by hand (C.LinearHeadLogprobs), nothing is recorded, and it is logged as nan."""
     norms = []
 
     def on_forward(module, inputs, logits):
@@ -336,6 +341,7 @@ def main():
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
+                    entropy = entropy.detach()  # only logged: its graph goes, backward skips it
                     old = old_logprobs[mb] if args.num_iterations > 1 else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
                     is_weight, is_ratio = mismatch_weights(
@@ -365,7 +371,7 @@ def main():
         # 4. log, eval, checkpoint
         valid = mask.bool()
         # g_i: each sample's term of the first update's gradient (times N, the step's sequences)
-        g = torch.cat(grad_norms)[:B] * n_seqs / run.world
+        g = torch.cat(grad_norms)[:B] * n_seqs / run.world if grad_norms else torch.tensor(math.nan)
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(scores.mean()),
                    "reward_std": float(R.global_std(scores)),

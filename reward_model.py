@@ -214,7 +214,7 @@ def main():
         if stopping:
             break
     R.finish_run(run, device, "pair accuracy", eval_before, evaluate,
-                 charts=("loss", "accuracy", "score_mean"))
+                 charts=("loss", "accuracy", "score_mean"), label="chosen > rejected")
 
 
 if __name__ == "__main__":

@@ -923,11 +923,17 @@ def sanity_check(model, ref, tok, rows, args, amp):
             ref_lp = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp)
         kl = float(C.masked_mean(C.kl_estimate(lp, ref_lp, "k3"), roll.completion_mask))
         checks["KL(policy || reference) is 0 before any update"] = (kl <= kl_tol, f"{kl:.3g}")
-    ended = ~roll.truncated
+    # every finished row's mask ends on its EOS or on the last token of a stop string; with no
+    # finished row there is nothing to check, and that fails too (raise --max_new_tokens)
     last = roll.completion_mask.sum(-1).long() - 1
-    ends = roll.ids[:, roll.P:][ended, last[ended]]
-    eos = torch.tensor(C.eos_ids(model, tok), device=device)
-    checks["completion_mask ends on the EOS"] = (bool(torch.isin(ends, eos).all()), "not always")
+    ends = roll.ids[:, roll.P:].gather(1, last[:, None])[:, 0]
+    on_eos = torch.isin(ends, torch.tensor(C.eos_ids(model, tok), device=device)).tolist()
+    texts = C.decode_completions(tok, roll)
+    ok = [e or any(s in t for s in args.stop) for e, t in zip(on_eos, texts)]
+    done = (~roll.truncated).tolist()
+    checks["completion_mask ends on the EOS or a stop string"] = (
+        any(done) and all(o for o, d in zip(ok, done) if d),
+        "no row ended within max_new_tokens" if not any(done) else "not always")
     for name, (ok, detail) in checks.items():
         print(f"  {'ok  ' if ok else 'FAIL'} {name}{'' if ok else f' ({detail})'}")
     trained = sum(p.numel() for p in model.parameters() if p.requires_grad)

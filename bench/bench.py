@@ -7,6 +7,10 @@ ratios).
                                    reinforce, ppo
   python bench/bench.py logprobs   memory held for backward by the training log-probs, one chunk
                                    vs chunked
+  python bench/bench.py memory     peak memory and time of one training forward + backward of
+                                   token_logprobs on a 151,936-token vocabulary, T = 128 and 512:
+                                   plain, the pre-#27 fast path (full logits) and the chunked
+                                   head; the bundled model's speed, new vs old
   python bench/bench.py trl        grpo.py vs TRL's GRPOTrainer on the bundled model and task
                                    (needs `pip install trl`, used only here, never a project
                                    dependency)
@@ -206,9 +210,10 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 
 
 def bench_logprob_memory():
-    """One chunk (the log-softmax is a plain autograd op: its fp32 output is kept) vs the default
-    chunking (only the bf16 logits are kept; the fp32 log-softmax is recomputed chunk by chunk in
-    backward)."""
+    """One chunk (head and log-softmax are plain autograd ops: their outputs are kept) vs 2^24
+    logits a chunk (only the hidden states are kept; each chunk is recomputed in backward by
+    C.LinearHeadLogprobs). Before #27 the chunked side kept the full bf16 logits: see the
+    `memory` mode for that path."""
     out = {}
     for name, chunk_elems in (("one chunk", 2**40), ("default chunks", 2**24)):
         cmd = [sys.executable, __file__, "_logprob_memory", str(chunk_elems)]
@@ -221,10 +226,116 @@ def bench_logprob_memory():
     return out
 
 
+def peak_rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
+
+
+def rss_mb():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+
+def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layers=2):
+    """One training forward + backward of common.token_logprobs (entropy on and detached at
+    once, as grpo.py logs it) on a random Qwen2 with Qwen's vocabulary, fp32 on the CPU, in this
+    fresh process. Peak memory above the weights and their gradients: on CUDA the allocator's
+    peak; on the CPU the kernel's peak resident set (VmHWM), reset just before the pass by
+    writing 5 to /proc/self/clear_refs (big blocks are mmap'ed, so freed ones leave the resident
+    set: after a warm-up pass the RSS is the weights, their gradients and the runtime). path:
+    'plain' (fast=False), 'logits' (the fast path before #27: a full forward's logits, only the
+    log-softmax chunked; forced by marking the head unsplittable) or 'hidden' (the default)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    torch.set_num_threads(1)
+    device = C.pick_device()
+    torch.manual_seed(0)
+    cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=1024)
+    model = Qwen2ForCausalLM(cfg).to(device).eval()
+    if path == "logits":
+        C._HEAD_CHECKED[Qwen2ForCausalLM] = False  # the pre-#27 fast path: logits, then chunks
+    ids = torch.randint(3, vocab, (rows, P + T), device=device)  # distinct prompts: no sharing
+
+    def step():
+        lp, ent = C.token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True,
+                                   fast=path != "plain")
+        ent = ent.detach()
+        lp.sum().backward()
+        sync()
+    step()  # warm-up: the gradients exist, lazy init is done
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() / 2**20
+    else:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+        base = rss_mb()
+    t = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - t
+    peak = torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else peak_rss_mb()
+    weights = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    return {"path": path, "T": T, "increase_mb": round(peak - base, 1), "fwd_bwd_s": seconds,
+            "weights_mb": round(weights, 1),
+            "full_logits_fp32_mb": round(rows * T * vocab * 4 / 2**20, 1)}
+
+
+def bundled_logprobs_speed(repeats=30):
+    """s per training forward + backward of token_logprobs on the bundled model and a GRPO-sized
+    batch (64 rows, 8 groups), the new path against the pre-#27 one, interleaved in one process."""
+    tok = C.load_tokenizer(C.DEFAULT_POLICY)
+    model = C.load_model(C.DEFAULT_POLICY, "lm", C.pick_device())
+    torch.manual_seed(0)
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in C.load_data("").eval_rows[:8]] * 8)
+    roll = C.sample(model, tok, prompts, 6)
+    T = roll.completion_mask.shape[1]
+    cls = type(model)
+
+    def step():
+        lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, entropy=True)
+        (lp * roll.completion_mask).sum().backward()
+    best = {"hidden": float("inf"), "logits": float("inf")}
+    torch.set_num_threads(1)  # as the scripts run the bundled model
+    for _ in range(repeats):
+        for name in best:
+            C._HEAD_CHECKED[cls] = name == "hidden"  # (the head's check already passed)
+            t = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - t)
+    C._HEAD_CHECKED.pop(cls, None)
+    return best
+
+
+def bench_memory():
+    """train_logprobs_memory for each path and T, each in a fresh process, then the bundled
+    model's speed."""
+    out = []
+    # (the two full-logits paths at T = 512 would need about 9 and 11 GB: not run)
+    for T, paths in ((128, ("plain", "logits", "hidden")), (512, ("hidden",))):
+        for path in paths:
+            cmd = [sys.executable, __file__, "_train_memory", path, str(T)]
+            # glibc would keep freed blocks under 32 MB in its heap (its mmap threshold rises as
+            # big blocks are freed): the resident set would count them as if still in use
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            r = subprocess.run(cmd, capture_output=True, text=True, check=True, env=env)
+            m = json.loads(r.stdout.strip().splitlines()[-1])
+            out.append(m)
+            print(f"memory T={T:4d} {path:7s} +{m['increase_mb']:7.0f} MB over weights and grads "
+                  f"({m['weights_mb']:.0f} MB of weights)   fwd+bwd {m['fwd_bwd_s']:.2f} s   "
+                  f"one (8, {T}, 151,936) fp32 logits: {m['full_logits_fp32_mb']:.0f} MB")
+    speed = bundled_logprobs_speed()
+    print(f"bundled model, fwd+bwd of token_logprobs: {speed['hidden'] * 1e3:.2f} ms (hidden) vs "
+          f"{speed['logits'] * 1e3:.2f} ms (logits, pre-#27)")
+    return {"train_memory": out, "bundled_s": speed}
+
+
 def main():
     what = sys.argv[1] if len(sys.argv) > 1 else "all"
     if what == "_logprob_memory":  # the child process of bench_logprob_memory
         return print(json.dumps(logprob_memory(int(sys.argv[2]))))
+    if what == "_train_memory":  # the child process of bench_memory
+        return print(json.dumps(train_logprobs_memory(sys.argv[2], int(sys.argv[3]))))
     device = C.pick_device()
     torch.set_num_threads(os.cpu_count() or 1)
     if device.type == "cuda":
@@ -247,6 +358,8 @@ def main():
         result["lora"] = bench_lora()
     if what in ("logprobs", "all"):
         result["logprob_memory"] = bench_logprob_memory()
+    if what in ("memory", "all"):
+        result["memory"] = bench_memory()
     if what in ("trl", "all"):
         trl_script = os.path.join(ROOT, "bench", "trl_grpo.py")
         r = subprocess.run([sys.executable, trl_script], capture_output=True, text=True)
