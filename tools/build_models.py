@@ -31,7 +31,10 @@ Measured 2026-12-01 (2-core CPU shared with other jobs): 11-12 minutes; held-out
 correct vs dropped-carry / one-digit-off answers. A second build wrote bit-identical files.
 Stage 4 alone (--only calc): 1,235 s on the shared CPU (load average ~7); tiny-calc then calls
 the tool on 23-33% of sampled prompts and is right 0.97-1.00 of the time when it calls on 3-4
-digit sums (python envs.py models/tiny-calc; docs/tool_use.md).
+digit sums (python envs.py models/tiny-calc; docs/tool_use.md). The shipped tiny-calc was built
+before common.token_logprobs got its chunked LM head; rebuilt after it (704 s) the weights differ
+in the last bits (float order) and the report agrees within sampling noise (T = 1 calls 0.30 /
+0.27 / 0.22 on 2 / 3 / 4-digit sums, against 0.33 / 0.26 / 0.23).
 """
 import json
 import os
