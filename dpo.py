@@ -18,13 +18,13 @@ of x cancels) and fit the policy to the preferences directly:
     loss   = (1/N) sum over rows, sum over the row's pairs of w * L,  w = 1 / (pairs of the row)
 
 pi_ref is a frozen copy of the starting (SFT) model (with --lora_r, the policy itself with its
-adapters off: no second copy, C.adapters_off()). beta * (log pi_theta - log pi_ref) is the
+adapters off: no second copy, loading.adapters_off()). beta * (log pi_theta - log pi_ref) is the
 implicit reward: logged for the chosen and the rejected completions, with their margin and the
 preference accuracy (how often the chosen one's is higher). Two models are held in memory, the
 policy and the reference, and nothing is sampled during training: DPO learns from the fixed
 preference data alone (off-policy), where PPO and GRPO score fresh samples every step.
 
-Data: the format of reward_model.py (C.read_preferences()): pairs {"prompt", "chosen",
+Data: the format of reward_model.py (tasks.read_preferences()): pairs {"prompt", "chosen",
 "rejected"} or rankings {"prompt", "ranking"}, expanded into all pairs, one row's pairs weighted
 to count as one row (a pair's "margin" is not used by DPO). Held out: a fixed fifth of the
 prompts, for the implicit-reward accuracy, and the task score, held-out greedy accuracy
@@ -46,14 +46,16 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
+import loading
 import runs as R
+import tasks
 
 
 @dataclass
 class Args:
     # --- model and data
-    model: str = C.DEFAULT_POLICY  # the starting (SFT) model: policy and frozen reference
-    data: str = C.PIPELINE_RANKINGS  # JSONL of pairs {"prompt", "chosen", "rejected"} or rankings
+    model: str = loading.DEFAULT_POLICY  # the starting (SFT) model: policy and frozen reference
+    data: str = tasks.PIPELINE_RANKINGS  # JSONL: pairs {"prompt", "chosen", "rejected"} or rankings
     eval_data: str = ""  # task score: '' = built-in addition task; a JSONL of {"prompt", "answer"}
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
@@ -120,7 +122,7 @@ def sequence_logprobs(model, batch, amp):
 @torch.no_grad()
 def reference_logprobs(ref, batch, amp):
     """log pi_ref(y|x) (B,). With LoRA, pi_ref is the policy with its adapters off."""
-    with C.adapters_off(ref):
+    with loading.adapters_off(ref):
         return sequence_logprobs(ref, batch, amp)
 
 
@@ -137,8 +139,8 @@ def encode_rows(tok, rows, chat_template):
 def pair_batch(rows, pad_id, device):
     """A batch of rows as one rollout of all their completions, and the pairs in it:
     (batch, chosen index, rejected index, weight)."""
-    _, _, chosen, rejected, _, weight = C.flatten(rows)
-    batch = C.collate([x for r in rows for x in r["ids"]], pad_id, device)
+    _, _, chosen, rejected, _, weight = tasks.flatten(rows)
+    batch = tasks.collate([x for r in rows for x in r["ids"]], pad_id, device)
     return batch, chosen, rejected, weight.to(device)
 
 
@@ -168,21 +170,21 @@ def check_args(args):
 def main():
     args = R.parse_args(Args, "dpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
-    train, held = C.read_preferences(args.data or C.PIPELINE_RANKINGS, args.eval_size)
+    train, held = tasks.read_preferences(args.data or tasks.PIPELINE_RANKINGS, args.eval_size)
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "dpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     # the policy (fp32 weights, dropout off) and pi_ref, the starting model, frozen
-    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
+    ref = model if args.lora_r else loading.load_model(args.model, "lm", device, frozen=True,
                                                  compile=args.compile,
                                                  trust_remote_code=args.trust_remote_code)
     train, held = [encode_rows(tok, rows, args.chat_template) for rows in (train, held)]
-    task = C.load_data("", args.eval_size).eval_rows if not args.eval_data else \
-        C.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
-    C.check_prompts(tok, model, task, args)
+    task = tasks.load_data("", args.eval_size).eval_rows if not args.eval_data else \
+        tasks.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
+    loading.check_prompts(tok, model, task, args)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
@@ -203,7 +205,7 @@ def main():
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
         # 1. the next batch of rows (each epoch a new shuffle; torchrun: this process's share)
-        rows = R.my_share(C.step_rows(train, args.batch_size, args.seed, step))
+        rows = R.my_share(tasks.step_rows(train, args.batch_size, args.seed, step))
         n_rows = len(rows) * run.world  # the whole step's rows and pairs, over every process
         n_pairs = float(R.global_sum(sum(len(r["pairs"]) for r in rows)))
         # 2. log-probs of every completion under pi_theta and pi_ref; the loss over every pair

@@ -25,8 +25,10 @@ import time
 import torch
 
 import common as C
+import loading
+import tasks
 
-CALC_MODEL = os.path.join(C.ROOT, "models", "tiny-calc")  # built by tools/build_models.py
+CALC_MODEL = os.path.join(loading.ROOT, "models", "tiny-calc")  # built by tools/build_models.py
 CALC_SHAPES = ((3, 3), (3, 4), (4, 3), (4, 4))  # (digits of a, digits of b) of the task's sums
 CALC_EVAL_SEED = 2828
 CALC_EVAL_SIZE = 500
@@ -91,7 +93,7 @@ def calc_demo_pairs(rng, k):
     for _ in range(k):
         u = rng.random()
         if u < 0.25:
-            out += C.task_train_pairs(rng, 1)
+            out += tasks.task_train_pairs(rng, 1)
         else:
             shape = (3, 3) if u < 0.5 else (4, 4) if u < 0.85 else rng.choice([(3, 4), (4, 3)])
             out += calc_train_pairs(rng, 1, [shape])
@@ -118,12 +120,12 @@ def calc(row, turns):
 
 
 def calc_data(eval_size=CALC_EVAL_SIZE):
-    """The calculator task's rows, as common.load_data returns them: next_batch(rng, k) gives k
+    """The calculator task's rows, as tasks.load_data returns them: next_batch(rng, k) gives k
     fresh training sums, eval_rows the held-out ones."""
-    eval_rows = [C.addition_row(a, b) for a, b in calc_eval_pairs()][:eval_size]
+    eval_rows = [tasks.addition_row(a, b) for a, b in calc_eval_pairs()][:eval_size]
 
     def next_batch(rng, k):
-        return [C.addition_row(a, b) for a, b in calc_train_pairs(rng, k)]
+        return [tasks.addition_row(a, b) for a, b in calc_train_pairs(rng, k)]
     return C.SimpleNamespace(next_batch=next_batch, eval_rows=eval_rows, rows=eval_rows)
 
 
@@ -233,10 +235,10 @@ def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
     Held-out pairs for 3-4 digits; 2-digit ones from the bundled task's held-out split."""
     out, rng = {}, random.Random(seed)
     for shape in CALC_REPORT_SHAPES:
-        pairs = C.task_eval_pairs()[:n] if shape == (2, 2) else [
+        pairs = tasks.task_eval_pairs()[:n] if shape == (2, 2) else [
             p for p in calc_eval_pairs() if (len(str(p[0])), len(str(p[1]))) == shape][:n]
         pairs = [(a, b) for a, b in pairs if min(a, b) >= 10] if shape == (2, 2) else pairs
-        rows = [C.addition_row(a, b) for a, b in pairs for _ in range(k)]
+        rows = [tasks.addition_row(a, b) for a, b in pairs for _ in range(k)]
         for mode in ("T=1", "greedy"):
             torch.manual_seed(rng.randrange(2**31))
             roll = C.rollout(model, tok, C.encode_prompts(tok, [r["prompt"] for r in rows],
@@ -258,8 +260,8 @@ def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
 def main():
     """python envs.py MODEL [K]: the calculator report (calc_report) of a model or checkpoint."""
     import sys
-    model = C.load_model(sys.argv[1], "lm", torch.device("cpu"), frozen=True)
-    tok = C.load_tokenizer(sys.argv[1])
+    model = loading.load_model(sys.argv[1], "lm", torch.device("cpu"), frozen=True)
+    tok = loading.load_tokenizer(sys.argv[1])
     torch.set_num_threads(1)
     rep = calc_report(model, tok, k=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
     cols = ["calls", "right when calling", "right when not", "overall", "says nothing after"]

@@ -42,7 +42,9 @@ from tqdm import tqdm
 
 import common as C
 import envs as E
+import loading
 import runs as R
+import tasks
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]  # see aggregate()
 
@@ -50,7 +52,7 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]  # see ag
 @dataclass
 class Args:
     # --- model and data
-    model: str = C.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
+    model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
     data_split: str = "train"  # hf: datasets only: the split to read
     prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
@@ -323,25 +325,25 @@ def main():
     args = R.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
     env = E.from_args(args)  # --env: the tool environment (envs.py); None without
-    fns = C.load_reward_fns(args.reward_fn)  # your own reward functions, by name
-    weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    data = E.task_data(args, C.load_data(args.data, args.eval_size, "math" in weights,
+    fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
+    data = E.task_data(args, tasks.load_data(args.data, args.eval_size, "math" in weights,
                                          args.data_split, args.prompt_field, args.answer_field,
                                          args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
-    sample_amp = amp if args.sample_dtype == "same" else C.autocast(device, args.sample_dtype)
-    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    sample_amp = amp if args.sample_dtype == "same" else loading.autocast(device, args.sample_dtype)
+    model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    C.check_prompts(tok, model, data.rows, args)
+    loading.check_prompts(tok, model, data.rows, args)
     ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.beta > 0 or args.sanity:
-        ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
+        ref = model if args.lora_r else loading.load_model(args.model, "lm", device, frozen=True,
                                                      trust_remote_code=args.trust_remote_code,
                                                      compile=args.compile)
-    rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
+    rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
@@ -383,7 +385,7 @@ def main():
                                               args.micro_batch_size, amp)
         ref_logprobs = None
         if ref is not None:
-            with C.adapters_off(ref):  # LoRA: the policy without its adapters is the reference
+            with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
         # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser:

@@ -55,14 +55,16 @@ from transformers import AutoModelForSequenceClassification
 
 import common as C
 import envs as E
+import loading
 import runs as R
+import tasks
 
 
 @dataclass
 class Args:
     # --- model and data
-    model: str = C.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    reward_model: str = C.DEFAULT_REWARD_MODEL  # AutoModelForSequenceClassification, num_labels=1
+    model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
+    reward_model: str = loading.DEFAULT_REWARD_MODEL  # AutoModelForSequenceClassification, 1 label
     critic_init: Literal["reward_model", "policy"] = "reward_model"  # TL;DR details | N details
     data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
     data_split: str = "train"  # hf: datasets only: the split to read
@@ -257,10 +259,10 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
         if not args.reward_model:
             raise C.UserError("--critic_init reward_model needs --reward_model (or use "
                               "--critic_init policy)")
-        if C.load_tokenizer(src, args.trust_remote_code).get_vocab() != tok.get_vocab():
+        if loading.load_tokenizer(src, args.trust_remote_code).get_vocab() != tok.get_vocab():
             raise C.UserError(f"the critic reads the policy's token ids, but reward model {src!r}"
                               " has a different tokenizer; use --critic_init policy")
-        critic = C.load_model(src, "rm", device, frozen=False,
+        critic = loading.load_model(src, "rm", device, frozen=False,
                               trust_remote_code=args.trust_remote_code)
     else:
         critic = AutoModelForSequenceClassification.from_pretrained(
@@ -279,7 +281,7 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
             head.bias.copy_((bias - norm[0]) / norm[1])
     critic.score = head
     if args.gradient_checkpointing:
-        C.enable_gradient_checkpointing(critic)
+        loading.enable_gradient_checkpointing(critic)
     return critic
 
 
@@ -375,26 +377,26 @@ def main():
     args = R.parse_args(Args, "ppo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
     env = E.from_args(args)  # --env: the tool environment (envs.py); None without
-    fns = C.load_reward_fns(args.reward_fn)  # your own reward functions, by name
-    weights = C.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
-    data = E.task_data(args, C.load_data(args.data, args.eval_size, "math" in weights,
+    fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
+    data = E.task_data(args, tasks.load_data(args.data, args.eval_size, "math" in weights,
                                          args.data_split, args.prompt_field, args.answer_field,
                                          args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "ppo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
-    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    C.check_prompts(tok, model, data.rows, args)
+    loading.check_prompts(tok, model, data.rows, args)
     ref = None  # kl_coef = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.kl_coef > 0 or args.sanity:
-        ref = model if args.lora_r else C.load_model(args.model, "lm", device, frozen=True,
+        ref = model if args.lora_r else loading.load_model(args.model, "lm", device, frozen=True,
                                                      trust_remote_code=args.trust_remote_code,
                                                      compile=args.compile)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
-    rm, rm_tok = C.load_reward_model(args, device) if "rm" in weights else (None, None)
+    rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
     norm = (0.0, 1.0)  # the score's (mu, sigma): from the checkpoint on resume, else measured
     if run.state:
         norm = run.state["extra"]["score_norm"]
@@ -454,7 +456,7 @@ def main():
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
         ref_logprobs = old_logprobs  # no reference (kl_coef = 0): KL is 0
         if ref is not None:
-            with C.adapters_off(ref):  # LoRA: the policy without its adapters is the reference
+            with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
         old_values = torch.zeros_like(mask)

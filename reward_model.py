@@ -12,7 +12,8 @@ and maximum likelihood on preference pairs gives
 A row is one prompt's annotation: a pair {"prompt", "chosen", "rejected"} (optional "margin", as
 Llama 2) or a ranking {"prompt", "ranking": [best, ..., worst]} of K completions, expanded into
 all K(K-1)/2 pairs in one batch, each weighted 1/(K(K-1)/2) so that a long ranking counts as one
-prompt (InstructGPT; C.ranking_pairs()). Each completion is scored once: K forwards, K(K-1)/2 pairs.
+prompt (InstructGPT; tasks.ranking_pairs()). Each completion is scored once: K forwards, K(K-1)/2
+pairs.
 
 Scoring is common.rm_scores' exactly (prompt + completion re-tokenised, then EOS; or the chat
 template), so the checkpoint is a reward model as it is for `ppo.py --reward_model OUT/checkpoint`
@@ -37,15 +38,17 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 import common as C
+import loading
 import runs as R
+import tasks
 
 
 
 @dataclass
 class Args:
     # --- model and data
-    model: str = C.DEFAULT_POLICY  # a causal LM (a fresh score head) or a reward model to go on
-    data: str = C.PIPELINE_RANKINGS  # JSONL of pairs {"prompt", "chosen", "rejected"} or rankings
+    model: str = loading.DEFAULT_POLICY  # a causal LM (new score head), or a reward model to go on
+    data: str = tasks.PIPELINE_RANKINGS  # JSONL: pairs {"prompt", "chosen", "rejected"} or rankings
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- optimisation
@@ -125,7 +128,7 @@ def load_reward_model(src, tok, device, args):
 def pair_accuracy(scorer, tok, rows, args, micro_batch=64):
     """Held-out fraction of pairs whose chosen completion scores higher (under torchrun, over
     every process's rows)."""
-    prompts, completions, chosen, rejected, _, _ = C.flatten(rows)
+    prompts, completions, chosen, rejected, _, _ = tasks.flatten(rows)
     r = torch.cat([score_forward(scorer, tok, prompts[i:i + micro_batch],
                                  completions[i:i + micro_batch], args.chat_template)
                    for i in range(0, len(prompts), micro_batch)] or [torch.zeros(0)])
@@ -137,17 +140,17 @@ def pair_accuracy(scorer, tok, rows, args, micro_batch=64):
 def main():
     args = R.parse_args(Args, "reward_model", __doc__)  # --resume DIR: that run's own settings
     R.check_args(args)
-    train, held = C.read_preferences(args.data or C.PIPELINE_RANKINGS, args.eval_size)
+    train, held = tasks.read_preferences(args.data or tasks.PIPELINE_RANKINGS, args.eval_size)
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "reward_model")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)  # (also seeds the fresh score head)
-    amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     ckpt = f"{run.dir}/checkpoint" if args.resume else ""
-    tok = C.load_tokenizer(ckpt or args.model, args.trust_remote_code)
+    tok = loading.load_tokenizer(ckpt or args.model, args.trust_remote_code)
     model = load_reward_model(args.model if args.lora_r else ckpt or args.model, tok, device, args)
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     if args.lora_r:  # LoRA saves the adapters and the head: tools/merge_lora.py makes a full RM
-        model = C.add_lora(model, args, ckpt, task="SEQ_CLS")
+        model = loading.add_lora(model, args, ckpt, task="SEQ_CLS")
     plain = Scorer(model)  # r (B,) from one forward: the module DDP or FSDP2 wraps
     scorer = R.wrap_model(plain, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or adapters and head
@@ -165,14 +168,14 @@ def main():
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
         # 1. the next batch of rows (each epoch a new shuffle; torchrun: this process's share)
-        batch = R.my_share(C.step_rows(train, args.batch_size, args.seed, step))
+        batch = R.my_share(tasks.step_rows(train, args.batch_size, args.seed, step))
         n_rows = len(batch) * run.world  # the whole step's rows and pairs, over every process
         n_pairs = float(R.global_sum(sum(len(r["pairs"]) for r in batch)))
         # 2. score each completion once; Bradley-Terry loss over every pair of the step's rows
         sums, scores = dict.fromkeys(("loss", "accuracy", "margin"), 0.0), []
         starts = range(0, len(batch), args.micro_batch_size)
         for s in starts:
-            prompts, completions, ci, ri, margin, weight = C.flatten(
+            prompts, completions, ci, ri, margin, weight = tasks.flatten(
                 batch[s:s + args.micro_batch_size])
             with R.sync_gradients(scorer, now=s == starts[-1]):  # DDP: at the last
                 with amp:

@@ -46,6 +46,7 @@ from transformers.utils import logging as hf_logging
 
 import common as C
 import envs as E
+import loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
@@ -624,7 +625,7 @@ def setup_distributed():
     take this process's device from LOCAL_RANK. Launched plainly: one process, no group, nothing
     changes. Returns the device."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
-        return C.pick_device()
+        return loading.pick_device()
     local = int(os.environ["LOCAL_RANK"])
     device = torch.device("cuda", local) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
@@ -919,7 +920,7 @@ def sanity_check(model, ref, tok, rows, args, amp):
     d = float(((again - lp).exp() - 1).abs().max())
     checks["ratio pi/pi_old is 1 at the first inner step"] = (d <= 1e-4, f"{d:.3g} off; dropout?")
     if ref is not None:
-        with C.adapters_off(ref):  # LoRA: the policy without its adapters
+        with loading.adapters_off(ref):  # LoRA: the policy without its adapters
             ref_lp = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp)
         kl = float(C.masked_mean(C.kl_estimate(lp, ref_lp, "k3"), roll.completion_mask))
         checks["KL(policy || reference) is 0 before any update"] = (kl <= kl_tol, f"{kl:.3g}")

@@ -39,15 +39,17 @@ import torch
 from tqdm import tqdm
 
 import common as C
+import loading
 import runs as R
+import tasks
 
-DEMOS = os.path.join(C.ROOT, "data", "demonstrations.jsonl")  # tools/make_pipeline_data.py
+DEMOS = os.path.join(loading.ROOT, "data", "demonstrations.jsonl")  # tools/make_pipeline_data.py
 
 
 @dataclass
 class Args:
     # --- model and data
-    model: str = C.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
+    model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     data: str = DEMOS  # JSONL of {"prompt", "completion"} or {"messages"}; '' = the bundled one
     eval_data: str = ""  # task score: '' = built-in addition task; a JSONL of {"prompt", "answer"}
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
@@ -112,7 +114,7 @@ def heldout_loss(model, examples, pad_id, micro_batch_size, amp):
     device = next(model.parameters()).device
     total, n = 0.0, 0.0
     for i in range(0, len(examples), micro_batch_size):
-        b = C.collate(examples[i:i + micro_batch_size], pad_id, device)
+        b = tasks.collate(examples[i:i + micro_batch_size], pad_id, device)
         with amp:
             lp, _ = C.token_logprobs(model, b.ids, b.attention_mask, b.completion_mask.shape[1])
         total += float(-(lp * b.completion_mask).sum())
@@ -125,7 +127,7 @@ def read_demonstrations(path, tok, chat_template, limit):
     """(prompt ids, completion ids + EOS) per row, the prompt encoded as the RL scripts encode it
     (C.encode_prompts: chat template and all). Errors name the file, the line and the field."""
     prompts, completions, lines = [], [], []
-    for where, row in C.jsonl_objects(path):  # (errors name the file and the line)
+    for where, row in tasks.jsonl_objects(path):  # (errors name the file and the line)
         if isinstance(row, dict) and "messages" in row:  # chat: the last message is the reply
             m = row["messages"]
             if not (isinstance(m, list) and len(m) >= 2
@@ -159,18 +161,18 @@ def main():
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "sft")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
-    amp = C.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     # fp32 weights, dropout off; with --lora_r a frozen base and trained adapters
-    model, tok = C.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     limit = getattr(model.config, "max_position_embeddings", 0)
     examples = read_demonstrations(args.data or DEMOS, tok, args.chat_template, limit)
     random.Random(0).shuffle(examples)  # a fixed split, the same for every run and seed
     n_eval = min(args.eval_size, len(examples) // 5)
     held, train = examples[:n_eval], examples[n_eval:]
-    task = C.load_data("", args.eval_size).eval_rows if not args.eval_data else \
-        C.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
-    C.check_prompts(tok, model, task, args)
+    task = tasks.load_data("", args.eval_size).eval_rows if not args.eval_data else \
+        tasks.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
+    loading.check_prompts(tok, model, task, args)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
@@ -199,7 +201,7 @@ def main():
         if i == 0 or step == start:
             batches = length_batches(lengths, args.batch_size, args.seed, epoch,
                                      window=16 if args.group_by_length else 0)
-        batch = C.collate([train[j] for j in R.my_share(batches[i])], tok.pad_token_id, device)
+        batch = tasks.collate([train[j] for j in R.my_share(batches[i])], tok.pad_token_id, device)
         mask = batch.completion_mask  # (B, T): 1 on each completion token, EOS included
         n_tokens = R.global_sum(mask.sum())  # the whole step's, over every process
         # 2. loss over the whole step's completion tokens, micro-batch by micro-batch

@@ -42,14 +42,17 @@ from transformers import LlamaForSequenceClassification
 from transformers import Qwen2Config
 
 import common as C
+import fastpath
 import dpo
 import envs as E
 import grpo
+import loading
 import ppo
 import reinforce as R
 import reward_model
 import runs
 import sft
+import tasks
 from tools.build_models import column_sum, wrong_answer
 from tools.merge_lora import merge as merge_lora
 
@@ -100,7 +103,7 @@ def _runs_folder_stays_as_it_was():
 
 @pytest.fixture(scope="session")
 def tok():
-    return C.load_tokenizer(C.DEFAULT_POLICY)
+    return loading.load_tokenizer(loading.DEFAULT_POLICY)
 
 
 def tiny_config(arch, vocab=99):
@@ -178,7 +181,7 @@ def test_jsonl_errors_name_the_line(tmp_path, text, need_answer, expect):
     f = tmp_path / "d.jsonl"
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(C.UserError, match=expect):
-        C.read_jsonl(str(f), need_answer)
+        tasks.read_jsonl(str(f), need_answer)
 
 
 def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
@@ -188,7 +191,7 @@ def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
     fake = types.ModuleType("datasets")
     fake.load_dataset = lambda *a, split: hub_rows
     monkeypatch.setitem(sys.modules, "datasets", fake)
-    data = C.load_data("hf:someone/set:main", eval_size=2)
+    data = tasks.load_data("hf:someone/set:main", eval_size=2)
     want = [{"question": "1+1=", "answer": "#### 2", "prompt": "1+1="},
             {"question": "x", "prompt": "x"}] * 5
     def key(row):
@@ -196,10 +199,10 @@ def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
     assert sorted(map(key, data.rows)) == sorted(map(key, want))
     assert C.eval_metric(data.rows) == "mean reward" and len(data.eval_rows) == 2
     with pytest.raises(C.UserError, match="row 1: field 'answer' is missing or has no number"):
-        C.load_data("hf:someone/set:main", need_answer=True)
+        tasks.load_data("hf:someone/set:main", need_answer=True)
     # too few rows to hold a fifth out
     fake.load_dataset = lambda *a, split: [{"prompt": "1+1=", "answer": "2"}] * 4
-    assert C.load_data("hf:someone/set", eval_size=2).eval_rows == []
+    assert tasks.load_data("hf:someone/set", eval_size=2).eval_rows == []
     # no held-out rows: no score, rather than a made-up 0
     assert math.isnan(C.evaluate(None, None, [], None, OFF)["eval"])
 
@@ -209,18 +212,18 @@ def test_jsonl_reads_numbers_nulls_and_a_byte_order_mark(tmp_path):
     f.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": 2}\r\n'
                   b'\r\n'
                   b'{"prompt": "x", "answer": null}\r\n')
-    assert C.read_jsonl(str(f)) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x"}]
+    assert tasks.read_jsonl(str(f)) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x"}]
     # null is no answer: the math reward refuses
     with pytest.raises(C.UserError, match="line 3: field 'answer'"):
-        C.read_jsonl(str(f), need_answer=True)
+        tasks.read_jsonl(str(f), need_answer=True)
 
 
 def test_builtin_task_split_is_held_out():
-    held = set(C.task_eval_pairs())
-    assert len(held) == C.TASK_EVAL_SIZE
-    assert not held & set(C.task_train_pairs(random.Random(0), 5000))
+    held = set(tasks.task_eval_pairs())
+    assert len(held) == tasks.TASK_EVAL_SIZE
+    assert not held & set(tasks.task_train_pairs(random.Random(0), 5000))
     # the warm-start data: true sums, or with carries forgotten
-    assert all(column_sum(a, b) == a + b for a, b in C.task_train_pairs(random.Random(1), 200))
+    assert all(column_sum(a, b) == a + b for a, b in tasks.task_train_pairs(random.Random(1), 200))
     assert column_sum(37, 48, random.Random(0), drop=1.0) == 75
 
 
@@ -228,9 +231,9 @@ def test_builtin_task_split_is_held_out():
 def test_bundled_models_load_offline():
     code = ("from transformers import AutoModelForCausalLM as A;"
             "from transformers import AutoModelForSequenceClassification as S;"
-            "import common as C;"
-            "A.from_pretrained(C.DEFAULT_POLICY);"
-            "S.from_pretrained(C.DEFAULT_REWARD_MODEL)")
+            "import loading;"
+            "A.from_pretrained(loading.DEFAULT_POLICY);"
+            "S.from_pretrained(loading.DEFAULT_REWARD_MODEL)")
     r = run_script("-c", code)  # python -c code, offline as every script run here
     assert r.returncode == 0, r.stderr[-3000:]
 
@@ -249,7 +252,7 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
     for ckpt in (False, True):
         args = SimpleNamespace(model=str(tmp_path / "m"), lora_r=0, trust_remote_code=False,
                                compile=False, gradient_checkpointing=ckpt)
-        model, _ = C.load_policy(args, torch.device("cpu"))
+        model, _ = loading.load_policy(args, torch.device("cpu"))
         n = []
         # a pre-hook: the recompute may stop early
         model.transformer.h[0].attn.register_forward_pre_hook(lambda *a: n.append(1))
@@ -299,8 +302,8 @@ def test_greedy_sample_equals_generate(arch, tok):
 def test_stop_strings_end_rows_as_generate_does(tok):
     """A row ends at the token that completes a stop string (kept in the completion and its mask,
     not truncated); greedy completions equal model.generate(stop_strings=...)."""
-    model = C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
-    prompts = C.encode_prompts(tok, [r["prompt"] for r in C.load_data("").eval_rows[:64]])
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:64]])
     stop = ["8", "12"]  # a one-token and a two-token stop string
     roll = C.sample(model, tok, prompts, 6, greedy=True, stop=stop)
     ids, mask = C.left_pad(prompts, tok.pad_token_id, "cpu")
@@ -336,7 +339,7 @@ def test_completion_mask_includes_eos_and_nothing_after(tok):
 def test_completion_mask_when_pad_equals_eos(tok):
     """pad == eos (as for many hub tokenizers): the mask still comes from lengths and keeps the
     EOS."""
-    t = C.load_tokenizer(C.DEFAULT_POLICY)
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
     t.pad_token = t.eos_token
     model = tiny_model("qwen2", seed=1)
     model.generation_config.eos_token_id = [2, 43]
@@ -409,20 +412,21 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
 def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradients(
         monkeypatch, tok):
     """Spread over several chunks, the training log-probs keep only the final hidden states for
-    backward (C.LinearHeadLogprobs recomputes each chunk's LM head and fp32 log-softmax there):
+    backward (fastpath.LinearHeadLogprobs recomputes each chunk's LM head and fp32 log-softmax):
     same values, entropies and gradients as one chunk and as the plain path (bf16: the head's
     matmul on other shapes rounds differently, so to bf16 precision)."""
     model = tiny_model("llama")
     roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
-    chunks, real = [], C._chunk_logprobs
-    monkeypatch.setattr(C, "_chunk_logprobs", lambda *a: chunks.append(a[0].shape[:2]) or real(*a))
+    chunks, real = [], fastpath._chunk_logprobs
+    monkeypatch.setattr(fastpath, "_chunk_logprobs",
+                        lambda *a: chunks.append(a[0].shape[:2]) or real(*a))
 
     def run(chunk_elems, dtype, fast=True):
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             if fast:
-                lp, ent = C.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+                lp, ent = fastpath.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
                                                 entropy=True, chunk_elems=chunk_elems)
             else:
                 lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
@@ -465,7 +469,7 @@ def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
     want = [p.grad.clone() for p in model.parameters()]
     for chunk_elems in (2**24, 3 * T * model.config.vocab_size):
         model.zero_grad()
-        _, ent = C.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+        _, ent = fastpath.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
                                        entropy=True, chunk_elems=chunk_elems)
         torch.testing.assert_close(ent * mask, ref.detach() * mask, atol=1e-5, rtol=1e-5)
         (ent * mask).sum().backward()
@@ -542,8 +546,8 @@ def bigram_chat_model(folder, tmp_path):
     """chat_model with every layer's output zeroed (the last hidden state is the current token's
     embedding) and an LM head that walks one chain: after the generation prompt it writes
     "7</answer>" (several tokens), then <|im_end|>."""
-    model = C.load_model(folder, "lm", torch.device("cpu"))
-    tok = C.load_tokenizer(folder)
+    model = loading.load_model(folder, "lm", torch.device("cpu"))
+    tok = loading.load_tokenizer(folder)
     chain = [C.encode_prompts(tok, ["hi"])[0][-1]] + tok("7</answer>")["input_ids"] \
         + [tok.eos_token_id]
     assert len(set(chain)) == len(chain) > 4
@@ -564,8 +568,8 @@ def test_real_tokenizer_encode_sample_decode_logprobs_equal_a_plain_forward(chat
     """Through the chat template: encode -> sample -> decode, and the training log-probs (fast,
     and plain) equal a plain HF forward's over each unpadded row, with the untokenized rows
     masked (suppressed) in both."""
-    tok = C.load_tokenizer(chat_model)
-    model = C.load_model(chat_model, "lm", torch.device("cpu"))
+    tok = loading.load_tokenizer(chat_model)
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"))
     assert tok.pad_token_id != tok.eos_token_id and C.eos_ids(model, tok) == sorted(
         tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     assert model.generation_config.suppress_tokens == list(range(len(tok), len(tok) + 37))
@@ -593,8 +597,8 @@ def test_real_tokenizer_encode_sample_decode_logprobs_equal_a_plain_forward(chat
 
 
 def test_real_tokenizer_system_prompt_adds_a_chat_turn(chat_model):
-    tok = C.load_tokenizer(chat_model)
-    rows = C.load_data("", eval_size=4, system_prompt="Be brief.").eval_rows
+    tok = loading.load_tokenizer(chat_model)
+    rows = tasks.load_data("", eval_size=4, system_prompt="Be brief.").eval_rows
     text = tok.decode(C.encode_prompts(tok, [rows[0]["prompt"]])[0])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
@@ -606,8 +610,8 @@ def test_multi_token_stop_string_ends_a_row_on_its_last_token_and_sanity_passes(
     the last token of the stop string (not truncated, mask 1 up to it), and --sanity accepts
     that ending; with every row truncated, its mask check fails instead of passing unchecked."""
     folder, chain = bigram_chat_model(chat_model, tmp_path)
-    model = C.load_model(folder, "lm", torch.device("cpu"))
-    tok = C.load_tokenizer(folder)
+    model = loading.load_model(folder, "lm", torch.device("cpu"))
+    tok = loading.load_tokenizer(folder)
     prompts = C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 2)
     for stop, want in ((["</answer>"], chain[1:-1]), ([], chain[1:])):
         roll = C.sample(model, tok, prompts, 10, greedy=True, stop=stop)
@@ -625,8 +629,8 @@ def test_multi_token_stop_string_ends_a_row_on_its_last_token_and_sanity_passes(
 
 def test_sampling_puts_only_the_last_position_through_the_lm_head(chat_model):
     """The prefill and every decode step make (rows, 1, V) logits, never (B, P, V)."""
-    model = C.load_model(chat_model, "lm", torch.device("cpu"))
-    tok = C.load_tokenizer(chat_model)
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"))
+    tok = loading.load_tokenizer(chat_model)
     shapes = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
     C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "Be brief.", "1+2="]), 5)
@@ -638,18 +642,18 @@ def test_sampling_puts_only_the_last_position_through_the_lm_head(chat_model):
 def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
     """With gradients, the fast path's LM head sees at most chunk_elems / V positions at a time,
     forward and backward; values and gradients equal the plain path's."""
-    model = C.load_model(chat_model, "lm", torch.device("cpu"))
-    tok = C.load_tokenizer(chat_model)
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"))
+    tok = loading.load_tokenizer(chat_model)
     torch.manual_seed(0)
     roll = C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 3), 12)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
-    sizes, blocks, real = [], [], C._blocks
+    sizes, blocks, real = [], [], fastpath._blocks
     hook = model.lm_head.register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[:-1])))
-    monkeypatch.setattr(C, "_blocks", lambda *a: blocks.append(real(*a)) or blocks[-1])
+    monkeypatch.setattr(fastpath, "_blocks", lambda *a: blocks.append(real(*a)) or blocks[-1])
 
     def grads(fast):
         model.zero_grad()
-        lp, ent = C.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, True,
+        lp, ent = fastpath.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, True,
                                         chunk_elems=5 * V) if fast else C.token_logprobs(
             model, roll.ids, roll.attention_mask, T, 0.7, True, fast=False)
         ((lp + 0.1 * ent) * roll.completion_mask).sum().backward()
@@ -669,15 +673,15 @@ def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
 def test_logprobs_with_lora_on_the_lm_head_equal_the_plain_path(chat_model):
     """peft wraps the LM head when it is targeted: the fast path calls that wrapped head (its
     adapter included, and off inside adapters_off), with the same values and gradients."""
-    model = C.load_model(chat_model, "lm", torch.device("cpu"), frozen=True)
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"), frozen=True)
     args = SimpleNamespace(lora_r=4, lora_alpha=8, lora_dropout=0.0,
                            lora_target_modules="q_proj,lm_head")
-    model = C.add_lora(model, args)
+    model = loading.add_lora(model, args)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)  # adapters that change the output
-    tok = C.load_tokenizer(chat_model)
+    tok = loading.load_tokenizer(chat_model)
     prompts = C.encode_prompts(tok, ["1+2=", "Be brief."] * 2)  # shared prompts
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 8)
@@ -685,7 +689,8 @@ def test_logprobs_with_lora_on_the_lm_head_equal_the_plain_path(chat_model):
 
     def run(fast, chunk=2**22):
         model.zero_grad()
-        lp, _ = (C.fast_token_logprobs(model, roll.ids, roll.attention_mask, T, chunk_elems=chunk)
+        lp, _ = (fastpath.fast_token_logprobs(model, roll.ids, roll.attention_mask, T,
+                                              chunk_elems=chunk)
                  if fast else C.token_logprobs(model, roll.ids, roll.attention_mask, T,
                                                fast=False))
         (lp * roll.completion_mask).sum().backward()
@@ -694,7 +699,7 @@ def test_logprobs_with_lora_on_the_lm_head_equal_the_plain_path(chat_model):
     for chunk in (2**22, 3 * model.config.vocab_size):
         for a, b in zip(run(True, chunk), plain):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
-    with torch.no_grad(), C.adapters_off(model):
+    with torch.no_grad(), loading.adapters_off(model):
         off, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     assert (off - plain[0]).abs().max() > 1e-3  # the adapter was in the fast path
 
@@ -707,7 +712,7 @@ def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     model = tiny_model("qwen2")
-    tok = C.load_tokenizer(C.DEFAULT_POLICY)
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
     prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(4)]  # GRPO groups
     roll = C.sample(model, tok, prompts, 8)
     T = roll.completion_mask.shape[1]
@@ -807,9 +812,9 @@ def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path
     """Prompts with no answers (e.g. for a reward model): the held-out score is the mean of the
     run's --rewards on greedy completions (checked against HF generate and hand-written rewards),
     and no `gold` is made up."""
-    rows = [{"prompt": f"{a}+{b}="} for a, b in C.task_train_pairs(random.Random(5), 12)]
-    tok = C.load_tokenizer(C.DEFAULT_POLICY)
-    model = C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"))
+    rows = [{"prompt": f"{a}+{b}="} for a, b in tasks.task_train_pairs(random.Random(5), 12)]
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"))
     args = SimpleNamespace(chat_template="auto", max_new_tokens=6, stop=[],
                            rewards="format=1,length=0.5", reward_model="")
     want = []
@@ -820,7 +825,8 @@ def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path
         text = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         formatted = "\\boxed{" in text or "####" in text  # never, for this model
         want.append(float(formatted) - 0.5 * len(text) / 100)
-    score = C.evaluate(model, tok, rows, args, OFF, batch_size=5)["eval"]
+    weights = loading.parse_rewards(args.rewards, args.reward_model)
+    score = C.evaluate(model, tok, rows, args, OFF, weights, batch_size=5)["eval"]
     assert score == pytest.approx(sum(want) / len(want), abs=1e-6)
     assert C.gold(["5", "4"], [{"prompt": "x", "answer": "5"}] * 2) == {"gold": 0.5}
     assert C.gold(["5", "4"], [{"prompt": "x", "answer": "5"}, {"prompt": "y"}]) == {}
@@ -861,7 +867,7 @@ def test_a_user_reward_file_is_weighted_logged_and_learned(tmp_path, monkeypatch
     (tmp_path / "mine.py").write_text(REWARD_FILE)
     rng = random.Random(0)
     with open(tmp_path / "data.jsonl", "w") as f:
-        for a, b in C.task_train_pairs(rng, 300):
+        for a, b in tasks.task_train_pairs(rng, 300):
             row = {"question": f"{a}+{b}=", "target": str(a + b), "answer": f"the sum: {a + b}"}
             f.write(json.dumps(row) + "\n")
     out = tmp_path / "out"
@@ -879,7 +885,7 @@ def test_a_user_reward_file_is_weighted_logged_and_learned(tmp_path, monkeypatch
 
 def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
     (tmp_path / "mine.py").write_text(REWARD_FILE)
-    fns = C.load_reward_fns([f"{tmp_path / 'mine.py'}:exact,{tmp_path / 'mine.py'}:shout",
+    fns = loading.load_reward_fns([f"{tmp_path / 'mine.py'}:exact,{tmp_path / 'mine.py'}:shout",
                              f"{tmp_path / 'mine.py'}:short", f"{tmp_path / 'mine.py'}:words"])
     rows = [{"prompt": "1+1=", "target": "2"}, {"prompt": "2+2=", "target": "4"}]
     assert C.call_reward_fn("exact", fns["exact"], ["2", "5"], rows).tolist() == [1.0, 0.0]
@@ -893,10 +899,10 @@ def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
                           ("nosuchmodule:f", "importing 'nosuchmodule' failed"),
                           (f"{tmp_path / 'mine.py'}", "write path/to/file.py:function")):
         with pytest.raises(C.UserError, match=re.escape(message)):
-            C.load_reward_fns([spec])
-    weights = C.parse_rewards("", "", fns)
+            loading.load_reward_fns([spec])
+    weights = loading.parse_rewards("", "", fns)
     assert weights == dict.fromkeys(fns, 1.0)  # no --rewards: each function once
-    assert C.parse_rewards("", "", {}) == {"math": 1.0}
+    assert loading.parse_rewards("", "", {}) == {"math": 1.0}
 
 
 def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypatch, tok):
@@ -904,19 +910,19 @@ def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypa
         {"problem": f"{name} {split} {i}", "solution": f"so \\boxed{{{i}}}", "level": i}
         for i in range(10)])
     monkeypatch.setitem(sys.modules, "datasets", fake)
-    data = C.load_data("hf:org/set", eval_size=2, need_answer=True, split="test")
+    data = tasks.load_data("hf:org/set", eval_size=2, need_answer=True, split="test")
     assert {r["prompt"] for r in data.rows} == {f"org/set test {i}" for i in range(10)}
     assert all(r["level"] == C.final_number(r["answer"]) for r in data.rows)  # all columns kept
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
     (tmp_path / "d.jsonl").write_text(json.dumps({"q": chat, "a": 3}) + "\n"
                                       + json.dumps({"q": "2+2=", "a": 4}) + "\n")
-    rows = C.read_jsonl(str(tmp_path / "d.jsonl"), prompt_field="q", answer_field="a",
+    rows = tasks.read_jsonl(str(tmp_path / "d.jsonl"), prompt_field="q", answer_field="a",
                         system_prompt="Add.")
     assert rows[0]["prompt"] == chat  # its own system message is kept
     assert rows[1]["prompt"] == [{"role": "system", "content": "Add."},
                                  {"role": "user", "content": "2+2="}]
     assert C.encode_prompts(tok, [rows[1]["prompt"]], "none")[0] == tok("Add.\n\n2+2=")["input_ids"]
-    templated = C.load_tokenizer(C.DEFAULT_POLICY)
+    templated = loading.load_tokenizer(loading.DEFAULT_POLICY)
     templated.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}; "
                                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
     ids = C.encode_prompts(templated, [rows[1]["prompt"]])[0]
@@ -945,7 +951,7 @@ def test_eval_reward_math_on_text_answers_is_refused_and_auto_uses_the_rewards()
 
 # ---- common.py: LoRA
 def lora_args(**kw):
-    return SimpleNamespace(**{"model": C.DEFAULT_POLICY, "trust_remote_code": False,
+    return SimpleNamespace(**{"model": loading.DEFAULT_POLICY, "trust_remote_code": False,
                               "compile": False, "gradient_checkpointing": False, "lora_r": 8,
                               "lora_alpha": 32, "lora_dropout": 0.0,
                               "lora_target_modules": "all-linear", **kw})
@@ -956,7 +962,7 @@ def test_lora_reference_is_the_base_and_merged_checkpoints_match(tmp_path, tok):
     second copy is needed); the merged checkpoint gives the adapter model's log-probs."""
     pytest.importorskip("peft")
     cpu = torch.device("cpu")
-    model, _ = C.load_policy(lora_args(), cpu)
+    model, _ = loading.load_policy(lora_args(), cpu)
     trained = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trained and all("lora_" in n for n in trained)
     torch.manual_seed(0)
@@ -964,10 +970,10 @@ def test_lora_reference_is_the_base_and_merged_checkpoints_match(tmp_path, tok):
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.05)
-    base = C.load_model(C.DEFAULT_POLICY, "lm", cpu)
+    base = loading.load_model(loading.DEFAULT_POLICY, "lm", cpu)
     roll = C.sample(base, tok, C.encode_prompts(tok, PROMPTS[:4] * 2), 6)
     base_lp = C.batched_logprobs(base, roll, 1.0, 8, OFF)
-    with C.adapters_off(model):
+    with loading.adapters_off(model):
         torch.testing.assert_close(C.batched_logprobs(model, roll, 1.0, 8, OFF), base_lp)
     lora_lp = C.batched_logprobs(model, roll, 1.0, 8, OFF)
     assert (lora_lp - base_lp).abs().max() > 1e-3  # the adapters do change the policy
@@ -976,17 +982,17 @@ def test_lora_reference_is_the_base_and_merged_checkpoints_match(tmp_path, tok):
     tok.save_pretrained(run / "checkpoint")
     (run / "checkpoint" / "args.json").write_text(json.dumps(
         {"algo": "grpo", "args": vars(lora_args())}))
-    merged = C.load_model(merge_lora(str(run)), "lm", cpu)
+    merged = loading.load_model(merge_lora(str(run)), "lm", cpu)
     torch.testing.assert_close(C.batched_logprobs(merged, roll, 1.0, 8, OFF), lora_lp,
                                atol=1e-5, rtol=1e-5)
-    resumed, _ = C.load_policy(lora_args(), cpu, str(run / "checkpoint"))
+    resumed, _ = loading.load_policy(lora_args(), cpu, str(run / "checkpoint"))
     torch.testing.assert_close(C.batched_logprobs(resumed, roll, 1.0, 8, OFF), lora_lp)
 
 
 def test_lora_without_peft_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
     with pytest.raises(C.UserError, match="needs the optional package peft"):
-        C.load_policy(lora_args(), torch.device("cpu"))
+        loading.load_policy(lora_args(), torch.device("cpu"))
 
 
 @pytest.mark.parametrize("script,flags", [
@@ -1203,7 +1209,7 @@ def test_beta_zero_loads_no_reference_model(monkeypatch, tmp_path):
 
     def stop(*args):
         raise Stop
-    monkeypatch.setattr(C, "load_model", fake_load_model)
+    monkeypatch.setattr(loading, "load_model", fake_load_model)
     monkeypatch.setattr(runs, "resume_or_eval", stop)
     for beta, frozen, flags in (("0", [], []),
                                 ("0.04", [("lm", True)], []),
@@ -1770,7 +1776,7 @@ def test_critic_from_policy_starts_at_zero_and_bad_tokenizer_is_refused(tmp_path
     ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
     assert (ppo.critic_values(critic, ids, mask, 3) == 0).all()
     assert any(p.requires_grad for p in critic.parameters())
-    other = C.load_tokenizer(C.DEFAULT_POLICY)
+    other = loading.load_tokenizer(loading.DEFAULT_POLICY)
     other.add_tokens(["<new>"])
     other.save_pretrained(tmp_path / "rm")
     tiny_rm().save_pretrained(tmp_path / "rm")
@@ -1785,8 +1791,8 @@ def test_gradient_checkpointing_reaches_the_ppo_critic(tok):
     mode; the critic stays in eval mode), with the same gradients as without."""
     grads, calls = [], []
     for ckpt in (False, True):
-        args = SimpleNamespace(critic_init="reward_model", model=C.DEFAULT_POLICY,
-                               reward_model=C.DEFAULT_REWARD_MODEL, trust_remote_code=False,
+        args = SimpleNamespace(critic_init="reward_model", model=loading.DEFAULT_POLICY,
+                               reward_model=loading.DEFAULT_REWARD_MODEL, trust_remote_code=False,
                                gradient_checkpointing=ckpt)
         critic = ppo.load_critic(args, tok, torch.device("cpu"))
         n = []
@@ -1847,7 +1853,7 @@ def test_rollout_masks_and_ids_on_hand_made_turns(monkeypatch):
     by the budget, and pad == EOS. Model ids are exactly the sampled ones, observation ids are the
     observation's tokens (no special tokens), and rewards read the text after the last
     observation."""
-    t = C.load_tokenizer(C.DEFAULT_POLICY)
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
     t.pad_token = t.eos_token  # pad == EOS: masks must come from positions
     eos = t.eos_token_id
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
@@ -1983,7 +1989,7 @@ def test_calc_env_reads_calls_and_ends_on_an_answer():
     train = E.calc_train_pairs(random.Random(0), 2000)
     assert not set(train) & set(pairs)
     demos = E.calc_demo_pairs(random.Random(0), 2000)
-    assert not set(demos) & (set(pairs) | set(C.task_eval_pairs()))
+    assert not set(demos) & (set(pairs) | set(tasks.task_eval_pairs()))
 
 
 def write_env(tmp_path, body):
@@ -2137,7 +2143,7 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
 
 def chat_tokenizer():
     """A tokenizer with a Qwen-style chat template (role tags, a tool role), built here."""
-    t = C.load_tokenizer(C.DEFAULT_POLICY)
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
     t.chat_template = (
         "{% for m in messages %}"
         "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
@@ -2301,11 +2307,11 @@ def test_dpo_and_ipo_losses_equal_slow_reference(loss_type, eps):
 def test_sft_gradient_is_the_same_with_micro_batches_and_eos_is_in_the_loss(tok):
     """The loss is normalised over the whole step's completion tokens, so micro-batches do not
     change the gradient; masks come from lengths, so the EOS carries loss even when pad = EOS."""
-    model = C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"))
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"))
     examples = [(tok(f"{a}+{b}=")["input_ids"],
                  tok(str(a + b), add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
                 for a, b in [(1, 2), (37, 48), (99, 99), (5, 60)]]
-    batch = C.collate(examples, tok.eos_token_id, "cpu")  # padded with the EOS id itself
+    batch = tasks.collate(examples, tok.eos_token_id, "cpu")  # padded with the EOS id itself
     mask = batch.completion_mask
     assert mask.sum(1).tolist() == [len(c) for _, c in examples]  # every EOS counted
     grads = []
@@ -2329,10 +2335,10 @@ def test_rankings_expand_into_all_pairs_weighted_per_prompt(tmp_path):
     path = write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "1+1=", "ranking": ["2", "3", "1", "x"]}, "",
         {"prompt": "2+2=", "chosen": "4", "rejected": "5", "margin": 2}])
-    rows, held = C.read_preferences(str(path), eval_size=0)
+    rows, held = tasks.read_preferences(str(path), eval_size=0)
     assert held == [] and len(rows) == 2
-    assert C.ranking_pairs(4) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
-    prompts, completions, chosen, rejected, margin, weight = C.flatten(rows)
+    assert tasks.ranking_pairs(4) == [(0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)]
+    prompts, completions, chosen, rejected, margin, weight = tasks.flatten(rows)
     assert completions == ["2", "3", "1", "x", "4", "5"]
     pairs = [(completions[i], completions[j]) for i, j in zip(chosen, rejected)]
     assert pairs == [("2", "3"), ("2", "1"), ("2", "x"), ("3", "1"), ("3", "x"), ("1", "x"),
@@ -2344,10 +2350,10 @@ def test_rankings_expand_into_all_pairs_weighted_per_prompt(tmp_path):
 
 def test_held_out_split_keeps_every_row_of_a_prompt_on_one_side(tmp_path):
     rows = [{"prompt": f"{i % 40}+1=", "chosen": "a", "rejected": f"b{i}"} for i in range(200)]
-    train, held = C.read_preferences(str(write_jsonl(tmp_path / "p.jsonl", rows)), 500)
+    train, held = tasks.read_preferences(str(write_jsonl(tmp_path / "p.jsonl", rows)), 500)
     assert len({r["prompt"] for r in held}) == 8  # a fifth of the 40 prompts
     assert not {r["prompt"] for r in held} & {r["prompt"] for r in train}
-    again = C.read_preferences(str(tmp_path / "p.jsonl"), 500)[1]
+    again = tasks.read_preferences(str(tmp_path / "p.jsonl"), 500)[1]
     assert [r["completions"] for r in again] == [r["completions"] for r in held]  # fixed split
 
 
@@ -2367,7 +2373,7 @@ def test_length_batches_cover_each_row_once_and_group_similar_lengths():
 
 def test_score_forward_equals_common_rm_scores_with_and_without_a_chat_template():
     """Training scores what ppo.py and grpo.py will score: C.rm_scores' tokens and position."""
-    tok = C.load_tokenizer(C.DEFAULT_POLICY)  # its own: the template is changed below
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)  # its own: the template is changed below
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
@@ -2416,9 +2422,9 @@ def test_reward_model_learns_on_the_bundled_rankings(trained_rm):
 
 def test_a_trained_reward_model_loads_in_ppo(monkeypatch, trained_rm, tmp_path, tok):
     ckpt = str(trained_rm / "checkpoint")
-    rm = C.load_model(ckpt, "rm", torch.device("cpu"), frozen=True)
-    rm_tok = C.load_tokenizer(ckpt)
-    pairs, rng = C.task_eval_pairs()[:200], random.Random(0)
+    rm = loading.load_model(ckpt, "rm", torch.device("cpu"), frozen=True)
+    rm_tok = loading.load_tokenizer(ckpt)
+    pairs, rng = tasks.task_eval_pairs()[:200], random.Random(0)
     held = [f"{a}+{b}=" for a, b in pairs]
     right = C.rm_scores(rm, rm_tok, held, [str(a + b) for a, b in pairs])
     wrong = C.rm_scores(rm, rm_tok, held, [str(wrong_answer(a, b, rng)) for a, b in pairs])
@@ -2499,14 +2505,14 @@ def test_pipeline_lora_trains_adapters_and_the_merged_model_scores_the_same(modu
         assert metrics[0]["rewards/margin"] == 0.0 and metrics[0]["loss"] == pytest.approx(
             math.log(2), abs=1e-6)
     merged, args, cpu = merge_lora(str(out)), module.Args(eval_size=40), torch.device("cpu")
-    tok = C.load_tokenizer(merged)
+    tok = loading.load_tokenizer(merged)
     if module is reward_model:
-        held = C.read_preferences(C.PIPELINE_RANKINGS, 40)[1]
-        merged_rm = reward_model.Scorer(C.load_model(merged, "rm", cpu))
+        held = tasks.read_preferences(tasks.PIPELINE_RANKINGS, 40)[1]
+        merged_rm = reward_model.Scorer(loading.load_model(merged, "rm", cpu))
         score = reward_model.pair_accuracy(merged_rm, tok, held, args)
     else:
-        rows = C.load_data("", 40).eval_rows
-        score = C.evaluate(C.load_model(merged, "lm", cpu), tok, rows, args, OFF,
+        rows = tasks.load_data("", 40).eval_rows
+        score = C.evaluate(loading.load_model(merged, "lm", cpu), tok, rows, args, OFF,
                            {"math": 1.0})["eval"]
     assert score == summary["eval_after"] != summary["eval_before"], summary["evals"]
 
@@ -2564,7 +2570,7 @@ def test_bad_flags_are_refused(monkeypatch, tmp_path, capsys):
 def test_chat_messages_rows_train_with_a_chat_template(tmp_path):
     """{"messages"} rows: the prompt is the chat before the last (assistant) message, through
     the tokenizer's template, as C.encode_prompts builds it for the RL scripts."""
-    tok = C.load_tokenizer(C.DEFAULT_POLICY)
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
                          "{% if add_generation_prompt %}assistant: {% endif %}")
     rows = [{"messages": [{"role": "system", "content": "Add."}, {"role": "user", "content": q},
@@ -2772,7 +2778,7 @@ def tiny_dirs(tmp_path_factory):
     and a JSONL file."""
     d = tmp_path_factory.mktemp("models")
     for arch in ARCHS:
-        t = C.load_tokenizer(C.DEFAULT_POLICY)
+        t = loading.load_tokenizer(loading.DEFAULT_POLICY)
         if arch == "qwen2":
             t.chat_template = ("{% for m in messages %}"
                                "{{ m['role'] }}: {{ m['content'] }}\n"
@@ -2820,7 +2826,7 @@ def test_grpo_learns_on_the_bundled_task(tmp_path):
     assert r.returncode == 0, r.stderr[-3000:]
     summary, metrics = check_outputs(out, 40)
     assert summary["eval_after"] >= summary["eval_before"] + 0.2, summary
-    model = C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"))
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"))
     n_params = sum(p.numel() for p in model.parameters())
     adam_mb = 8 * n_params / 2**20
     assert f"AdamW's moments, created at its end, add {adam_mb:,.0f} MB" in r.stdout + r.stderr
@@ -2860,7 +2866,7 @@ def test_end_to_end_tiny_gpt_neox(monkeypatch, neox_dir, tmp_path, extra):
         assert m[0]["ratio"] != 1.0  # the second pass sees the updated policy
     summary = json.load(open(os.path.join(out, "summary.json")))
     assert summary["steps"] == 3 and summary["algo"] == "reinforce"
-    C.load_model(os.path.join(out, "checkpoint"), "lm", torch.device("cpu"))
+    loading.load_model(os.path.join(out, "checkpoint"), "lm", torch.device("cpu"))
 
 
 def test_short_run_raises_the_reward_model_score(tmp_path):
@@ -2929,23 +2935,23 @@ def bad_inputs(tmp_path_factory):
     (d / "noanswer.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2="}\n')
     long_row = json.dumps({"prompt": "1+" * 40 + "1=", "answer": "41"}) + "\n"
     (d / "long.jsonl").write_text(long_row * 10)
-    t = C.load_tokenizer(C.DEFAULT_POLICY)
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
     t.pad_token = None
     t.eos_token = None
-    model = AutoModelForCausalLM.from_pretrained(C.DEFAULT_POLICY)
+    model = AutoModelForCausalLM.from_pretrained(loading.DEFAULT_POLICY)
     model.save_pretrained(d / "nopad")
     t.save_pretrained(d / "nopad")
     torch.manual_seed(0)
     cfg = tiny_config("llama")
     cfg.num_labels = 2
     LlamaForSequenceClassification(cfg).save_pretrained(d / "rm2")
-    C.load_tokenizer(C.DEFAULT_POLICY).save_pretrained(d / "rm2")
+    loading.load_tokenizer(loading.DEFAULT_POLICY).save_pretrained(d / "rm2")
     return d
 
 
 BAD = [(["--model", "/no/such/folder"], "no such local folder"),
        (["--model", "nobody-here/no-such-model"], "could not be loaded"),
-       (["--model", C.DEFAULT_REWARD_MODEL], "no causal-LM head"),
+       (["--model", loading.DEFAULT_REWARD_MODEL], "no causal-LM head"),
        (["--model", "{d}/nopad"], "neither a pad nor an eos token"),
        (["--data", "{d}/missing.jsonl"], "not found"),
        (["--data", "{d}/empty.jsonl"], "is empty"),
@@ -2998,7 +3004,7 @@ def test_filesystem_and_model_faults_get_one_line(tmp_path, tok, capsys, monkeyp
     no empty run folder left behind."""
     (tmp_path / "file").write_text("x")
     broken = tmp_path / "broken"
-    shutil.copytree(C.DEFAULT_POLICY, broken)
+    shutil.copytree(loading.DEFAULT_POLICY, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
     headless = tmp_path / "headless"
     tiny_model("llama").save_pretrained(headless)
@@ -3009,7 +3015,7 @@ def test_filesystem_and_model_faults_get_one_line(tmp_path, tok, capsys, monkeyp
     tok.save_pretrained(headless)
     cases = [(["--output_dir", str(tmp_path / "file")], "File exists"),
              (["--model", str(broken)], "could not be loaded as AutoModelForCausalLM"),
-             (["--reward_model", C.DEFAULT_POLICY, "--rewards", "rm"],
+             (["--reward_model", loading.DEFAULT_POLICY, "--rewards", "rm"],
               "is not a sequence-classification model"),
              (["--reward_model", str(headless), "--rewards", "rm"], "no trained score head")]
     for i, (argv, message) in enumerate(cases):
@@ -3141,7 +3147,7 @@ def test_out_of_memory_exits_1_with_advice_and_keeps_the_checkpoint(monkeypatch,
     assert "out of memory (CUDA out of memory. Tried to allocate 20.00 GiB)" in err
     assert "--micro_batch_size" in err and "--gradient_checkpointing" in err
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
-    assert C.load_model(str(out / "checkpoint"), "lm", torch.device("cpu")) is not None
+    assert loading.load_model(str(out / "checkpoint"), "lm", torch.device("cpu")) is not None
 
 
 def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -3279,7 +3285,7 @@ def test_a_diverged_policy_stops_naming_the_step(tmp_path, monkeypatch, capsys):
 def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, capsys):
     run_dir = tmp_path / "run"
     run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run_dir)
-    model, tok = C.load_policy(grpo.Args(), torch.device("cpu"), str(run_dir / "checkpoint"))
+    model, tok = loading.load_policy(grpo.Args(), torch.device("cpu"), str(run_dir / "checkpoint"))
     opt = torch.optim.AdamW(model.parameters())
     run = runs.Run(dir=str(run_dir), algo="grpo", args=grpo.Args(), state=None, metrics=None,
                    samples=None, saved_step=1)
@@ -3395,7 +3401,7 @@ def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
 
 def test_merge_lora_prints_no_future_warning(tmp_path, tok):
     pytest.importorskip("peft")
-    model, _ = C.load_policy(lora_args(), torch.device("cpu"))
+    model, _ = loading.load_policy(lora_args(), torch.device("cpu"))
     run = tmp_path / "run"
     model.save_pretrained(run / "checkpoint")
     tok.save_pretrained(run / "checkpoint")
@@ -3413,7 +3419,7 @@ def test_a_run_with_relative_paths_resumes_from_another_folder(tmp_path, monkeyp
     work = tmp_path / "work"
     work.mkdir()
     write_jsonl(work / "data.jsonl", [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
-                                      for a, b in C.task_train_pairs(random.Random(0), 40)])
+                                      for a, b in tasks.task_train_pairs(random.Random(0), 40)])
     (work / "mine.py").write_text(REWARD_FILE.replace('row["target"]', 'row["answer"]'))
     monkeypatch.chdir(work)
     run_main(monkeypatch, grpo, *FAST_GRPO, "--data", "data.jsonl", "--reward_fn",
@@ -4022,10 +4028,14 @@ def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
 @pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "runs.py", "sft.py",
                                     "reward_model.py", "dpo.py"])
 def test_docstring_references_name_functions_that_exist(script):
-    """`name()` in a module docstring is defined in that file (`C.name()` in common.py)."""
+    """`name()` in a module docstring is defined in that file (`C.name()` in common.py,
+    `tasks.name()` in tasks.py, and so on)."""
     source = open(os.path.join(ROOT, script)).read()
     defined = {"": source, "C.": open(os.path.join(ROOT, "common.py")).read()}
-    for prefix, name in re.findall(r"\b(C\.)?(\w+)\(\)", ast.get_docstring(ast.parse(source))):
+    for module in ("tasks", "loading", "fastpath", "runs"):
+        defined[module + "."] = open(os.path.join(ROOT, module + ".py")).read()
+    pattern = r"\b(C\.|tasks\.|loading\.|fastpath\.|runs\.)?(\w+)\(\)"
+    for prefix, name in re.findall(pattern, ast.get_docstring(ast.parse(source))):
         assert f"def {name}(" in defined[prefix], f"{script} docstring: {prefix}{name}()"
 
 

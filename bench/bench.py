@@ -35,6 +35,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
+import fastpath
+import loading
+import tasks
 
 
 def sync():
@@ -56,15 +59,15 @@ def timed(fn, repeats):
     return n, best
 
 
-def bench_sample(device, model_name=C.DEFAULT_POLICY, batch=64, group=1, new_tokens=(6, 32),
+def bench_sample(device, model_name=loading.DEFAULT_POLICY, batch=64, group=1, new_tokens=(6, 32),
                  repeats=5):
     """Tokens/s of common.sample and model.generate on the same batch of `batch` rows, temperature
     1, EOS stopping: batch // group distinct prompts, each repeated `group` times in a row (group=8
     is a GRPO batch, as TRL builds it for generate). Generated tokens are counted up to and
     including each row's EOS (what RL uses)."""
-    tok = C.load_tokenizer(model_name)
-    model = C.load_model(model_name, "lm", device, frozen=True)
-    rows = C.load_data("").eval_rows[:batch // group]
+    tok = loading.load_tokenizer(model_name)
+    model = loading.load_model(model_name, "lm", device, frozen=True)
+    rows = tasks.load_data("").eval_rows[:batch // group]
     prompts = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(group)])
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
     eos = torch.tensor(C.eos_ids(model, tok), device=device)
@@ -107,7 +110,7 @@ def random_qwen2(device, layers=4, hidden=256, vocab=99):
                       max_position_embeddings=512, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     path = os.path.join(tempfile.mkdtemp(), "qwen2")
     Qwen2ForCausalLM(cfg).save_pretrained(path)
-    C.load_tokenizer(C.DEFAULT_POLICY).save_pretrained(path)
+    loading.load_tokenizer(loading.DEFAULT_POLICY).save_pretrained(path)
     return path
 
 
@@ -181,7 +184,7 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
     grpo.py) and its backward, on a 2-layer random Qwen2 with Qwen's vocabulary; run in a fresh
     process per setting."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
-    device = C.pick_device()
+    device = loading.pick_device()
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
@@ -196,7 +199,7 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            return C.fast_token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True,
+            return fastpath.fast_token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True,
                                          chunk_elems=chunk_elems)[0]
     forward().sum().backward()  # warm-up: gradients and allocator caches exist before we measure
     base = used()
@@ -212,7 +215,7 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 def bench_logprob_memory():
     """One chunk (head and log-softmax are plain autograd ops: their outputs are kept) vs 2^24
     logits a chunk (only the hidden states are kept; each chunk is recomputed in backward by
-    C.LinearHeadLogprobs). Before #27 the chunked side kept the full bf16 logits: see the
+    fastpath.LinearHeadLogprobs). Before #27 the chunked side kept the full bf16 logits: see the
     `memory` mode for that path."""
     out = {}
     for name, chunk_elems in (("one chunk", 2**40), ("default chunks", 2**24)):
@@ -247,14 +250,14 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
     log-softmax chunked; forced by marking the head unsplittable) or 'hidden' (the default)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.set_num_threads(1)
-    device = C.pick_device()
+    device = loading.pick_device()
     torch.manual_seed(0)
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024)
     model = Qwen2ForCausalLM(cfg).to(device).eval()
     if path == "logits":
-        C._HEAD_CHECKED[Qwen2ForCausalLM] = False  # the pre-#27 fast path: logits, then chunks
+        fastpath._HEAD_CHECKED[Qwen2ForCausalLM] = False  # the pre-#27 fast path: logits, chunks
     ids = torch.randint(3, vocab, (rows, P + T), device=device)  # distinct prompts: no sharing
 
     def step():
@@ -284,10 +287,10 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
 def bundled_logprobs_speed(repeats=30):
     """s per training forward + backward of token_logprobs on the bundled model and a GRPO-sized
     batch (64 rows, 8 groups), the new path against the pre-#27 one, interleaved in one process."""
-    tok = C.load_tokenizer(C.DEFAULT_POLICY)
-    model = C.load_model(C.DEFAULT_POLICY, "lm", C.pick_device())
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", loading.pick_device())
     torch.manual_seed(0)
-    prompts = C.encode_prompts(tok, [r["prompt"] for r in C.load_data("").eval_rows[:8]] * 8)
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:8]] * 8)
     roll = C.sample(model, tok, prompts, 6)
     T = roll.completion_mask.shape[1]
     cls = type(model)
@@ -299,11 +302,11 @@ def bundled_logprobs_speed(repeats=30):
     torch.set_num_threads(1)  # as the scripts run the bundled model
     for _ in range(repeats):
         for name in best:
-            C._HEAD_CHECKED[cls] = name == "hidden"  # (the head's check already passed)
+            fastpath._HEAD_CHECKED[cls] = name == "hidden"  # (the head's check already passed)
             t = time.perf_counter()
             step()
             best[name] = min(best[name], time.perf_counter() - t)
-    C._HEAD_CHECKED.pop(cls, None)
+    fastpath._HEAD_CHECKED.pop(cls, None)
     return best
 
 
@@ -336,7 +339,7 @@ def main():
         return print(json.dumps(logprob_memory(int(sys.argv[2]))))
     if what == "_train_memory":  # the child process of bench_memory
         return print(json.dumps(train_logprobs_memory(sys.argv[2], int(sys.argv[3]))))
-    device = C.pick_device()
+    device = loading.pick_device()
     torch.set_num_threads(os.cpu_count() or 1)
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name()

@@ -34,7 +34,9 @@ import torch
 
 import bench as B  # bench/bench.py, beside this script: timed() and run_script()
 import common as C  # bench.py puts the repository root on sys.path
+import loading
 import runs as R  # peak_mem_mb()
+import tasks
 
 ROOT = B.ROOT
 
@@ -72,8 +74,8 @@ def build_model(path, tiny):
 
 def bench_sampling(path, device, new_tokens):
     from transformers import AutoModelForCausalLM
-    tok = C.load_tokenizer(path)
-    rows = C.load_data("").eval_rows[:8]
+    tok = loading.load_tokenizer(path)
+    rows = tasks.load_data("").eval_rows[:8]
     prompts = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(8)])
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
 
@@ -120,8 +122,8 @@ def bench_sampling(path, device, new_tokens):
 
 
 def bench_train(path, device, n_params, n_embed, seq):
-    model = C.load_model(path, "lm", device)
-    amp = C.autocast(device, "bf16")
+    model = loading.load_model(path, "lm", device)
+    amp = loading.autocast(device, "bf16")
     rows, T = 8, seq // 2
     ids = torch.randint(10, 1000, (rows, seq), device=device)
     mask = torch.ones_like(ids)
@@ -218,7 +220,7 @@ def main():
                    help="JSON results ($OUT/gpu_check.json when $OUT is set, as on the "
                         "device machine)")
     a = p.parse_args()
-    device = C.pick_device()
+    device = loading.pick_device()
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     res = {"date": time.strftime("%Y-%m-%d %H:%M"), "device": device_name,
            "torch": torch.__version__, "tiny": a.tiny}

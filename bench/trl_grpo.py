@@ -8,7 +8,7 @@ Both train models/tiny-adder for --steps optimizer steps: 8 prompts x 8 completi
 at most 6 new tokens, temperature 1.0, constant lr 1e-4 (no warmup), beta 0.04 (k3 KL to a frozen
 reference), eps 0.2, group-std reward scaling, token-mean loss ("dapo" in TRL), one update per
 batch, grad clip 1.0, no weight decay, dropout off. Both see the same prompt stream:
-common.task_train_pairs(random.Random(seed), ...) in order (grpo.py draws 8 per step from that
+tasks.task_train_pairs(random.Random(seed), ...) in order (grpo.py draws 8 per step from that
 rng; TRL gets the same 8 * steps rows as a plain-text "prompt" column, unshuffled, no chat
 template).
 
@@ -20,7 +20,7 @@ What is timed (wall clock, mean over steps after --warmup):
            log-probs, forward/backward, clip, optimizer and scheduler step; not data loading,
            logging or saving.
 Accuracy: common.evaluate (greedy, max_new_tokens 6, math_reward) on
-common.load_data("").eval_rows (500 held-out prompts), run here in the same process on the base
+tasks.load_data("").eval_rows (500 held-out prompts), run here in the same process on the base
 model, grpo.py's final checkpoint and TRL's final model.
 Prints a table, then one JSON line (the last line of stdout).
 """
@@ -47,6 +47,8 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
+import loading
+import tasks
 
 PROMPTS, GROUP, NEW_TOKENS, TEMP, LR, BETA = 8, 8, 6, 1.0, 1e-4, 0.04
 
@@ -96,10 +98,10 @@ class StepTimer(TrainerCallback):
 
 
 def run_trl(a, out_dir, device):
-    tok = C.load_tokenizer(C.DEFAULT_POLICY)  # left padding, our pad token; no chat template
-    model = C.load_model(C.DEFAULT_POLICY, "lm", device)
-    pairs = C.task_train_pairs(random.Random(a.seed), PROMPTS * a.steps)
-    rows = [C.addition_row(x, y) for x, y in pairs]
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)  # left padding, our pad; no chat template
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", device)
+    pairs = tasks.task_train_pairs(random.Random(a.seed), PROMPTS * a.steps)
+    rows = [tasks.addition_row(x, y) for x, y in pairs]
 
     def math(prompts, completions, answer, **kw):  # common.math_reward vs each row's answer
         return [C.math_reward(c, {"answer": ans}) for c, ans in zip(completions, answer)]
@@ -125,7 +127,8 @@ def run_trl(a, out_dir, device):
 def accuracy(model, tok, device):
     model.eval()
     args = SimpleNamespace(chat_template="auto", max_new_tokens=NEW_TOKENS, stop=[])
-    return C.evaluate(model, tok, C.load_data("").eval_rows, args, C.autocast(device, "auto"))
+    return C.evaluate(model, tok, tasks.load_data("").eval_rows, args,
+                      loading.autocast(device, "auto"))
 
 
 def mean(xs):
@@ -146,18 +149,19 @@ def main():
     p.add_argument("--grpo_args", default="", help='more grpo.py flags, e.g. "--compile"')
     a = p.parse_args()
     torch.set_num_threads(a.threads)
-    device = C.pick_device()
+    device = loading.pick_device()
     with tempfile.TemporaryDirectory() as tmp:
         t = time.time()
         metrics, summary, ckpt = run_grpo_py(a, os.path.join(tmp, "grpo"))
         ours_wall = time.time() - t
-        ours_acc = accuracy(C.load_model(ckpt, "lm", device), C.load_tokenizer(ckpt), device)
+        ours_acc = accuracy(loading.load_model(ckpt, "lm", device), loading.load_tokenizer(ckpt),
+                            device)
         t = time.time()
         torch.manual_seed(a.seed)
         trl_model, tok, timer = run_trl(a, os.path.join(tmp, "trl"), device)
         trl_wall = time.time() - t
         trl_acc = accuracy(trl_model, tok, device)
-    base_acc = accuracy(C.load_model(C.DEFAULT_POLICY, "lm", device), tok, device)
+    base_acc = accuracy(loading.load_model(loading.DEFAULT_POLICY, "lm", device), tok, device)
     if abs(ours_acc - summary["eval_after"]) > 1e-9:
         print(f"warning: grpo.py's own eval_after {summary['eval_after']:.3f} != "
               f"{ours_acc:.3f} measured here")

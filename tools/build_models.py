@@ -21,7 +21,7 @@ as a user would.
      1,500 steps at lr 1e-3. For `--env calc` (docs/tool_use.md).         -> models/tiny-calc
 
 The correct and wrong answers stand in for human demonstrators and annotators. Neither model ever
-sees the held-out eval pairs (common.task_eval_pairs). Each stage's run folder (metrics.jsonl,
+sees the held-out eval pairs (tasks.task_eval_pairs). Each stage's run folder (metrics.jsonl,
 summary.json) and data stay in runs/build-models/.
 Run: python tools/build_models.py [DEST]   (DEST: another folder than models/, for a try;
      CLEAN_STEPS, SLOPPY_STEPS, RM_STEPS and CALC_STEPS shorten the stages)
@@ -53,10 +53,12 @@ from transformers.utils import logging as hf_logging
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
 import envs  # noqa: E402
+import loading  # noqa: E402
+import tasks  # noqa: E402
 
 DROP = 0.7  # probability that a demonstration forgets a carry
 BATCH, RM_BATCH = 128, 64  # demonstrations / preference pairs per optimizer step
-BUILD = os.path.join(common.ROOT, "runs", "build-models")
+BUILD = os.path.join(loading.ROOT, "runs", "build-models")
 SPECIALS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 
@@ -135,12 +137,12 @@ def write_jsonl(path, rows):
 
 def pipeline_script(script, **flags):
     """Run one of the repo's training scripts as a user would: python sft.py --flag value ..."""
-    cmd = [sys.executable, os.path.join(common.ROOT, script)]
+    cmd = [sys.executable, os.path.join(loading.ROOT, script)]
     for k, v in flags.items():
         cmd += [f"--{k}", str(v)]
     print("$", " ".join(cmd[1:]), flush=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}  # one thread: same sums
-    subprocess.run(cmd, check=True, env=env, cwd=common.ROOT)
+    subprocess.run(cmd, check=True, env=env, cwd=loading.ROOT)
 
 
 def ship(run_dir, dest, tok):
@@ -169,7 +171,7 @@ def build_calc(dest, tok):
                     max_steps=steps, batch_size=BATCH, micro_batch_size=BATCH, eval_every=0,
                     eval_size=200, save_every=0, chat_template="none")
     ship(f"{build}/sft", f"{dest}/tiny-calc", tok)
-    subprocess.run([sys.executable, os.path.join(common.ROOT, "envs.py"), f"{dest}/tiny-calc"],
+    subprocess.run([sys.executable, os.path.join(loading.ROOT, "envs.py"), f"{dest}/tiny-calc"],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # the tool-use report
 
 
@@ -182,7 +184,7 @@ def main():
     argv = sys.argv[1:]
     only = argv[argv.index("--only") + 1] if "--only" in argv else ""
     argv = [a for a in argv if a not in ("--only", only)]
-    dest = argv[0] if argv else os.path.join(common.ROOT, "models")
+    dest = argv[0] if argv else os.path.join(loading.ROOT, "models")
     policy, reward_model = f"{dest}/tiny-adder", f"{dest}/tiny-adder-rm"
     if only not in ("", "calc"):
         raise SystemExit(f"error: --only {only!r}: the only stage built alone is calc")
@@ -205,12 +207,12 @@ def main():
 
     def demos(steps, drop):
         return [{"prompt": f"{a}+{b}=", "completion": str(column_sum(a, b, rng, drop))}
-                for a, b in common.task_train_pairs(rng, steps * BATCH)]
+                for a, b in tasks.task_train_pairs(rng, steps * BATCH)]
     write_jsonl(f"{BUILD}/clean.jsonl", demos(clean_steps, 0.0))
     write_jsonl(f"{BUILD}/sloppy.jsonl", demos(sloppy_steps, DROP))
     write_jsonl(f"{BUILD}/pairs.jsonl", [
         {"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": negative(a, b, rng)}
-        for a, b in common.task_train_pairs(rng, rm_steps * RM_BATCH)])
+        for a, b in tasks.task_train_pairs(rng, rm_steps * RM_BATCH)])
     flags = dict(eval_every=500, save_every=0, chat_template="none")  # both SFT stages
     # 1. SFT from scratch on correct sums: the model learns to add
     pipeline_script("sft.py", model=f"{BUILD}/init", data=f"{BUILD}/clean.jsonl",
@@ -235,11 +237,11 @@ def main():
 def report(tok, policy_dir, rm_dir):
     """Held-out greedy accuracy of the policy; held-out agreement of the reward model on correct
     vs dropped-carry / one-digit-off answers."""
-    policy = common.load_model(policy_dir, "lm", torch.device("cpu"), frozen=True)
-    rm = common.load_model(rm_dir, "rm", torch.device("cpu"), frozen=True)
+    policy = loading.load_model(policy_dir, "lm", torch.device("cpu"), frozen=True)
+    rm = loading.load_model(rm_dir, "rm", torch.device("cpu"), frozen=True)
     args = SimpleNamespace(chat_template="none", max_new_tokens=6, stop=())
-    pairs = common.task_eval_pairs()
-    rows = [common.addition_row(a, b) for a, b in pairs]
+    pairs = tasks.task_eval_pairs()
+    rows = [tasks.addition_row(a, b) for a, b in pairs]
     acc = common.evaluate(policy, tok, rows, args, torch.autocast("cpu", enabled=False),
                           {"math": 1.0})["eval"]
     rng = random.Random(2)

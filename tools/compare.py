@@ -102,14 +102,17 @@ def final_kl(folder, k):
     sys.path.insert(0, ROOT)
     import common as C
     import envs as E
+    import loading
+    import tasks
     logging.disable_progress_bar()
     args, device = P.run_args(folder), torch.device("cpu")
     env = E.load_env(args.get("env", ""))  # the calc task: multi-turn rollouts, its own rows
     torch.manual_seed(0)
-    policy = C.load_model(os.path.join(folder, "checkpoint"), "lm", device, frozen=True)
-    ref = C.load_model(args["model"], "lm", device, frozen=True)
-    tok = C.load_tokenizer(args["model"])
-    rows = (E.calc_data(args["eval_size"]) if env else C.load_data("", args["eval_size"])).eval_rows
+    policy = loading.load_model(os.path.join(folder, "checkpoint"), "lm", device, frozen=True)
+    ref = loading.load_model(args["model"], "lm", device, frozen=True)
+    tok = loading.load_tokenizer(args["model"])
+    data = E.calc_data(args["eval_size"]) if env else tasks.load_data("", args["eval_size"])
+    rows = data.eval_rows
     rows = [r for r in rows for _ in range(k)]
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args["chat_template"])
     total = 0.0

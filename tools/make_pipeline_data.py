@@ -19,7 +19,7 @@ the sum, so "bigger is better" explains the rankings, and a reward model trained
 by PPO within 20 steps (55+43=108; held-out accuracy 0.29 -> 0.35). At 2 the samples include
 answers that overshoot, digits off and garbage, as a policy drifting under RL writes them.
 
-No prompt is in the held-out split (common.task_eval_pairs), which every script evaluates on.
+No prompt is in the held-out split (tasks.task_eval_pairs), which every script evaluates on.
 Run: python tools/make_pipeline_data.py   (about 10 s; the same files every time)
 """
 import json
@@ -32,6 +32,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import loading
+import tasks
 from build_models import column_sum  # noqa: E402  (tools/ is this script's own folder)
 
 DEMO_DROP = 0.3  # probability that a demonstration forgets a carry
@@ -39,7 +41,7 @@ N_DEMOS = 3000  # demonstration rows (about 120 KB)
 N_RANK_PROMPTS = 3000  # prompts sampled for rankings (those with 2+ distinct answers are kept)
 SAMPLES = 6  # answers sampled per prompt
 TEMPERATURE = 2.0  # sampling temperature: see above
-OUT = os.path.join(C.ROOT, "data")
+OUT = os.path.join(loading.ROOT, "data")
 
 
 def rank(answers, true_sum):
@@ -69,12 +71,12 @@ def main():
     os.makedirs(OUT, exist_ok=True)
     rng = random.Random(0)
     demos = [{"prompt": f"{a}+{b}=", "completion": str(column_sum(a, b, rng, DEMO_DROP))}
-             for a, b in C.task_train_pairs(rng, N_DEMOS)]
+             for a, b in tasks.task_train_pairs(rng, N_DEMOS)]
     write("demonstrations.jsonl", demos)
 
-    tok = C.load_tokenizer(C.DEFAULT_POLICY)
-    model = C.load_model(C.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
-    pairs = C.task_train_pairs(random.Random(1), N_RANK_PROMPTS)
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    pairs = tasks.task_train_pairs(random.Random(1), N_RANK_PROMPTS)
     prompts = [f"{a}+{b}=" for a, b in pairs for _ in range(SAMPLES)]
     roll = C.sample(model, tok, C.encode_prompts(tok, prompts), max_new_tokens=6,
                     temperature=TEMPERATURE)

@@ -15,6 +15,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+import loading
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 
@@ -34,13 +35,13 @@ def merge(run_dir, out=""):
         import peft
     except ImportError:
         raise C.UserError("merging LoRA adapters needs peft (pip install peft)") from None
-    tok = C.load_tokenizer(ckpt)
+    tok = loading.load_tokenizer(ckpt)
     if saved["algo"] == "reward_model":  # the base with a head; the trained head comes from ckpt
         base = AutoModelForSequenceClassification.from_pretrained(
             args["model"], num_labels=1, trust_remote_code=args["trust_remote_code"])
         base.config.pad_token_id = tok.pad_token_id
     else:
-        base = C.load_model(args["model"], "lm", C.torch.device("cpu"),
+        base = loading.load_model(args["model"], "lm", C.torch.device("cpu"),
                             trust_remote_code=args["trust_remote_code"])
     with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_...
         warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)

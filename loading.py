@@ -1,0 +1,256 @@
+"""loading.py: models, tokenizers, LoRA and your reward functions (plumbing: an algorithm reader
+can skip it).
+
+Any AutoModelForCausalLM (policy, reference) and AutoModelForSequenceClassification (reward model)
+from a hub id or a local folder, with one-line errors for what cannot load; trained weights in
+fp32, frozen ones in bf16 on a GPU, dropout off everywhere; LoRA adapters (optional package peft);
+`--reward_fn file.py:function` and the `--rewards` weights.
+"""
+import contextlib
+import importlib
+import importlib.util
+import math
+import os
+import re
+import warnings
+
+import torch
+from safetensors import SafetensorError
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
+                          AutoTokenizer)
+from transformers.modeling_layers import GradientCheckpointingLayer
+
+import common as C
+
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
+
+
+DEFAULT_REWARD_MODEL = os.path.join(ROOT, "models", "tiny-adder-rm")
+
+
+# --------------------------------------------------------------------------------------- loading
+def pick_device():
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def autocast(device, dtype):
+    """Trained weights stay fp32 (in bf16, lr ~1e-6 updates round away); forwards run in bf16."""
+    on = dtype == "bf16" or (dtype == "auto" and device.type == "cuda")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=on)
+
+
+def _check_source(name):
+    if not os.path.isdir(name) and not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name):
+        raise C.UserError(f"model {name!r}: no such local folder, and not a hub id like owner/name")
+
+
+def load_tokenizer(name, trust_remote_code=False):
+    _check_source(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise C.UserError(f"tokenizer {name!r} could not be loaded: {C._first_line(e)}") from None
+    tok.padding_side = "left"
+    if tok.pad_token_id is None:
+        if tok.eos_token_id is None:
+            raise C.UserError(f"tokenizer {name!r} has neither a pad nor an eos token; add one")
+        tok.pad_token = tok.eos_token  # safe: every mask is built from lengths, not from pad ids
+    return tok
+
+
+def load_model(name, kind, device, frozen=False, trust_remote_code=False, compile=False):
+    """kind 'lm': AutoModelForCausalLM; 'rm': AutoModelForSequenceClassification with one label,
+    whose score head must come from the checkpoint. Frozen models (reference, reward model) live in
+    bf16 on a GPU; trained ones keep fp32 master weights. Dropout is off in every model."""
+    _check_source(name)
+    try:
+        cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as e:
+        raise C.UserError(f"model {name!r} could not be loaded: {C._first_line(e)}") from None
+    archs = cfg.architectures or []
+    is_lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    if kind == "lm" and archs and not is_lm:
+        raise C.UserError(f"model {name!r} has no causal-LM head (architectures: "
+                          f"{', '.join(archs)})")
+    if kind == "rm" and is_lm:
+        raise C.UserError(f"reward model {name!r} is not a sequence-classification model "
+                          f"(architectures: {', '.join(archs)})")
+    if kind == "rm" and cfg.num_labels != 1:
+        raise C.UserError(f"reward model {name!r} has num_labels={cfg.num_labels}; a scalar reward "
+                          "needs 1")
+    auto = AutoModelForCausalLM if kind == "lm" else AutoModelForSequenceClassification
+    dtype = torch.bfloat16 if frozen and device.type == "cuda" else torch.float32
+    try:
+        model, info = auto.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code,
+                                           output_loading_info=True)
+    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
+        raise C.UserError(f"model {name!r} could not be loaded as {auto.__name__}: "
+                          f"{C._first_line(e)} (re-download or rebuild it)") from None
+    if kind == "rm" and any(k.startswith("score.") for k in info["missing_keys"]):
+        raise C.UserError(f"reward model {name!r} has no trained score head in its checkpoint: "
+                          "it would score with random weights")
+    model = model.to(device).eval()  # eval(): dropout off; it makes log-probs noisy, KL > 0 at 0
+    if kind == "lm":  # rows the tokenizer cannot decode are never sampled: see suppressed()
+        _suppress_untokenized_rows(model, name, trust_remote_code)
+    if frozen:
+        model.requires_grad_(False)
+    if compile:  # dynamic shapes: new batch sizes and lengths reuse the compiled graphs
+        # policy and reference share HF's forward code, whose graphs dynamo counts together
+        torch._dynamo.config.recompile_limit = 32  # (the default 8 would fall back to eager)
+        model.forward = torch.compile(model.forward, dynamic=True)
+    return model
+
+
+def _suppress_untokenized_rows(model, name, trust_remote_code):
+    try:
+        n_tokens = len(AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code))
+    except (OSError, ValueError):
+        return  # no tokenizer in this folder: nothing to compare with
+    rows = model.config.get_text_config().vocab_size  # the LM head's outputs, V
+    if rows > n_tokens:
+        gen = model.generation_config
+        gen.suppress_tokens = sorted({*(gen.suppress_tokens or []), *range(n_tokens, rows)})
+
+
+def enable_gradient_checkpointing(model):
+    """Recompute each layer's activations in backward instead of keeping them. HF recomputes a layer
+    only when it is in training mode; the model stays in eval mode (dropout off), so only the
+    checkpointed layers are flagged as training: their dropouts (children) stay off, and so does the
+    base model (GPT-2's would stop passing the KV cache to its layers, even when sampling)."""
+    enable = getattr(model, "activation_checkpointing_enable", None)  # transformers >= 5.24
+    (enable or model.gradient_checkpointing_enable)()
+    for m in model.modules():
+        if isinstance(m, GradientCheckpointingLayer):
+            m.training = True
+
+
+def load_policy(args, device, checkpoint=""):
+    """The trained policy and its tokenizer: args.model (a hub id or a folder), or a run's
+    checkpoint folder to resume from. Fully trained: fp32 weights. With args.lora_r > 0 the base
+    is frozen (bf16 on a GPU) and only LoRA adapters (Hu et al. 2021) train, in fp32."""
+    tok = load_tokenizer(checkpoint or args.model, args.trust_remote_code)
+    src = args.model if args.lora_r else checkpoint or args.model  # LoRA saves only adapters
+    model = load_model(src, "lm", device, frozen=args.lora_r > 0,
+                       trust_remote_code=args.trust_remote_code, compile=args.compile)
+    if args.gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    if args.lora_r:
+        model = add_lora(model, args, checkpoint)
+    return model, tok
+
+
+def add_lora(model, args, adapter="", task="CAUSAL_LM"):
+    """Wrap a frozen model with trainable LoRA adapters (peft), new or from a saved adapter folder.
+    Adapters start with B = 0, so the model starts exactly as the base. task "SEQ_CLS" (a reward
+    model): peft also trains and saves the score head in full."""
+    try:
+        import peft
+    except ImportError:
+        raise C.UserError("--lora_r needs the optional package peft (pip install peft)") from None
+    if getattr(args, "gradient_checkpointing", False):
+        model.enable_input_require_grads()  # checkpointed blocks need an input that wants grads
+    if adapter:
+        with warnings.catch_warnings():  # peft asks for a name transformers deprecated
+            warnings.simplefilter("ignore", FutureWarning)
+            return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True)
+    targets = args.lora_target_modules
+    names = [n for n, _ in model.named_modules()]  # peft matches a name or its dotted ending
+    bad = [t for t in targets.split(",") if targets != "all-linear"
+           and not any(n == t or n.endswith("." + t) for n in names)]
+    if bad:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                         if isinstance(m, torch.nn.Linear)})
+        raise C.UserError(f"--lora_target_modules: the model has no module {', '.join(bad)} "
+                          f"(its linear layers: {', '.join(linear)}; or all-linear)")
+    width = getattr(model.config, "hidden_size", None)
+    if width and args.lora_r > width:  # rank r of B A (width x r, r x width) is at most width
+        raise C.UserError(f"--lora_r {args.lora_r} is above the model's width {width}: a rank "
+                          "beyond it adds memory and nothing else")
+    config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
+                             lora_dropout=args.lora_dropout,
+                             target_modules=targets.split(",") if "," in targets else targets)
+    with warnings.catch_warnings():  # peft asks for a name transformers deprecated: not ours
+        warnings.simplefilter("ignore", FutureWarning)
+        return peft.get_peft_model(model, config)
+
+
+def adapters_off(model):
+    """Context in which a LoRA policy computes as its frozen base: the reference model for free.
+    For any other model, nothing changes."""
+    if hasattr(model, "disable_adapter"):
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
+def load_reward_model(args, device):
+    model = load_model(args.reward_model, "rm", device, True, args.trust_remote_code)
+    return model, load_tokenizer(args.reward_model, args.trust_remote_code)
+
+
+def check_prompts(tok, model, rows, args):
+    """Fail early when a prompt plus max_new_tokens does not fit the model's context."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if not limit:
+        return
+    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+    lens = [len(s) for s in prompt_ids]
+    too_long = sum(n + args.max_new_tokens > limit for n in lens)
+    if too_long:
+        raise C.UserError(f"{too_long} of {len(lens)} prompts are too long: prompt + "
+                          f"max_new_tokens ({args.max_new_tokens}) exceeds the model's context of "
+                          f"{limit} tokens (longest prompt: {max(lens)} tokens)")
+
+
+def load_reward_fns(specs):
+    """Your own rewards: --reward_fn path/to/file.py:name (or package.module:name), repeatable or
+    comma-separated -> {name: function}. A function scores the whole batch at once (so it can
+    batch a verifier or a judge model): f(completions: list[str], rows: list[dict]) -> list of
+    floats, where rows carry every field of the data rows."""
+    fns = {}
+    for spec in (s for item in specs for s in item.split(",") if s):
+        where, _, name = spec.rpartition(":")
+        if not where or not name:
+            raise C.UserError(f"--reward_fn {spec!r}: write path/to/file.py:function")
+        if where.endswith(".py") and not os.path.isfile(where):
+            raise C.UserError(f"--reward_fn {spec!r}: file {where!r} not found")
+        try:
+            if where.endswith(".py"):
+                found = importlib.util.spec_from_file_location(f"reward_{name}", where)
+                module = importlib.util.module_from_spec(found)
+                found.loader.exec_module(module)
+            else:
+                module = importlib.import_module(where)
+        except Exception as e:
+            raise C.UserError(f"--reward_fn {spec!r}: importing {where!r} failed: "
+                              f"{type(e).__name__}: {C._first_line(e)}") from None
+        if not callable(getattr(module, name, None)):
+            raise C.UserError(f"--reward_fn {spec!r}: {where!r} has no function {name!r}")
+        if name in C.RULES or name == "rm":
+            raise C.UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
+        fns[name] = getattr(module, name)
+    return fns
+
+
+def parse_rewards(spec, reward_model, fns=(), default="math"):
+    """'math=1,format=0.1' -> {'math': 1.0, 'format': 0.1}; 'rm' names the reward model's score;
+    names of --reward_fn functions count too. '' = your functions (weight 1 each) or default."""
+    weights = {}
+    for part in filter(None, (spec or ",".join(fns) or default).split(",")):
+        name, _, w = part.partition("=")
+        if name not in C.RULES and name != "rm" and name not in fns:
+            known = ", ".join([*C.RULES, "rm", *fns])
+            raise C.UserError(f"--rewards: unknown reward {name!r} (known: {known})")
+        try:
+            weights[name] = float(w or 1.0)
+        except ValueError:
+            raise C.UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") \
+                from None
+        if not math.isfinite(weights[name]):  # every reward would be NaN: nothing would train
+            raise C.UserError(f"--rewards: the weight of {name!r} must be finite, not {w}")
+    if "rm" in weights and not reward_model:
+        raise C.UserError("--rewards names 'rm' but no --reward_model is given")
+    return weights
