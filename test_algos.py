@@ -3837,9 +3837,6 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, t
 # ---- docs/ (#30)
 # The README is the front page; docs/ holds one file a topic. Every command shown in either must
 # run as written: its flags exist, its links resolve, the tests it names exist.
-# Written in parallel branches and linked from the README before they land: drop each name from
-# this set once its file is in docs/ (the link test then checks it like any other).
-PENDING_DOCS = {"docs/tool_use.md", "docs/policy_losses.md"}
 SCRIPTS = {"grpo": grpo, "reinforce": R, "ppo": ppo, "sft": sft, "reward_model": reward_model,
            "dpo": dpo}
 
@@ -3924,8 +3921,6 @@ def test_docs_relative_links_and_anchors_resolve():
                 continue
             file, _, frag = target.partition("#")
             where = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
-            if where in PENDING_DOCS:
-                continue
             assert os.path.exists(os.path.join(ROOT, where)), f"{path}: {target}: no {where}"
             if frag:
                 headings = re.findall(r"^#+ (.*)$", docs.get(where) or open(
