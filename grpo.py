@@ -275,15 +275,7 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, en
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(G)]
-        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        if env:  # multi-turn: the model's turns and the environment's observations
-            roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
-                             args.max_new_tokens, args.temperature, args.top_p, amp=amp,
-                             stop=args.stop)
-        else:
-            roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                            args.top_p, amp=amp, stop=args.stop)
-        texts = roll.final if env else C.decode_completions(tok, roll)
+        roll, texts = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)
         if args.overlong_penalty:  # DAPO: 0 until the last overlong_buffer tokens, then linear
             length = roll.completion_mask.sum(-1).cpu()

@@ -285,17 +285,9 @@ def main():
         # 1. sample k completions per prompt (k contiguous rows each) and score them
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(k)]
-        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, model, step):
-            if env:  # multi-turn: the model's turns and the environment's observations
-                roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
-                                 args.max_new_tokens, args.temperature, args.top_p, amp=amp,
-                                 stop=args.stop)
-            else:
-                roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                                args.top_p, amp=amp, stop=args.stop)
-        completions = roll.final if env else C.decode_completions(tok, roll)
+            roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
