@@ -239,21 +239,15 @@ def cat_rollouts(pieces):
     P = max(r.P for r, _ in pieces)
     T = max(r.completion_mask.shape[1] for r, _ in pieces)
     pad = torch.nn.functional.pad
-
-    def fit(r, key, rows):  # rows of r.<key>, as (len(rows), P + T)
-        x = getattr(r, key)[rows]
-        prompt, completion = x[:, :r.P], x[:, r.P:]
-        completion = pad(completion, (0, T - completion.shape[1]))
-        return torch.cat([pad(prompt, (P - r.P, 0)), completion], 1)
     out = {"P": P}
     for key, x in vars(pieces[0][0]).items():
-        if key in ("ids", "attention_mask"):
-            out[key] = torch.cat([fit(r, key, i) for r, i in pieces])
-        elif isinstance(x, list):
+        if isinstance(x, list):
             out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
-        elif torch.is_tensor(x) and x.dim() == 2:
+        elif torch.is_tensor(x) and x.dim() == 2:  # right-padded to T; ids and attention_mask
+            prompt = key in ("ids", "attention_mask")  # are left-padded to P first
             out[key] = torch.cat([pad(getattr(r, key)[i.to(x.device)],
-                                      (0, T - getattr(r, key).shape[1])) for r, i in pieces])
+                                      (P - r.P if prompt else 0, T - r.completion_mask.shape[1]))
+                                  for r, i in pieces])
         elif torch.is_tensor(x):
             out[key] = torch.cat([getattr(r, key)[i.to(x.device)] for r, i in pieces])
     return C.SimpleNamespace(**out)
