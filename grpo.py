@@ -11,10 +11,9 @@ normalised within the group. There is no critic and no value model.
                + beta * k(pi_theta, pi_ref)_i,t                                  per_token_loss()
     loss     = aggregate(L) over the whole optimizer step                             aggregate()
 
-pi_old is the policy that sampled the batch, pi_ref a frozen copy of the starting policy. With
-num_iterations = 1 (the default, as in DeepSeekMath) pi_old = pi_theta, so rho = 1 and the logged
-loss sits near 0 (the advantages average to 0), but its gradient, A * grad log pi, is not 0. Watch
-reward, kl and clip_frac, not the loss (TRL issues #2703, #3452).
+pi_old: the policy that sampled the batch; pi_ref: a frozen copy of the starting policy. With
+num_iterations = 1 (DeepSeekMath's default) pi_old = pi_theta: rho = 1, the logged loss sits near 0
+(A averages to 0), not its gradient A grad log pi: watch reward, kl, clip_frac (TRL #2703, #3452).
 
 The KL term sits in the loss, where its gradient depends on the estimator k (common.kl_estimate,
 gradients in per_token_loss): k1 has expected gradient 0, so it is refused; k2 pulls along the
@@ -211,9 +210,7 @@ def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncat
     raw = log_w.exp()
     if not cap:
         return None, raw
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True)
-    w = log_w.exp()
+    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw
     return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
 
 
@@ -227,9 +224,7 @@ def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
         return (loss * mask).sum() / n_tokens
     if loss_agg == "seq-mean-token-mean":
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
-    if loss_agg == "seq-sum-norm":
-        return (loss * mask).sum() / (n_seqs * max_new_tokens)
-    raise ValueError(loss_agg)
+    return (loss * mask).sum() / (n_seqs * max_new_tokens)  # seq-sum-norm (Args: one of three)
 
 
 def cat_rollouts(pieces):
@@ -257,8 +252,7 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, en
     """G completions for each of prompts_per_step prompts, scored. With dynamic_sampling (DAPO),
     groups whose rewards are all equal are dropped and more prompts sampled, up to
     max_resample_rounds extra rounds. Returns the kept rollout, its rows, completion texts and
-    rewards (B,), and `seen`: the rewards and reward parts of everything sampled.
-    env: multi-turn rollouts with that environment; rewards then read each final turn."""
+    rewards (B,), and `seen`: the rewards and reward parts of everything sampled."""
     G = args.group_size
     want = args.prompts_per_step * G // R.get_world_size()  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept = [], [], [], []

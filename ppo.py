@@ -416,6 +416,7 @@ def main():
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
+    token_means = ("kl", "returns", "values")  # global means weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
                disable=run.rank > 0)
     for step in bar:
@@ -483,7 +484,6 @@ def main():
         samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
                    for r, c, s in zip(rows[:4], shown[:4], scores[:4])]
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_means = ("kl", "returns", "values")
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())

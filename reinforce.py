@@ -278,6 +278,7 @@ def main():
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
+    token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean")  # weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
@@ -388,7 +389,6 @@ def main():
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::k][:4], shown[::k][:4], scores[::k][:4])]
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean")
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
