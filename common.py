@@ -286,6 +286,21 @@ def decode_completions(tok, roll):
     return [tok.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths)]
 
 
+def generate(model, tok, rows, args, amp, env=None, greedy=False):
+    """One completion per row: sample(), or with env the multi-turn rollout(). Returns the
+    rollout and the texts rewards read: each completion, or (env) each row's final turn.
+    greedy (held-out eval) takes the argmax: temperature and top_p play no part."""
+    prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+    temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
+    if env is None:
+        roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy,
+                      amp, args.stop)
+        return roll, decode_completions(tok, roll)
+    roll = rollout(model, tok, prompt_ids, env, rows, args.max_turns, args.max_new_tokens,
+                   temperature, top_p, greedy, amp, args.stop)
+    return roll, roll.final
+
+
 # ------------------------------------------------------------------------------ log-probs, KL
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, fast=True):
     """log pi(token_t | tokens before t) for the last T positions of ids (B, P+T): (B, T), with
@@ -532,18 +547,7 @@ def evaluate(model, tok, rows, args, amp, weights=None, rm=None, rm_tok=None, fn
             batch = [r for r in chunk for _ in range(reps)]  # reps contiguous rows per prompt
             if not batch:
                 continue
-            prompt_ids = encode_prompts(tok, [r["prompt"] for r in batch], args.chat_template)
-            if env is not None:  # multi-turn (--env): rewards read each row's final turn
-                roll = rollout(model, tok, prompt_ids, env, batch, args.max_turns,
-                               args.max_new_tokens, args.temperature, args.top_p,
-                               greedy=key == "eval", amp=amp, stop=args.stop)
-            elif key == "eval":
-                roll = sample(model, tok, prompt_ids, args.max_new_tokens, greedy=True, amp=amp,
-                              stop=args.stop)
-            else:  # at the training temperature
-                roll = sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                              args.top_p, amp=amp, stop=args.stop)
-            texts = roll.final if env is not None else decode_completions(tok, roll)
+            _, texts = generate(model, tok, batch, args, amp, env, greedy=key == "eval")
             if accuracy:
                 scores[key] += [math_reward(c, r) for c, r in zip(texts, batch)]
             else:

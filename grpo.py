@@ -11,16 +11,13 @@ normalised within the group. There is no critic and no value model.
                + beta * k(pi_theta, pi_ref)_i,t                                  per_token_loss()
     loss     = aggregate(L) over the whole optimizer step                             aggregate()
 
-pi_old is the policy that sampled the batch, pi_ref a frozen copy of the starting policy. With
-num_iterations = 1 (the default, as in DeepSeekMath) pi_old = pi_theta, so rho = 1 and the logged
-loss sits near 0 (the advantages average to 0), but its gradient, A * grad log pi, is not 0. Watch
-reward, kl and clip_frac, not the loss (TRL issues #2703, #3452).
+pi_old: the policy that sampled the batch; pi_ref: a frozen copy of the starting policy. With
+num_iterations = 1 (DeepSeekMath's default) pi_old = pi_theta: rho = 1, the logged loss sits near 0
+(A averages to 0), not its gradient A grad log pi: watch reward, kl, clip_frac (TRL #2703, #3452).
 
-The KL term sits in the loss, and what its gradient does depends on the estimator k (with
-log r = log pi_ref - log pi_theta, on samples from pi_theta; see per_token_loss):
-    k1 = -log r            expected gradient 0: it regularises nothing, so it is refused here
-    k2 = (log r)^2 / 2     gradient of the reverse KL(pi_theta || pi_ref)
-    k3 = r - 1 - log r     gradient of the forward KL(pi_ref || pi_theta) (DeepSeekMath's choice)
+The KL term sits in the loss, where its gradient depends on the estimator k (common.kl_estimate,
+gradients in per_token_loss): k1 has expected gradient 0, so it is refused; k2 pulls along the
+reverse KL(pi_theta || pi_ref), k3 along the forward KL(pi_ref || pi_theta) (DeepSeekMath's).
 
 Switches: Dr. GRPO (Liu et al. 2025) = --scale_rewards none --loss_agg seq-sum-norm --beta 0;
 DAPO (Yu et al. 2025) = --clip_eps_high 0.28 --loss_agg token-mean --dynamic_sampling
@@ -199,12 +196,11 @@ def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, 
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """Sampler/trainer mismatch. The sampler (common.sample) returns log pi_sampler of each token it
-    drew; the trainer's forward gives log pi_old of the same tokens. Same weights, so the raw ratio
-    w = pi_old / pi_sampler is 1 up to float rounding (about 1e-6 on the CPU in fp32: incremental
-    decoding sums in another order), unless they differ: a bf16 sampler, vLLM kernels, top-p.
-    With top_p < 1 the sampler draws from the kept tokens, renormalised (its log-prob is
-    log pi - log(kept mass)), while the trainer scores the full softmax: w = kept mass <= 1.
+    """Sampler/trainer mismatch. common.sample returns log pi_sampler of each token it drew; the
+    trainer's forward gives log pi_old of the same tokens. With the same weights the raw ratio
+    w = pi_old / pi_sampler is 1 up to rounding (about 1e-6 on the CPU in fp32: incremental
+    decoding sums in another order), unless they differ: a bf16 sampler, vLLM kernels, or
+    top_p < 1, where the sampler draws from the kept tokens renormalised: w = kept mass <= 1.
     The correction, detached, multiplies each token's policy loss (cap C > 0; 0 = off):
       truncate  min(w, C)             TIS (Yao et al. 2025, fengyao.notion.site/off-policy-rl)
       mask      w, or 0 where w > C   MIS (the Ling team's IcePop)
@@ -214,9 +210,7 @@ def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncat
     raw = log_w.exp()
     if not cap:
         return None, raw
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True)
-    w = log_w.exp()
+    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw
     return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
 
 
@@ -230,9 +224,7 @@ def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
         return (loss * mask).sum() / n_tokens
     if loss_agg == "seq-mean-token-mean":
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
-    if loss_agg == "seq-sum-norm":
-        return (loss * mask).sum() / (n_seqs * max_new_tokens)
-    raise ValueError(loss_agg)
+    return (loss * mask).sum() / (n_seqs * max_new_tokens)  # seq-sum-norm (Args: one of three)
 
 
 def cat_rollouts(pieces):
@@ -242,21 +234,15 @@ def cat_rollouts(pieces):
     P = max(r.P for r, _ in pieces)
     T = max(r.completion_mask.shape[1] for r, _ in pieces)
     pad = torch.nn.functional.pad
-
-    def fit(r, key, rows):  # rows of r.<key>, as (len(rows), P + T)
-        x = getattr(r, key)[rows]
-        prompt, completion = x[:, :r.P], x[:, r.P:]
-        completion = pad(completion, (0, T - completion.shape[1]))
-        return torch.cat([pad(prompt, (P - r.P, 0)), completion], 1)
     out = {"P": P}
     for key, x in vars(pieces[0][0]).items():
-        if key in ("ids", "attention_mask"):
-            out[key] = torch.cat([fit(r, key, i) for r, i in pieces])
-        elif isinstance(x, list):
+        if isinstance(x, list):
             out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
-        elif torch.is_tensor(x) and x.dim() == 2:
+        elif torch.is_tensor(x) and x.dim() == 2:  # right-padded to T; ids and attention_mask
+            prompt = key in ("ids", "attention_mask")  # are left-padded to P first
             out[key] = torch.cat([pad(getattr(r, key)[i.to(x.device)],
-                                      (0, T - getattr(r, key).shape[1])) for r, i in pieces])
+                                      (P - r.P if prompt else 0, T - r.completion_mask.shape[1]))
+                                  for r, i in pieces])
         elif torch.is_tensor(x):
             out[key] = torch.cat([getattr(r, key)[i.to(x.device)] for r, i in pieces])
     return C.SimpleNamespace(**out)
@@ -266,24 +252,15 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, en
     """G completions for each of prompts_per_step prompts, scored. With dynamic_sampling (DAPO),
     groups whose rewards are all equal are dropped and more prompts sampled, up to
     max_resample_rounds extra rounds. Returns the kept rollout, its rows, completion texts and
-    rewards (B,), and `seen`: rewards, reward parts and zero-std flags of everything sampled.
-    env: multi-turn rollouts with that environment; rewards then read each final turn."""
+    rewards (B,), and `seen`: the rewards and reward parts of everything sampled."""
     G = args.group_size
     want = args.prompts_per_step * G // R.get_world_size()  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept = [], [], [], []
-    seen = {"rewards": [], "parts": [], "zero_std": []}
+    seen = {"rewards": [], "parts": []}
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(G)]
-        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-        if env:  # multi-turn: the model's turns and the environment's observations
-            roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
-                             args.max_new_tokens, args.temperature, args.top_p, amp=amp,
-                             stop=args.stop)
-        else:
-            roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                            args.top_p, amp=amp, stop=args.stop)
-        texts = roll.final if env else C.decode_completions(tok, roll)
+        roll, texts = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)
         if args.overlong_penalty:  # DAPO: 0 until the last overlong_buffer tokens, then linear
             length = roll.completion_mask.sum(-1).cpu()
@@ -292,7 +269,6 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, en
         zero_std = zero_std_groups(rewards, G)
         seen["rewards"].append(rewards)
         seen["parts"].append(parts)
-        seen["zero_std"].append(zero_std)
         keep = ~zero_std if args.dynamic_sampling else torch.ones_like(zero_std)
         idx = keep.repeat_interleave(G).nonzero().squeeze(-1)[:want - len(rows_kept)]
         pieces.append((roll, idx.to(roll.ids.device)))
@@ -359,6 +335,11 @@ def main():
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
+    sequence = args.importance_sampling_level == "sequence"  # GSPO's ratio: its own tiny eps
+    eps = (args.seq_clip_eps, args.seq_clip_eps_high) if sequence else (args.clip_eps,
+                                                                         args.clip_eps_high)
+    G = args.group_size
+    token_means = ("kl", "ratio", "clip_frac", "entropy")  # global means weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
                disable=run.rank > 0)
     for step in bar:
@@ -377,8 +358,7 @@ def main():
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
             mask = mask * (~roll.truncated)[:, None].float()
-        # log pi_old: stored only when reused over mu > 1 updates (with mu = 1 it is the training
-        # forward's own detached value); log pi_ref from the frozen reference
+        # log pi_old: stored only for mu > 1 updates (mu = 1: the training forward's, detached)
         old_logprobs = None
         if args.num_iterations > 1:
             old_logprobs = C.batched_logprobs(model, roll, args.temperature,
@@ -388,8 +368,7 @@ def main():
             with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
-        # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser:
-        # tokens and sequences of the whole step, in every process (one process: these rows)
+        # 3. mu optimizer steps; the losses' normalisers count the whole step, every process's
         B, T = mask.shape
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
@@ -397,11 +376,7 @@ def main():
         sums = dict.fromkeys(("loss", "kl", "ratio", "clip_frac", "entropy", "is_ratio",
                               "is_frac_out"), 0.0)
         is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
-        sequence = args.importance_sampling_level == "sequence"  # GSPO's ratio: its own tiny eps
-        eps = (args.seq_clip_eps, args.seq_clip_eps_high) if sequence else (args.clip_eps,
-                                                                             args.clip_eps_high)
         for it in range(args.num_iterations):
-            # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
             for i, mb in enumerate(mbs):
                 with R.sync_gradients(train_model, now=i == len(mbs) - 1):  # DDP: at the last
@@ -422,9 +397,8 @@ def main():
                         (args.sapo_tau_pos, args.sapo_tau_neg), is_weight)
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
-                    # gradients add up over the micro-batches. DDP (FSDP2) averages the
-                    # processes' gradients: scaled by their number, that is the whole step's sum
-                    (loss * run.world).backward()
+                    # DDP/FSDP2 average the processes' gradients: x world makes them the sum
+                    (loss * run.world).backward()  # gradients add up over the micro-batches
                 # logged token means over the step, averaged over the mu updates
                 out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
                 for key, x in (("kl", kl), ("ratio", ratio), ("clip_frac", clipped),
@@ -449,19 +423,17 @@ def main():
                    "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
-                   "frac_zero_std": float(torch.cat(seen["zero_std"]).float().mean()),
+                   "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
                    **sums, "grad_norm": float(grad_norm),
                    "completion_len": float(roll.completion_mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(roll.completion_mask.sum()) / elapsed,
                    **(E.tool_metrics(roll) if env else {})}
-        G = args.group_size
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::G][:4], shown[::G][:4], rewards[::G][:4])]
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_means = ("kl", "ratio", "clip_frac", "entropy")
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())

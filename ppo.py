@@ -238,14 +238,7 @@ def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256, en
     """Mean and std of the score on n samples of the starting policy, for normalize_score. Its own
     data rng leaves the training stream as it is."""
     rows = R.my_share(data.next_batch(random.Random(args.seed + 1), n))  # torchrun: a share
-    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-    if env:  # multi-turn (--env): the score reads each final turn
-        roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns, args.max_new_tokens,
-                         args.temperature, args.top_p, amp=amp, stop=args.stop)
-    else:
-        roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                        args.top_p, amp=amp, stop=args.stop)
-    texts = roll.final if env else C.decode_completions(tok, roll)
+    _, texts = C.generate(model, tok, rows, args, amp, env)  # env: the score reads final turns
     scores = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)[0]
     mean = R.global_mean({"mu": float(scores.mean())})["mu"]  # torchrun: over every share
     return mean, float(R.global_std(scores).clamp(min=1e-6))
@@ -423,6 +416,7 @@ def main():
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
+    token_means = ("kl", "returns", "values")  # global means weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
                disable=run.rank > 0)
     for step in bar:
@@ -432,17 +426,9 @@ def main():
                 group["lr"] = lr * (1 - step / args.max_steps)
         # 1. sample one completion per prompt and score it
         rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
-        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, model, step):
-            if env:  # multi-turn: the model's turns and the environment's observations
-                roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
-                                 args.max_new_tokens, args.temperature, args.top_p, amp=amp,
-                                 stop=args.stop)
-            else:
-                roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                                args.top_p, amp=amp, stop=args.stop)
-        completions = roll.final if env else C.decode_completions(tok, roll)
+            roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
@@ -498,7 +484,6 @@ def main():
         samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
                    for r, c, s in zip(rows[:4], shown[:4], scores[:4])]
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_means = ("kl", "returns", "values")
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())

@@ -278,6 +278,7 @@ def main():
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
+    token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean")  # weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
@@ -285,17 +286,9 @@ def main():
         # 1. sample k completions per prompt (k contiguous rows each) and score them
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(k)]
-        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, model, step):
-            if env:  # multi-turn: the model's turns and the environment's observations
-                roll = C.rollout(model, tok, prompt_ids, env, rows, args.max_turns,
-                                 args.max_new_tokens, args.temperature, args.top_p, amp=amp,
-                                 stop=args.stop)
-            else:
-                roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature,
-                                args.top_p, amp=amp, stop=args.stop)
-        completions = roll.final if env else C.decode_completions(tok, roll)
+            roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
@@ -396,7 +389,6 @@ def main():
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::k][:4], shown[::k][:4], scores[::k][:4])]
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean")
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())

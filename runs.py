@@ -791,16 +791,12 @@ def full_state_dict(model):
 def peak_mem_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    try:  # Linux: this process's own peak RSS
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmHWM:")) / 1024
-    except (OSError, StopIteration):
-        try:
-            import resource
-        except ImportError:  # Windows: neither /proc nor `resource`: unknown, not a crash
-            return float("nan")
-        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
-        return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+    try:  # this process's own peak RSS (Linux's VmHWM)
+        import resource
+    except ImportError:  # Windows has no `resource`: unknown, not a crash
+        return float("nan")
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
 
 
 def spark(values, width=60):
