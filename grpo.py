@@ -316,9 +316,9 @@ def main():
     loading.check_prompts(tok, model, data.rows, args)
     ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.beta > 0 or args.sanity:
-        ref = model if args.lora_r else loading.load_model(args.model, "lm", device, frozen=True,
-                                                     trust_remote_code=args.trust_remote_code,
-                                                     compile=args.compile)
+        ref = model if args.lora_r else loading.load_model(
+            args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
+            compile=args.compile)
     rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
@@ -335,11 +335,11 @@ def main():
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
-    sequence = args.importance_sampling_level == "sequence"  # GSPO's ratio: its own tiny eps
-    eps = (args.seq_clip_eps, args.seq_clip_eps_high) if sequence else (args.clip_eps,
-                                                                         args.clip_eps_high)
+    eps = (args.clip_eps, args.clip_eps_high)  # GSPO's sequence ratio has its own tiny eps:
+    if args.importance_sampling_level == "sequence":
+        eps = (args.seq_clip_eps, args.seq_clip_eps_high)
     G = args.group_size
-    token_means = ("kl", "ratio", "clip_frac", "entropy")  # global means weighted by tokens
+    token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # weighted
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
                disable=run.rank > 0)
     for step in bar:
@@ -352,13 +352,13 @@ def main():
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
-        # 2. advantages, one per completion (B,)
-        advantages = group_advantages(rewards, args.group_size, args.scale_rewards,
-                                      std=R.global_std).to(device)  # torchrun: the step's std
+        # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
+        advantages = group_advantages(rewards, G, args.scale_rewards, std=R.global_std).to(device)
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
             mask = mask * (~roll.truncated)[:, None].float()
-        # log pi_old: stored only for mu > 1 updates (mu = 1: the training forward's, detached)
+        # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
+        # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio)
         old_logprobs = None
         if args.num_iterations > 1:
             old_logprobs = C.batched_logprobs(model, roll, args.temperature,

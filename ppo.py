@@ -384,9 +384,9 @@ def main():
     loading.check_prompts(tok, model, data.rows, args)
     ref = None  # kl_coef = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.kl_coef > 0 or args.sanity:
-        ref = model if args.lora_r else loading.load_model(args.model, "lm", device, frozen=True,
-                                                     trust_remote_code=args.trust_remote_code,
-                                                     compile=args.compile)
+        ref = model if args.lora_r else loading.load_model(
+            args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
+            compile=args.compile)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
     rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)

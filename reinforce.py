@@ -259,9 +259,9 @@ def main():
     loading.check_prompts(tok, model, data.rows, args)
     ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.beta > 0 or args.sanity:
-        ref = model if args.lora_r else loading.load_model(args.model, "lm", device, frozen=True,
-                                                     trust_remote_code=args.trust_remote_code,
-                                                     compile=args.compile)
+        ref = model if args.lora_r else loading.load_model(
+            args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
+            compile=args.compile)
     rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
         raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
@@ -278,7 +278,8 @@ def main():
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
-    token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean")  # weighted by tokens
+    token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean", "is_ratio",
+                   "is_frac_out")  # their means over every process are weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
