@@ -15,8 +15,6 @@ The policy, models/tiny-calc, is tiny-adder warm-started by sft.py on demonstrat
 call the tool (tools/build_models.py), so RL has a habit to strengthen.
 """
 import functools
-import importlib
-import importlib.util
 import os
 import random
 import re
@@ -142,25 +140,8 @@ def load_env(spec):
     if spec == "calc":
         fn = calc
     else:
-        where, _, name = spec.rpartition(":")
-        if not where or not name:
-            raise C.UserError(f"--env {spec!r}: write calc, path/to/file.py:function or "
-                              "package.module:function")
-        if where.endswith(".py") and not os.path.isfile(where):
-            raise C.UserError(f"--env {spec!r}: file {where!r} not found")
-        try:
-            if where.endswith(".py"):
-                found = importlib.util.spec_from_file_location(f"env_{name}", where)
-                module = importlib.util.module_from_spec(found)
-                found.loader.exec_module(module)
-            else:
-                module = importlib.import_module(where)
-        except Exception as e:
-            raise C.UserError(f"--env {spec!r}: importing {where!r} failed: "
-                              f"{type(e).__name__}: {C._first_line(e)}") from None
-        fn = getattr(module, name, None)
-        if not callable(fn):
-            raise C.UserError(f"--env {spec!r}: {where!r} has no function {name!r}")
+        fn = loading.load_function("--env", spec, "write calc, path/to/file.py:function or "
+                                   "package.module:function")
 
     def checked(row, turns):
         t0 = time.time()

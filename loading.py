@@ -205,6 +205,30 @@ def check_prompts(tok, model, rows, args):
                           f"{limit} tokens (longest prompt: {max(lens)} tokens)")
 
 
+def load_function(flag, spec, usage):
+    """The function that `flag` names as path/to/file.py:function or package.module:function
+    (--reward_fn, --env), imported; every error one line: `usage` says how to write it. The file
+    is code you choose to run, like any script."""
+    where, _, name = spec.rpartition(":")
+    if not where or not name:
+        raise C.UserError(f"{flag} {spec!r}: {usage}")
+    if where.endswith(".py") and not os.path.isfile(where):
+        raise C.UserError(f"{flag} {spec!r}: file {where!r} not found")
+    try:
+        if where.endswith(".py"):
+            found = importlib.util.spec_from_file_location(f"{flag[2:]}_{name}", where)
+            module = importlib.util.module_from_spec(found)
+            found.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except Exception as e:
+        raise C.UserError(f"{flag} {spec!r}: importing {where!r} failed: "
+                          f"{type(e).__name__}: {C._first_line(e)}") from None
+    if not callable(getattr(module, name, None)):
+        raise C.UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
+    return getattr(module, name)
+
+
 def load_reward_fns(specs):
     """Your own rewards: --reward_fn path/to/file.py:name (or package.module:name), repeatable or
     comma-separated -> {name: function}. A function scores the whole batch at once (so it can
@@ -212,26 +236,11 @@ def load_reward_fns(specs):
     floats, where rows carry every field of the data rows."""
     fns = {}
     for spec in (s for item in specs for s in item.split(",") if s):
-        where, _, name = spec.rpartition(":")
-        if not where or not name:
-            raise C.UserError(f"--reward_fn {spec!r}: write path/to/file.py:function")
-        if where.endswith(".py") and not os.path.isfile(where):
-            raise C.UserError(f"--reward_fn {spec!r}: file {where!r} not found")
-        try:
-            if where.endswith(".py"):
-                found = importlib.util.spec_from_file_location(f"reward_{name}", where)
-                module = importlib.util.module_from_spec(found)
-                found.loader.exec_module(module)
-            else:
-                module = importlib.import_module(where)
-        except Exception as e:
-            raise C.UserError(f"--reward_fn {spec!r}: importing {where!r} failed: "
-                              f"{type(e).__name__}: {C._first_line(e)}") from None
-        if not callable(getattr(module, name, None)):
-            raise C.UserError(f"--reward_fn {spec!r}: {where!r} has no function {name!r}")
+        fn = load_function("--reward_fn", spec, "write path/to/file.py:function")
+        name = spec.rpartition(":")[2]
         if name in C.RULES or name == "rm":
             raise C.UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
-        fns[name] = getattr(module, name)
+        fns[name] = fn
     return fns
 
 
