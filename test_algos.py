@@ -1887,7 +1887,8 @@ def test_rollout_masks_and_ids_on_hand_made_turns(monkeypatch):
     assert roll.truncated.tolist() == [False, True, True]
     assert roll.turns.tolist() == [2, 1, 1] and roll.tool_calls.tolist() == [1, 1, 0]
     assert roll.final == ["7", "", "xyzxyzxyzxyzxyzxyzxy"]  # row 1: nothing after its observation
-    assert roll.transcript[0] == "ab⟦ 77 ⟧7" and roll.transcript[1] == "<calc>33+44</calc>⟦ 77 ⟧"
+    assert roll.transcript[0] == "ab⟦ 77 ⟧7"
+    assert roll.transcript[1] == "<calc>33+44</calc>⟦ 77 ⟧"
     # the reward reads the final turn: the observation copied out of row 1's transcript (its last
     # number, 77) does not score
     assert [C.math_reward(c, r) for c, r in zip(roll.final, rows)] == [1.0, 0.0, 0.0]
@@ -1973,7 +1974,8 @@ def test_env_gets_the_row_and_the_turns_so_far(tok):
         mine = [turns for q, turns in env.calls if q == p]
         assert [len(t) for t in mine] == list(range(1, len(mine) + 1))  # one more each call
         if mine:
-            assert mine[-1] == [t for t in roll.transcript[i].split("⟦ 1 ⟧") if t][:len(mine[-1])]
+            pieces = [t for t in roll.transcript[i].split("⟦ 1 ⟧") if t]
+            assert mine[-1] == pieces[:len(mine[-1])]
 
 
 def test_calc_env_reads_calls_and_ends_on_an_answer():
