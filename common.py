@@ -361,8 +361,10 @@ def kl_estimate(logprobs, ref_logprobs, estimator):
     return log_r.exp() - 1 - log_r
 
 
-def masked_mean(x, mask, dim=None):
-    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+def masked_mean(x, mask, dim=None, total=None):
+    """Mean of x where mask = 1; total: also sum over torchrun's processes (runs.global_sum)."""
+    total = total or (lambda t: t)
+    return total((x * mask).sum(dim)) / total(mask.sum(dim)).clamp(min=1)
 
 
 def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):

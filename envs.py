@@ -178,9 +178,8 @@ def tool_metrics(roll):
 
 
 def from_args(args):
-    """The run's checked environment (None without --env), after checking the tool-use flags."""
-    if args.max_turns < 1:
-        raise C.UserError(f"--max_turns must be >= 1, not {args.max_turns}")
+    """The run's checked environment (None without --env), after checking the tool-use flags
+    (--max_turns has its range beside its Args field, checked with the others)."""
     if args.eval_sampled and args.eval_samples < 1:
         raise C.UserError("--eval_sampled scores mean@k of --eval_samples k samples: give "
                           "--eval_samples k (k >= 1)")

@@ -224,10 +224,8 @@ class ValueModel(torch.nn.Module):
 def explained_variance(values, returns, mask, total=None):
     """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 a constant's worth.
     total: sums over every torchrun process (runs.global_sum), for the global batch's variances."""
-    total = total or (lambda t: t)
-
     def mean(x):  # over the valid tokens (of every process)
-        return total((x * mask).sum()) / total(mask.sum()).clamp(min=1)
+        return C.masked_mean(x, mask, total=total)
     var_r = mean((returns - mean(returns)) ** 2)
     diff = returns - values
     var_diff = mean((diff - mean(diff)) ** 2)

@@ -310,8 +310,10 @@ def main():
         # 2. returns and advantages, (B, T)
         returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
         per_token_kl = kl is not None and args.kl_in_reward == "token"
-        b_ema = ema  # the ema baseline; at the first step, this step's mean return (under
-        if args.baseline == "ema":  # torchrun: over every process's rows, not this process's)
+        # the ema baseline b: its running value, or at the first step this step's mean return
+        # (under torchrun over every process's rows, not this process's)
+        b_ema = ema
+        if args.baseline == "ema":
             mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
             b_ema = mean_return if ema is None else ema
         adv = advantages(returns, mask, args.baseline, k, b_ema, args.whiten,

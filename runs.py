@@ -926,10 +926,10 @@ def sanity_check(model, ref, tok, rows, args, amp):
     ends = roll.ids[:, roll.P:].gather(1, last[:, None])[:, 0]
     on_eos = torch.isin(ends, torch.tensor(C.eos_ids(model, tok), device=device)).tolist()
     texts = C.decode_completions(tok, roll)
-    ok = [e or any(s in t for s in args.stop) for e, t in zip(on_eos, texts)]
+    ends_ok = [e or any(s in t for s in args.stop) for e, t in zip(on_eos, texts)]
     done = (~roll.truncated).tolist()
     checks["completion_mask ends on the EOS or a stop string"] = (
-        any(done) and all(o for o, d in zip(ok, done) if d),
+        any(done) and all(o for o, d in zip(ends_ok, done) if d),
         "no row ended within max_new_tokens" if not any(done) else "not always")
     for name, (ok, detail) in checks.items():
         print(f"  {'ok  ' if ok else 'FAIL'} {name}{'' if ok else f' ({detail})'}")
