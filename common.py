@@ -135,8 +135,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
            amp=None, stop=(), share_prompts=True):
     """Batched sampling with a KV cache. A row ends at its first EOS or at the token that completes
     one of the `stop` strings; finished rows leave the batch and the cache (they stop costing).
-    share_prompts=False prefills every row itself (the plain path; same numbers).
-    Returns a SimpleNamespace:
+    greedy: the argmax instead of a draw. Returns a SimpleNamespace:
       ids (B, P+T)            left-padded prompt, then the completion (pad after its end)
       attention_mask (B, P+T) from lengths
       completion_mask (B, T)  float, 1 on each generated token up to and including the EOS
@@ -154,10 +153,10 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     window = max(map(len, stop), default=0) + 2  # a stop string spans <= 1 token per character
     live = torch.arange(B, device=device)  # original row index of each row still being sampled
     with amp or torch.autocast(device.type, enabled=False):
-        if share_prompts:
+        if share_prompts:  # the fast path: each distinct prompt's prefill runs once (same numbers)
             logits, cache, ids, prompt_mask = fastpath.prefill_shared(model, prompt_ids,
                                                                       tok.pad_token_id, device)
-        else:
+        else:  # the plain prefill of every row
             ids, prompt_mask = left_pad(prompt_ids, tok.pad_token_id, device)
             cache = DynamicCache()
             logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
@@ -165,21 +164,17 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
         mask, pos = prompt_mask, positions(prompt_mask)[:, -1:]
         never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
         for t in range(max_new_tokens):  # logits (rows, V): the last position only (keep=1)
-            logits = masked_logits(logits.float(), never)
-            if greedy:
-                nxt = logits.argmax(-1)
-            else:
-                probs = (logits / temperature).softmax(-1)
-                if top_p < 1.0:  # nucleus: keep the smallest set of tokens with mass >= top_p
-                    p_sorted, idx = probs.sort(-1, descending=True)
-                    drop = p_sorted.cumsum(-1) - p_sorted >= top_p
-                    probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
-                nxt = torch.multinomial(probs, 1).squeeze(-1)
+            z = masked_logits(logits.float(), never) / temperature
+            probs = z.softmax(-1)
+            if top_p < 1.0:  # nucleus: keep the smallest set of tokens with mass >= top_p
+                p_sorted, idx = probs.sort(-1, descending=True)
+                drop = p_sorted.cumsum(-1) - p_sorted >= top_p
+                probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
+            nxt = z.argmax(-1) if greedy else torch.multinomial(probs, 1).squeeze(-1)
             out[live, t] = nxt
-            logp = (logits / (1.0 if greedy else temperature)).log_softmax(-1)
-            out_lp[live, t] = logp.gather(-1, nxt[:, None])[:, 0]
-            if top_p < 1.0 and not greedy:  # it drew from the kept tokens, renormalised: their
-                out_lp[live, t] -= probs.sum(-1).log()  # mass is probs.sum() (probs unscaled)
+            out_lp[live, t] = z.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
+            if top_p < 1.0:  # drawn from the kept tokens, renormalised: their mass is probs.sum()
+                out_lp[live, t] -= probs.sum(-1).log()
             ended = torch.isin(nxt, eos)
             if stop:  # decode each row's last few tokens: does a stop string end at this one?
                 tails = tok.batch_decode(out[live, max(0, t + 1 - window):t + 1])
@@ -206,78 +201,65 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
 @torch.no_grad()
 def rollout(model, tok, prompt_ids, env, rows, max_turns, max_new_tokens, temperature=1.0,
             top_p=1.0, greedy=False, amp=None, stop=()):
-    """Multi-turn sampling with a tool: each turn is sample() continuing the row's transcript
-    until EOS, a stop string, or the budget; then env(row, turns) reads the model's turns so far
-    (texts) and returns an observation, whose tokens are appended, or None to end the episode.
-    Token in, token out: the model's sampled ids are kept as they are (never decoded and
-    re-encoded), so every log-prob is for the exact token sampled; only observations are
-    tokenized, without special tokens. max_new_tokens is the budget of the whole completion,
-    model and observation tokens together; max_turns caps the model's turns. Each turn prefills
-    the whole transcript again (plain; no KV cache kept across turns).
-    Returns sample()'s fields, with completion_mask 1 only on model tokens (each turn's EOS or
-    stop token included) and 0 on observations, sample_logprobs 0 there, truncated = the budget
-    ran out (inside a turn or an observation); and per row: turns, tool_calls (observations),
-    observations (their texts), final (the text after the last observation: what rewards read)
-    and transcript (the whole completion, observations marked as ⟦...⟧)."""
-    B = len(prompt_ids)
-    seqs = [list(p) for p in prompt_ids]  # each row's prompt + transcript so far
-    kind = [[] for _ in range(B)]  # per completion token: 1 sampled by the model, 0 observation
-    logps = [[] for _ in range(B)]  # the sampler's log-prob per completion token (0: observation)
-    turns = [[] for _ in range(B)]  # the model's turns, decoded
-    obs = [[] for _ in range(B)]  # the environment's observations (texts)
+    """Multi-turn sampling with a tool (docs/tool_use.md): each turn is sample() continuing every
+    live row's transcript; then env(row, turns) reads the model's turns so far (texts) and returns
+    an observation, tokenized and appended, or None: the episode ends. Sampled ids are kept as
+    sampled, never decoded and re-encoded. max_new_tokens: the budget of the whole completion,
+    observations included. Returns sample()'s fields (completion_mask and sample_logprobs 0 on
+    observations; truncated: the budget ran out) and per row: turns, tool_calls, observations,
+    final (the text after the last observation: what rewards read) and transcript (all)."""
+    B, device = len(prompt_ids), next(model.parameters()).device
+    comp = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # the completions
+    completion_mask = torch.zeros(B, max_new_tokens, device=device)  # 1: sampled by the model
+    sample_logprobs = torch.zeros(B, max_new_tokens, device=device)
+    length = [0] * B  # each row's completion tokens so far, the model's and the observations'
+    turns, obs = [[] for _ in range(B)], [[] for _ in range(B)]  # texts: the model's, the env's
     truncated = [False] * B
     live = list(range(B))  # rows whose episode goes on
     for turn in range(max_turns):
-        left = [max_new_tokens - len(kind[i]) for i in live]  # each row's budget still unspent
-        roll = sample(model, tok, [seqs[i] for i in live], max(left), temperature, top_p, greedy,
-                      amp, stop)
+        left = [max_new_tokens - length[i] for i in live]  # each row's budget still unspent
+        seqs = [list(prompt_ids[i]) + comp[i, :length[i]].tolist() for i in live]
+        roll = sample(model, tok, seqs, max(left), temperature, top_p, greedy, amp, stop)
         going = []
         for j, i in enumerate(live):
             n = int(roll.completion_mask[j].sum())  # this turn's tokens, its EOS / stop included
-            ended = not bool(roll.truncated[j]) and n <= left[j]
-            n = min(n, left[j])  # sampled past its own budget (another row's was larger): cut
-            new = roll.ids[j, roll.P:roll.P + n].tolist()
-            seqs[i] += new
-            kind[i] += [1] * n
-            logps[i] += roll.sample_logprobs[j, :n].tolist()
-            turns[i].append(tok.decode(new, skip_special_tokens=True))
-            if not ended:  # the budget ran out inside the turn
+            ended = not roll.truncated[j] and n <= left[j]  # else the budget ran out in the turn
+            n, a = min(n, left[j]), length[i]  # cut at its own budget (another row's was larger)
+            comp[i, a:a + n] = roll.ids[j, roll.P:roll.P + n]
+            completion_mask[i, a:a + n] = 1
+            sample_logprobs[i, a:a + n] = roll.sample_logprobs[j, :n]
+            turns[i].append(tok.decode(comp[i, a:a + n], skip_special_tokens=True))
+            length[i] += n
+            if not ended:
                 truncated[i] = True
                 continue
             text = env(rows[i], turns[i]) if turn + 1 < max_turns else None
             if text is None:  # the episode is over
                 continue
-            ids = tok(text, add_special_tokens=False)["input_ids"]
-            room = max_new_tokens - len(kind[i])
-            seqs[i] += ids[:room]
-            kind[i] += [0] * len(ids[:room])
-            logps[i] += [0.0] * len(ids[:room])
+            ids = tok(text, add_special_tokens=False)["input_ids"][:max_new_tokens - length[i]]
+            comp[i, length[i]:length[i] + len(ids)] = torch.tensor(ids, dtype=torch.long)
+            length[i] += len(ids)
             obs[i].append(text)
-            if len(ids) >= room:  # no room left for the model to answer
-                truncated[i] = True
-            else:
+            if length[i] < max_new_tokens:
                 going.append(i)
+            else:  # no room left for the model to answer
+                truncated[i] = True
         live = going
         if not live:
             break
-    # one batch: the prompts left-padded (P columns), the completions right-padded
-    device = next(model.parameters()).device
+    T = max(1, max(length))
     prompt, prompt_mask = left_pad(prompt_ids, tok.pad_token_id, device)
-    T = max(1, max(len(k) for k in kind))
-    comp = [s[len(p):] for s, p in zip(seqs, prompt_ids)]
-    ids = torch.tensor([c + [tok.pad_token_id] * (T - len(c)) for c in comp], device=device)
-    real = torch.tensor([[1] * len(k) + [0] * (T - len(k)) for k in kind], device=device)
-    completion_mask = torch.tensor([k + [0] * (T - len(k)) for k in kind], device=device).float()
+    real = torch.arange(T, device=device)[None] < torch.tensor(length, device=device)[:, None]
     final = [t[-1] if len(t) > len(o) else "" for t, o in zip(turns, obs)]
     transcript = ["".join(t + (f"⟦{o[k]}⟧" if k < len(o) else "") for k, t in enumerate(ts))
                   for ts, o in zip(turns, obs)]
     return SimpleNamespace(
-        ids=torch.cat([prompt, ids], 1), attention_mask=torch.cat([prompt_mask, real], 1),
-        completion_mask=completion_mask, truncated=torch.tensor(truncated, device=device),
-        sample_logprobs=torch.tensor([lp + [0.0] * (T - len(lp)) for lp in logps], device=device),
-        P=prompt.shape[1], turns=torch.tensor([len(t) for t in turns]),
-        tool_calls=torch.tensor([len(o) for o in obs]), observations=obs, final=final,
-        transcript=transcript)
+        ids=torch.cat([prompt, comp[:, :T]], 1), P=prompt.shape[1],
+        attention_mask=torch.cat([prompt_mask, real.long()], 1),
+        truncated=torch.tensor(truncated, device=device),
+        completion_mask=completion_mask[:, :T], sample_logprobs=sample_logprobs[:, :T],
+        turns=torch.tensor([len(t) for t in turns]), tool_calls=torch.tensor([len(o) for o in obs]),
+        observations=obs, final=final, transcript=transcript)
 
 
 def decode_completions(tok, roll):
