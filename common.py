@@ -17,7 +17,6 @@ Notation used in every script:
 """
 import functools
 import inspect
-import json
 import math
 import numbers
 import re
@@ -56,16 +55,11 @@ def as_text(prompt):
 def encode_prompts(tok, prompts, chat_template="auto"):
     """Token ids per prompt (text or chat messages). 'auto' applies the tokenizer's chat template
     if it has one; 'none' never does."""
-    keys = [json.dumps(p) for p in prompts]
-    distinct = dict(zip(keys, prompts))  # a GRPO batch repeats each prompt G times
     if chat_template != "none" and tok.chat_template:
         texts = [tok.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True)
-                 for p in distinct.values()]
-        ids = [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    else:
-        ids = [tok(as_text(p))["input_ids"] for p in distinct.values()]
-    by_key = dict(zip(distinct, ids))
-    return [by_key[k] for k in keys]
+                 for p in prompts]
+        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tok(as_text(p))["input_ids"] for p in prompts]
 
 
 def left_pad(seqs, pad_id, device):
@@ -91,24 +85,19 @@ def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the mod
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _base_class(model):
-    return type(_unwrap(model))
-
-
 def _forward(model, ids, mask, pos, cache=None, keep=0, hidden=False):
     """Every forward passes the same arguments, so --compile's guards hold. keep = logits_to_keep
     (the last `keep` positions go through the LM head; 0 = all); hidden: also return every
     layer's hidden states (the last: the final norm's output, the LM head's input)."""
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
                  use_cache=cache is not None, output_hidden_states=hidden,
-                 **{_cache_kwarg(_base_class(model)): cache})
+                 **{_cache_kwarg(type(_unwrap(model))): cache})
 
 
 def suppressed(model, V, device):
     """(V,) bool: the ids this model never samples and whose probability the log-probs set to 0,
-    or None. They are its generation config's suppress_tokens (HF generate masks them too), which
-    load_model sets to the embedding rows the tokenizer has no token for (Qwen2.5: 151,936 rows,
-    151,665 tokens): sampling one would give text the tokenizer cannot decode."""
+    or None: its generation config's suppress_tokens, as HF generate (loading.load_model: the
+    embedding rows the tokenizer has no token for, which would decode to nothing)."""
     ids = getattr(_unwrap(model).generation_config, "suppress_tokens", None)
     if not ids:
         return None
@@ -124,8 +113,7 @@ def masked_logits(z, mask):
 
 
 def eos_ids(model, tok):
-    """Every token that ends a completion: the tokenizer's EOS and the generation config's (chat
-    models often stop on several, e.g. <|im_end|> and <|endoftext|>)."""
+    """Every token that ends a completion: the tokenizer's EOS and the generation config's."""
     stop = getattr(model.generation_config, "eos_token_id", None)
     return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
 
@@ -135,16 +123,13 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
            amp=None, stop=(), share_prompts=True):
     """Batched sampling with a KV cache. A row ends at its first EOS or at the token that completes
     one of the `stop` strings; finished rows leave the batch and the cache (they stop costing).
-    greedy: the argmax instead of a draw. Returns a SimpleNamespace:
-      ids (B, P+T)            left-padded prompt, then the completion (pad after its end)
-      attention_mask (B, P+T) from lengths
-      completion_mask (B, T)  float, 1 on each generated token up to and including the EOS
-      truncated (B,)          bool: no EOS (nor stop string) within max_new_tokens
-      sample_logprobs (B, T)  log pi_sampler of each sampled token, at the sampling temperature
-                              (over the kept tokens, renormalised, when top_p < 1)
-      P                       the number of prompt columns"""
-    device = next(model.parameters()).device
-    B = len(prompt_ids)
+    greedy: the argmax instead of a draw. Returns a SimpleNamespace with P (prompt columns) and
+      ids, attention_mask (B, P+T)  left-padded prompt, then the completion, right-padded
+      completion_mask (B, T)        float, 1 on each generated token up to and including the EOS
+      truncated (B,)                bool: no EOS (nor stop string) within max_new_tokens
+      sample_logprobs (B, T)        log pi_sampler of each token, at the sampling temperature
+                                    (top_p < 1: over the kept tokens, renormalised)"""
+    B, device = len(prompt_ids), next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # sampled tokens
     out_lp = torch.zeros(B, max_new_tokens, device=device)
@@ -161,7 +146,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             cache = DynamicCache()
             logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
             logits = logits.logits[:, -1]
-        mask, pos = prompt_mask, positions(prompt_mask)[:, -1:]
+        mask = prompt_mask  # grows by a column of ones each step
         never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
         for t in range(max_new_tokens):  # logits (rows, V): the last position only (keep=1)
             z = masked_logits(logits.float(), never) / temperature
@@ -186,9 +171,9 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             if ended.any():  # drop finished rows from the batch and the KV cache
                 keep = (~ended).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
-                live, nxt, mask, pos = live[keep], nxt[keep], mask[keep], pos[keep]
+                live, nxt, mask = live[keep], nxt[keep], mask[keep]
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-            pos = pos + 1
+            pos = positions(mask)[:, -1:]  # the new token's position
             logits = _forward(model, nxt[:, None], mask, pos, cache, keep=1).logits[:, -1]
     T = int(lengths.max())
     completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()
@@ -201,20 +186,19 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
 @torch.no_grad()
 def rollout(model, tok, prompt_ids, env, rows, max_turns, max_new_tokens, temperature=1.0,
             top_p=1.0, greedy=False, amp=None, stop=()):
-    """Multi-turn sampling with a tool (docs/tool_use.md): each turn is sample() continuing every
-    live row's transcript; then env(row, turns) reads the model's turns so far (texts) and returns
-    an observation, tokenized and appended, or None: the episode ends. Sampled ids are kept as
-    sampled, never decoded and re-encoded. max_new_tokens: the budget of the whole completion,
-    observations included. Returns sample()'s fields (completion_mask and sample_logprobs 0 on
-    observations; truncated: the budget ran out) and per row: turns, tool_calls, observations,
-    final (the text after the last observation: what rewards read) and transcript (all)."""
+    """Multi-turn sampling with a tool (docs/tool_use.md): each turn, sample() continues every
+    live row's transcript, then env(row, turns) (the model's turns so far, texts) returns an
+    observation to append, or None: the episode ends. max_new_tokens: the whole completion's
+    budget, observations included. Returns sample()'s fields, completion_mask 0 on observations,
+    and per row turns, tool_calls, observations, final (the text after the last observation:
+    what rewards read) and transcript."""
     B, device = len(prompt_ids), next(model.parameters()).device
     comp = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # the completions
     completion_mask = torch.zeros(B, max_new_tokens, device=device)  # 1: sampled by the model
     sample_logprobs = torch.zeros(B, max_new_tokens, device=device)
     length = [0] * B  # each row's completion tokens so far, the model's and the observations'
     turns, obs = [[] for _ in range(B)], [[] for _ in range(B)]  # texts: the model's, the env's
-    truncated = [False] * B
+    truncated = [True] * B  # until the episode ends within the budget
     live = list(range(B))  # rows whose episode goes on
     for turn in range(max_turns):
         left = [max_new_tokens - length[i] for i in live]  # each row's budget still unspent
@@ -225,25 +209,21 @@ def rollout(model, tok, prompt_ids, env, rows, max_turns, max_new_tokens, temper
             n = int(roll.completion_mask[j].sum())  # this turn's tokens, its EOS / stop included
             ended = not roll.truncated[j] and n <= left[j]  # else the budget ran out in the turn
             n, a = min(n, left[j]), length[i]  # cut at its own budget (another row's was larger)
-            comp[i, a:a + n] = roll.ids[j, roll.P:roll.P + n]
+            comp[i, a:a + n] = roll.ids[j, roll.P:roll.P + n]  # as sampled, never re-encoded
             completion_mask[i, a:a + n] = 1
             sample_logprobs[i, a:a + n] = roll.sample_logprobs[j, :n]
             turns[i].append(tok.decode(comp[i, a:a + n], skip_special_tokens=True))
             length[i] += n
-            if not ended:
-                truncated[i] = True
-                continue
-            text = env(rows[i], turns[i]) if turn + 1 < max_turns else None
+            text = env(rows[i], turns[i]) if ended and turn + 1 < max_turns else None
             if text is None:  # the episode is over
+                truncated[i] = not ended
                 continue
             ids = tok(text, add_special_tokens=False)["input_ids"][:max_new_tokens - length[i]]
             comp[i, length[i]:length[i] + len(ids)] = torch.tensor(ids, dtype=torch.long)
             length[i] += len(ids)
             obs[i].append(text)
-            if length[i] < max_new_tokens:
+            if length[i] < max_new_tokens:  # else no room is left for the model to answer
                 going.append(i)
-            else:  # no room left for the model to answer
-                truncated[i] = True
         live = going
         if not live:
             break
@@ -269,9 +249,8 @@ def decode_completions(tok, roll):
 
 
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
-    """One completion per row: sample(), or with env the multi-turn rollout(). Returns the
-    rollout and the texts rewards read: each completion, or (env) each row's final turn.
-    greedy (held-out eval) takes the argmax: temperature and top_p play no part."""
+    """One completion per row by sample(), or with env by the multi-turn rollout(). Returns the
+    rollout and the texts rewards read. greedy (held-out eval): the argmax, at temperature 1."""
     prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
     if env is None:
@@ -280,7 +259,7 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False):
         return roll, decode_completions(tok, roll)
     roll = rollout(model, tok, prompt_ids, env, rows, args.max_turns, args.max_new_tokens,
                    temperature, top_p, greedy, amp, args.stop)
-    return roll, roll.final
+    return roll, roll.final  # the text after the last observation
 
 
 # ------------------------------------------------------------------------------ log-probs, KL
@@ -303,10 +282,8 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
 
 
 def micro_batches(completion_mask, size):
-    """Row indices of each micro-batch. With more than one, rows go in order of completion length,
-    so each micro-batch runs on fewer padding columns. Index every per-row tensor with the same
-    indices (e.g. advantages[mb]); losses are normalised over the whole step, so the order does
-    not change the gradient."""
+    """Row indices of each micro-batch (index every per-row tensor with them: advantages[mb]).
+    With more than one, rows go in order of completion length: fewer padding columns each."""
     B = len(completion_mask)
     order = torch.arange(B, device=completion_mask.device)
     if size < B:
@@ -417,22 +394,12 @@ RULES = {"math": math_reward, "format": format_reward, "length": length_reward}
 
 
 def call_reward_fn(name, fn, completions, rows):
-    """Your reward on the batch, checked: one number per completion, (B,). An exception names
-    the first row that raises it. NaN/inf pass through: the training step is then skipped."""
+    """Your reward on the batch, checked: one number per completion, (B,). NaN/inf pass through:
+    the training step is then skipped."""
     try:
         values = list(fn(completions, rows))
     except Exception as e:
-        def fails(i):
-            try:
-                fn(completions[i:i + 1], rows[i:i + 1])
-            except Exception:
-                return True
-            return False
-        bad = next((i for i in range(len(rows)) if fails(i)), None)
-        which = f"row {bad}, prompt {str(rows[bad]['prompt'])[:60]!r}" if bad is not None \
-            else f"a batch of {len(rows)} rows"
-        raise UserError(f"reward {name!r} raised {type(e).__name__}: {_first_line(e)} "
-                        f"(on {which})") from None
+        raise UserError(f"reward {name!r} raised {type(e).__name__}: {_first_line(e)}") from None
     if len(values) != len(rows):
         raise UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
                         "completions: return one number per completion")
@@ -455,8 +422,7 @@ def rm_sequences(rm_tok, prompts, completions, chat_template="auto"):
 
 
 def rm_forward(rm, ids, mask):
-    """Scores (B,) of left-padded rows, with gradients: the head reads the last position, every
-    row's last real token."""
+    """Scores (B,) of left-padded rows, with gradients: the head on each row's last token."""
     rm = rm.get_base_model() if hasattr(rm, "get_base_model") else rm  # LoRA: adapters stay on
     if hasattr(rm, "score"):
         hidden = rm.base_model(input_ids=ids, attention_mask=mask, position_ids=positions(mask),
@@ -483,14 +449,12 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
     parts = {}
     for name in weights:
         if name == "rm":
-            prompts = [r["prompt"] for r in rows]
-            parts["rm"] = rm_scores(rm, rm_tok, prompts, completions).cpu()
+            parts["rm"] = rm_scores(rm, rm_tok, [r["prompt"] for r in rows], completions).cpu()
         elif name in RULES:
             parts[name] = torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
         else:
             parts[name] = call_reward_fn(name, fns[name], completions, rows)
-    total = sum(weights[n] * v for n, v in parts.items())
-    return total, parts
+    return sum(weights[n] * v for n, v in parts.items()), parts
 
 
 # ------------------------------------------------------------------------------------------ eval
@@ -514,27 +478,21 @@ def gold(completions, rows):
 @torch.no_grad()
 def evaluate(model, tok, rows, args, amp, weights=None, rm=None, rm_tok=None, fns=None,
              batch_size=128, env=None):
-    """Held-out scores, {"eval": greedy score}: accuracy or the mean of the run's --rewards (see
-    eval_metric). With args.eval_samples = k > 0, also "eval_mean@k" and "eval_pass@k" over k
-    samples per prompt at the training temperature (pass@k: the best of the k, per prompt);
-    args.eval_sampled makes mean@k the "eval" and the greedy score "eval_greedy".
-    weights: the run's reward weights (what the mean reward weighs). env: multi-turn rollouts
-    with that environment (see rollout)."""
+    """Held-out scores, {"eval": the mean score of greedy completions}: math_reward (accuracy) or
+    the run's weighted --rewards, as eval_metric says. args.eval_samples = k > 0: also
+    eval_mean@k and eval_pass@k (the best of k, per prompt) over k samples per prompt at the
+    training temperature; args.eval_sampled: mean@k is the "eval", greedy's "eval_greedy"."""
     if not rows:  # e.g. a data file too small to hold rows out: no score rather than a made-up 0
         return {"eval": float("nan")}
-    accuracy = eval_metric(rows, getattr(args, "eval_reward", "auto")) == "accuracy"
+    if eval_metric(rows, getattr(args, "eval_reward", "auto")) == "accuracy":
+        weights = {"math": 1.0}
     k = getattr(args, "eval_samples", 0)
     scores = {"eval": [], "sampled": []}
     for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
         for key, reps in (("eval", 1), ("sampled", k)):
-            batch = [r for r in chunk for _ in range(reps)]  # reps contiguous rows per prompt
-            if not batch:
-                continue
-            _, texts = generate(model, tok, batch, args, amp, env, greedy=key == "eval")
-            if accuracy:
-                scores[key] += [math_reward(c, r) for c, r in zip(texts, batch)]
-            else:
+            batch = [r for r in rows[i:i + batch_size] for _ in range(reps)]  # reps rows a prompt
+            if batch:
+                _, texts = generate(model, tok, batch, args, amp, env, greedy=key == "eval")
                 scores[key] += compute_rewards(batch, texts, weights, rm, rm_tok, fns)[0].tolist()
     out = {"eval": sum(scores["eval"]) / len(rows)}
     if k:

@@ -889,7 +889,7 @@ def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
                              f"{tmp_path / 'mine.py'}:short", f"{tmp_path / 'mine.py'}:words"])
     rows = [{"prompt": "1+1=", "target": "2"}, {"prompt": "2+2=", "target": "4"}]
     assert C.call_reward_fn("exact", fns["exact"], ["2", "5"], rows).tolist() == [1.0, 0.0]
-    for name, message in (("shout", "raised ValueError: no (on row 0, prompt '1+1=')"),
+    for name, message in (("shout", "reward 'shout' raised ValueError: no"),
                           ("short", "returned 1 values for 2 completions"),
                           ("words", "returned 'good' for row 0: not a number")):
         with pytest.raises(C.UserError, match=re.escape(message)):
