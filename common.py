@@ -1,10 +1,7 @@
-"""common.py: the algorithmic core that every training script shares, and must share identically.
-
-Sections, top to bottom: prompts and sampling (one turn, and the multi-turn rollout with a tool)
--> log-probs and KL -> rewards -> held-out eval. The fast paths of sampling and log-probs (same
-numbers) are in fastpath.py; the plumbing an algorithm reader can skip is in tasks.py (data),
-loading.py (models, LoRA, your reward functions), envs.py (--env) and runs.py (flags, output
-folder, checkpoints, resume, Ctrl-C, torchrun).
+"""common.py: the algorithmic core that every training script shares, and must share identically:
+prompts and sampling (one turn, and the multi-turn rollout with a tool) -> log-probs and KL ->
+rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
+algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py.
 
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
@@ -285,9 +282,8 @@ def micro_batches(completion_mask, size):
     """Row indices of each micro-batch (index every per-row tensor with them: advantages[mb]).
     With more than one, rows go in order of completion length: fewer padding columns each."""
     B = len(completion_mask)
-    order = torch.arange(B, device=completion_mask.device)
-    if size < B:
-        order = completion_mask.sum(-1).argsort(stable=True)
+    by_length = completion_mask.sum(-1).argsort(stable=True)
+    order = by_length if size < B else torch.arange(B, device=completion_mask.device)
     return [order[i:i + size] for i in range(0, B, size)]
 
 
@@ -308,15 +304,14 @@ def kl_estimate(logprobs, ref_logprobs, estimator):
     KL divergence"), with log r = log pi_ref - log pi:
       k1 = -log r            unbiased, noisy, can be < 0
       k2 = (log r)^2 / 2     biased, low variance, >= 0
-      k3 = r - 1 - log r     unbiased, >= 0 (DeepSeekMath). Only k3 exponentiates, so only its
-                             log r is clamped (to +-20) to keep exp() finite (TRL issue #3015).
+      k3 = r - 1 - log r     unbiased, >= 0 (DeepSeekMath)
     These are the VALUES. Placed in a loss, their gradients differ: see grpo.per_token_loss."""
     log_r = ref_logprobs - logprobs
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * log_r**2
-    log_r = log_r.clamp(-20, 20)
+    log_r = log_r.clamp(-20, 20)  # k3 alone exponentiates: exp() stays finite (TRL issue #3015)
     return log_r.exp() - 1 - log_r
 
 
@@ -329,8 +324,7 @@ def masked_mean(x, mask, dim=None, total=None):
 def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
     """(x - mean) / std over the valid (mask = 1) entries only, biased variance (as OpenRLHF and
     the TF code of Ziegler et al.); shift_mean=False adds the mean back. 0 where mask = 0.
-    total: sums over every process under torchrun (runs.global_sum), for the global batch's
-    statistics; None: this batch's."""
+    total: also sum over torchrun's processes (runs.global_sum): the global batch's statistics."""
     total = total or (lambda t: t)
     n = total(mask.sum()).clamp(min=1)
     mean = total((x * mask).sum()) / n
@@ -372,8 +366,7 @@ def math_reward(completion, row):
     if math_verify is not None:
         return float(math_verify.verify(math_verify.parse(row.get("answer", "")),
                                         math_verify.parse(completion)))
-    want = final_number(row.get("answer", ""))
-    got = final_number(completion)
+    want, got = final_number(row.get("answer", "")), final_number(completion)
     return float(want is not None and got is not None and math.isclose(got, want, rel_tol=1e-9))
 
 
