@@ -371,9 +371,8 @@ def math_reward(completion, row):
 
 
 def format_reward(completion, row):
-    """1 when the completion states its final answer in a format graders read: a non-empty
-    \\boxed{...} (MATH; "put your final answer within \\boxed{}") or a last line '#### N'
-    (GSM8K). It checks the form only; math_reward checks the value."""
+    """1 when the completion states its final answer as graders read it, whatever its value: a
+    non-empty \\boxed{...} (MATH) or a last line '#### N' (GSM8K)."""
     boxed = last_boxed(completion)
     gsm8k = re.search(r"(^|\n)\s*####\s*-?[\d,]*\.?\d+\s*$", completion)
     return float(bool(boxed and boxed.strip()) or gsm8k is not None)
@@ -463,9 +462,8 @@ def eval_metric(rows, choice="auto"):
 
 def gold(completions, rows):
     """{"gold": true task score of these completions} when every row's answer has a number."""
-    if eval_metric(rows) != "accuracy":
-        return {}
-    return {"gold": sum(map(math_reward, completions, rows)) / len(rows)}
+    accuracy = eval_metric(rows) == "accuracy"
+    return {"gold": sum(map(math_reward, completions, rows)) / len(rows)} if accuracy else {}
 
 
 @torch.no_grad()
