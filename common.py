@@ -325,10 +325,8 @@ def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
     """(x - mean) / std over the valid (mask = 1) entries only, biased variance (as OpenRLHF and
     the TF code of Ziegler et al.); shift_mean=False adds the mean back. 0 where mask = 0.
     total: also sum over torchrun's processes (runs.global_sum): the global batch's statistics."""
-    total = total or (lambda t: t)
-    n = total(mask.sum()).clamp(min=1)
-    mean = total((x * mask).sum()) / n
-    var = total((((x - mean) ** 2) * mask).sum()) / n
+    mean = masked_mean(x, mask, total=total)
+    var = masked_mean((x - mean) ** 2, mask, total=total)
     out = (x - mean) * torch.rsqrt(var + eps)
     return (out if shift_mean else out + mean) * mask
 
