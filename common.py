@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache
 
+import answer_format  # the number a text's answer states: \\boxed{}, '####', fractions
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 
 try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
@@ -332,46 +333,21 @@ def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
 
 
 # --------------------------------------------------------------------------------------- rewards
-def last_boxed(text):
-    """The content of the text's last \\boxed{...} (braces matched), or None."""
-    start = text.rfind("\\boxed{")
-    if start < 0:
-        return None
-    depth, i = 0, start + len("\\boxed")
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
-        if depth == 0:
-            return text[i + 1:j]
-    return None
-
-
-def final_number(text):
-    """The number a text ends on: inside its last \\boxed{} if it has one (MATH-style), else
-    after '####' (GSM8K-style), else its last number. Reads 1,234, -2.5, 3/4 and \\frac{3}{4}."""
-    boxed = last_boxed(text)
-    text = (boxed if boxed is not None else text.split("####")[-1]).replace(",", "")
-    text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.]+)\s*\}\{\s*(-?[\d.]+)\s*\}", r"\1/\2", text)
-    nums = re.findall(r"(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+(?:\.\d+)?))?", text)
-    if not nums:
-        return None
-    num, den = nums[-1]
-    return float(num) / float(den) if den and float(den) else float(num)
-
-
 def math_reward(completion, row):
     """1 when the completion states the answer's number (the built-in task's checker). When the
     optional package math-verify is installed, its symbolic check is used instead."""
     if math_verify is not None:
         return float(math_verify.verify(math_verify.parse(row.get("answer", "")),
                                         math_verify.parse(completion)))
-    want, got = final_number(row.get("answer", "")), final_number(completion)
+    want = answer_format.final_number(row.get("answer", ""))
+    got = answer_format.final_number(completion)
     return float(want is not None and got is not None and math.isclose(got, want, rel_tol=1e-9))
 
 
 def format_reward(completion, row):
     """1 when the completion states its final answer as graders read it, whatever its value: a
     non-empty \\boxed{...} (MATH) or a last line '#### N' (GSM8K)."""
-    boxed = last_boxed(completion)
+    boxed = answer_format.last_boxed(completion)
     gsm8k = re.search(r"(^|\n)\s*####\s*-?[\d,]*\.?\d+\s*$", completion)
     return float(bool(boxed and boxed.strip()) or gsm8k is not None)
 
@@ -451,7 +427,7 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
 def eval_metric(rows, choice="auto"):
     """What the held-out score is: 'accuracy' (math_reward, 0-1) or 'mean reward' (the run's
     --rewards). auto: accuracy when every row has an answer with a number, else mean reward."""
-    numeric = all(final_number(r.get("answer", "")) is not None for r in rows)
+    numeric = all(answer_format.final_number(r.get("answer", "")) is not None for r in rows)
     if choice == "math" and not numeric:
         raise UserError("--eval_reward math: some held-out rows have no answer with a number, so "
                         "the score would be 0 whatever the model says; use --eval_reward rewards")

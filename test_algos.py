@@ -41,6 +41,7 @@ from transformers import LlamaConfig
 from transformers import LlamaForSequenceClassification
 from transformers import Qwen2Config
 
+import answer_format
 import common as C
 import fastpath
 import dpo
@@ -912,7 +913,8 @@ def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypa
     monkeypatch.setitem(sys.modules, "datasets", fake)
     data = tasks.load_data("hf:org/set", eval_size=2, need_answer=True, split="test")
     assert {r["prompt"] for r in data.rows} == {f"org/set test {i}" for i in range(10)}
-    assert all(r["level"] == C.final_number(r["answer"]) for r in data.rows)  # all columns kept
+    # every column is kept
+    assert all(r["level"] == answer_format.final_number(r["answer"]) for r in data.rows)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
     (tmp_path / "d.jsonl").write_text(json.dumps({"q": chat, "a": 3}) + "\n"
                                       + json.dumps({"q": "2+2=", "a": 4}) + "\n")
@@ -930,10 +932,10 @@ def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypa
 
 
 def test_answers_in_boxes_fractions_and_math_verify(monkeypatch):
-    assert C.final_number("so \\boxed{\\frac{1}{2}} and 7") == 0.5
-    assert C.final_number("#### 1,234") == 1234.0
-    assert C.final_number("3/4 of it") == 0.75
-    assert C.final_number("\\boxed{x^{2}}") == 2.0
+    assert answer_format.final_number("so \\boxed{\\frac{1}{2}} and 7") == 0.5
+    assert answer_format.final_number("#### 1,234") == 1234.0
+    assert answer_format.final_number("3/4 of it") == 0.75
+    assert answer_format.final_number("\\boxed{x^{2}}") == 2.0
     assert C.math_reward("\\boxed{\\dfrac{3}{4}}", {"answer": "0.75"}) == 1.0
     calls = []
     fake = SimpleNamespace(parse=lambda s: calls.append(s) or s, verify=lambda a, b: a == b)

@@ -31,6 +31,7 @@ import torch
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import answer_format  # noqa: E402
 import common as C  # noqa: E402
 import loading
 import tasks
@@ -47,7 +48,7 @@ OUT = os.path.join(loading.ROOT, "data")
 def rank(answers, true_sum):
     """The distinct answers, best first, ties with a better-ranked answer dropped."""
     def distance(answer):
-        x = C.final_number(answer)
+        x = answer_format.final_number(answer)
         return abs(x - true_sum) if x is not None and answer.strip() else float("inf")
     ranking, seen = [], set()
     for answer in sorted(dict.fromkeys(answers), key=distance):  # stable: first sampled wins ties
