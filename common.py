@@ -51,8 +51,7 @@ def as_text(prompt):
 
 
 def encode_prompts(tok, prompts, chat_template="auto"):
-    """Token ids per prompt (text or chat messages). 'auto' applies the tokenizer's chat template
-    if it has one; 'none' never does."""
+    """Token ids per prompt (text or messages), with the tokenizer's chat template unless 'none'."""
     if chat_template != "none" and tok.chat_template:
         texts = [tok.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True)
                  for p in prompts]
@@ -93,9 +92,8 @@ def _forward(model, ids, mask, pos, cache=None, keep=0, hidden=False):
 
 
 def suppressed(model, V, device):
-    """(V,) bool: the ids this model never samples and whose probability the log-probs set to 0,
-    or None: its generation config's suppress_tokens, as HF generate (loading.load_model: the
-    embedding rows the tokenizer has no token for, which would decode to nothing)."""
+    """(V,) bool or None: the ids never sampled and given probability 0 by the log-probs, the
+    generation config's suppress_tokens (loading.load_model: embedding rows with no token)."""
     ids = getattr(_unwrap(model).generation_config, "suppress_tokens", None)
     if not ids:
         return None
