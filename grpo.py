@@ -195,15 +195,13 @@ def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncat
 
 def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     """This micro-batch's share of the step's loss. The normalisers (n_tokens, n_seqs) count the
-    whole optimizer step, so micro-batching does not change the gradient (TRL issue #3021):
-      token-mean           sum over all tokens / tokens in the step  (DAPO; long answers weigh more)
-      seq-mean-token-mean  mean over sequences of each one's token mean   (original GRPO, 1/|o_i|)
-      seq-sum-norm         sum over all tokens / (sequences * max_new_tokens)  (Dr. GRPO)"""
-    if loss_agg == "token-mean":
-        return (loss * mask).sum() / n_tokens
-    if loss_agg == "seq-mean-token-mean":
+    whole optimizer step, so micro-batching does not change the gradient (TRL issue #3021)."""
+    if loss_agg == "token-mean":  # sum over all tokens / tokens in the step (DAPO, TRL)
+        return (loss * mask).sum() / n_tokens  # a long answer weighs more
+    if loss_agg == "seq-mean-token-mean":  # mean over sequences of each one's token mean (GRPO)
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
-    return (loss * mask).sum() / (n_seqs * max_new_tokens)  # seq-sum-norm (Args: one of three)
+    # seq-sum-norm (Dr. GRPO): sum over all tokens / (sequences * max_new_tokens), a constant
+    return (loss * mask).sum() / (n_seqs * max_new_tokens)
 
 
 def cat_rollouts(pieces):
