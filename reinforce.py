@@ -267,6 +267,7 @@ def main():
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
     needs_old = ref is not None or args.num_iterations > 1  # log pi_old: for the KL, for mu > 1
+    per_token_kl = ref is not None and args.kl_in_reward == "token"  # rloo compares the scores
     tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
     logged = ("ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # summed over the step
     token_means = ("kl", "adv_mean") + logged  # means over every process, weighted by tokens
@@ -297,7 +298,6 @@ def main():
             kl = C.kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask
         # 2. returns and advantages, (B, T)
         returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
-        per_token_kl = kl is not None and args.kl_in_reward == "token"
         b_ema = ema  # the ema baseline b: the running mean return of earlier steps
         if args.baseline == "ema":  # this step's mean return, over every process's rows
             mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
