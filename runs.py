@@ -495,7 +495,7 @@ def stop_run(run, why):
 
 
 @contextlib.contextmanager
-def stop_on_divergence(run, model, step):
+def stop_on_divergence(run, step):
     """A diverged policy fails deep in torch.multinomial: stop with one line naming the step."""
     try:
         yield

@@ -3302,7 +3302,7 @@ def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, c
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("inf")
     with pytest.raises(C.UserError, match=r"diverged \(its next-token .*\), so step 4 cannot"):
-        with runs.stop_on_divergence(run, model, 3):
+        with runs.stop_on_divergence(run, 3):
             C.sample(model, tok, C.encode_prompts(tok, ["1+1="]), 2)
 
 
