@@ -404,7 +404,7 @@ def _report(tracker, metrics, samples):
         return
     if samples:  # wandb and trackio both have Table(columns=..., data=...)
         numbers["samples"] = tracker.Table(columns=list(samples[0]),
-                                           data=[list(s.values()) for s in samples])
+                                           data=[[s[c] for c in samples[0]] for s in samples])
     tracker.log(numbers, step=step)
 
 
@@ -629,7 +629,8 @@ def global_sum(x):
     if get_world_size() == 1:
         return x
     t = torch.as_tensor(x)
-    total = t.to("cuda" if torch.cuda.is_available() else "cpu", torch.float64, copy=True)  # nccl
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # nccl reduces CUDA tensors only
+    total = t.to(device, torch.float64, copy=True)
     dist.all_reduce(total)
     return total.to(t.device, t.dtype if t.is_floating_point() else torch.float64)
 
