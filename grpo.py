@@ -320,7 +320,7 @@ def main():
         t0 = time.time()
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, model, step):
+        with R.gathered(model), R.stop_on_divergence(run, step):
             roll, rows, completions, rewards, seen = sample_groups(
                 model, tok, data, rng, args, weights, rm, rm_tok, fns, sample_amp, env)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip

@@ -179,9 +179,8 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
 
 
 def adapters_off(model):
-    """Context in which a LoRA policy computes as its frozen base: the reference model for free.
-    For any other model, nothing changes."""
-    if hasattr(model, "disable_adapter"):
+    """LoRA: a context in which the policy computes as its frozen base (a free reference)."""
+    if hasattr(model, "disable_adapter"):  # a peft model
         return model.disable_adapter()
     return contextlib.nullcontext()
 

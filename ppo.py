@@ -412,7 +412,7 @@ def main():
         # 1. sample one completion per prompt and score it
         rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, model, step):
+        with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip

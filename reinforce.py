@@ -279,7 +279,7 @@ def main():
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(k)]
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, model, step):
+        with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
