@@ -305,8 +305,8 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False):
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, fast=True):
     """log pi(token_t | tokens before t), with gradients, for the last T positions of ids (B, P+T):
     (B, T); entropy: also each position's entropy (B, T), else None. suppressed() ids get p = 0."""
-    head = _unwrap(model).get_output_embeddings()  # the LM head: checked at load, or not
-    if not fast or head not in fastpath.SPLIT_HEADS:  # (a LoRA or FSDP2 head, soft-capped logits)
+    head = _unwrap(model).get_output_embeddings()  # fast path: a head load_model checked
+    if not fast or head not in fastpath.SPLIT_HEADS:  # the plain computation, as a student's:
         logits = _forward(model, ids, attention_mask, positions(attention_mask)).logits
         logits = logits[:, -T - 1:-1]  # (B, T, V): position t predicts token t + 1, shift by one
         z = logits.float() / temperature  # fp32, at the sampling temperature

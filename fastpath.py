@@ -34,16 +34,16 @@ def prefill_shared(model, prompt_ids, pad_id, device):
     return logits, cache, ids[row_of], mask[row_of]
 
 
-SPLIT_HEADS = weakref.WeakSet()  # the LM heads check_head passed (at load): fast_token_logprobs'
+SPLIT_HEADS = weakref.WeakSet()  # the LM heads that passed check_head: token_logprobs' fast path
 
 
 def check_head(model):
     """At load (loading.load_model): may token_logprobs run this model's LM head on its own, a
     chunk at a time? Only a plain nn.Linear whose output on the final hidden state IS the logits
-    (not where the model scales or soft-caps them, e.g. Gemma 2; nor peft's LoRA-wrapped head,
-    which is another module): checked on two tokens, where the same matmul on the same input gives
-    the same bits, so any change to the logits shows. If so the head joins SPLIT_HEADS; a model
-    that never passes here (e.g. built by hand) takes token_logprobs' plain path."""
+    (not where the model scales or soft-caps them, e.g. Gemma 2): checked on two tokens, where the
+    same matmul on the same input gives the same bits, so any change to the logits shows. If so
+    the head joins SPLIT_HEADS. A head put in its place later (peft's LoRA-wrapped lm_head) or a
+    model that never passes here (e.g. built by hand) takes token_logprobs' plain path."""
     head = model.get_output_embeddings()
     ids = torch.tensor([[0, 1]], device=model.device)
     with torch.no_grad():
