@@ -260,21 +260,17 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False):
 
 # ------------------------------------------------------------------------------ log-probs, KL
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, fast=True):
-    """log pi(token_t | tokens before t) for the last T positions of ids (B, P+T): (B, T), with
-    gradients. entropy: also each position's entropy (B, T), or None; with gradients when they are
-    on (PPO's bonus); a caller that only logs it detaches it at once, which drops its graph and
-    costs nothing in backward. Ids the model never samples (suppressed()) get probability 0 here
-    too, so these log-probs are those of the distribution the sampler draws from.
-    fast=True takes fast_token_logprobs(): the same numbers with less compute and memory.
-    The plain computation, as a student would write it:"""
-    if fast:
-        return fastpath.fast_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
-    logits = _forward(model, ids, attention_mask, positions(attention_mask)).logits  # (B, P+T, V)
-    logits = logits[:, -T - 1:-1]  # position t predicts token t + 1: shift by one
-    z = logits.float() / temperature  # fp32, at the sampling temperature
-    logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
-    lp = logp.gather(-1, ids[:, -T:, None])[..., 0]  # (B, T): the log-prob of each taken token
-    return lp, -(logp.exp() * logp).sum(-1) if entropy else None
+    """log pi(token_t | tokens before t), with gradients, for the last T positions of ids (B, P+T):
+    (B, T); entropy: also each position's entropy (B, T), else None. suppressed() ids get p = 0."""
+    head = _unwrap(model).get_output_embeddings()  # fast path: a head load_model checked
+    if not fast or head not in fastpath.SPLIT_HEADS:  # the plain computation, as a student's:
+        logits = _forward(model, ids, attention_mask, positions(attention_mask)).logits
+        logits = logits[:, -T - 1:-1]  # (B, T, V): position t predicts token t + 1, shift by one
+        z = logits.float() / temperature  # fp32, at the sampling temperature
+        logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
+        lp = logp.gather(-1, ids[:, -T:, None])[..., 0]  # (B, T): the log-prob of each taken token
+        return lp, -(logp.exp() * logp).sum(-1) if entropy else None
+    return fastpath.fast_token_logprobs(model, head, ids, attention_mask, T, temperature, entropy)
 
 
 def micro_batches(completion_mask, size):

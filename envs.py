@@ -167,9 +167,8 @@ def task_data(args, data):
 
 
 def tool_metrics(roll):
-    """Per-step tool use: tool_calls (observations per completion), frac_tool (completions with
-    at least one), turns (model turns per completion), tool_errors (the fraction of observations
-    that start with 'error', as calc's do for a call it cannot read)."""
+    """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
+    tool_errors (the fraction of observations that start with 'error', as calc's do)."""
     n = sum(len(o) for o in roll.observations)
     errors = sum(x.strip().startswith("error") for o in roll.observations for x in o)
     return {"tool_calls": float(roll.tool_calls.float().mean()),

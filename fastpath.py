@@ -6,16 +6,14 @@ as the plain versions there (tested); read those first, and come here for how it
 - fast_token_logprobs: token_logprobs() without the padding columns, with a shared-prompt KV
   cache, and with the LM head run a chunk at a time on the final hidden states, so that neither
   forward nor backward holds the (B, T, V) logits (at a 151k vocabulary, the largest tensor of a
-  step; measured in docs/memory.md).
+  step; measured in docs/memory.md). For models whose head check_head passed at load.
 """
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.fsdp import FSDPModule
-from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
 
@@ -36,97 +34,68 @@ def prefill_shared(model, prompt_ids, pad_id, device):
     return logits, cache, ids[row_of], mask[row_of]
 
 
-_HEAD_CHECKED = {}  # model class -> does its LM head turn the last hidden state into its logits?
+SPLIT_HEADS = weakref.WeakSet()  # the LM heads that passed check_head: token_logprobs' fast path
 
 
-_SAID_FSDP = []  # the FSDP2 fallback is said once
+def check_head(model):
+    """At load (loading.load_model): may token_logprobs run this model's LM head on its own, a
+    chunk at a time? Only a plain nn.Linear whose output on the final hidden state IS the logits
+    (not where the model scales or soft-caps them, e.g. Gemma 2): checked on two tokens, where the
+    same matmul on the same input gives the same bits, so any change to the logits shows. If so
+    the head joins SPLIT_HEADS. A head put in its place later (peft's LoRA-wrapped lm_head) or a
+    model that never passes here (e.g. built by hand) takes token_logprobs' plain path."""
+    head = model.get_output_embeddings()
+    ids = torch.tensor([[0, 1]], device=model.device)
+    with torch.no_grad():
+        out = C._forward(model, ids, torch.ones_like(ids), C.positions(ids), keep=1, hidden=True)
+        ok = type(head) is torch.nn.Linear and torch.equal(
+            head(out.hidden_states[-1][:, -1:]).float(), out.logits.float())
+    if ok:
+        SPLIT_HEADS.add(head)
+    else:
+        print(f"{type(model).__name__}: its logits are not a linear LM head applied to its last "
+              "hidden state; log-probs make the full logits (more memory)")
 
 
-def fast_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False,
+def fast_token_logprobs(model, head, ids, attention_mask, T, temperature, entropy,
                         chunk_elems=2**22):
-    """token_logprobs() with three savings, same values and gradients (tested):
-    1. completion columns that are padding in every row are not run;
-    2. when rows share prompts (GRPO groups, RLOO's k samples) and that saves a quarter of the
-       tokens, each distinct prompt runs once and its KV cache is indexed out to its rows (an
-       indexing op: gradients flow back into the one prompt forward);
-    3. the LM head never makes the (B, T, V) logits: the model returns its final hidden states
-       (B, T, H), and head -> logits / temperature -> fp32 log-softmax -> gather runs a chunk
-       of <= chunk_elems logits at a time (16 MB in fp32 by default); with gradients over
-       several chunks, backward recomputes each chunk (LinearHeadLogprobs for a plain linear
-       head, torch.utils.checkpoint for any other, e.g. LoRA's), so neither pass holds more
-       than one chunk of logits. A model whose logits are not head(last hidden state) (checked
-       once per class), or an FSDP2 model (its head's weight is sharded), falls back to a full
-       forward with logits_to_keep, chunked only for the log-softmax (said once).
-    Under torchrun every model skips 2.: a DDP model wants one forward per backward, and the
-    unwrapped reference must compute exactly as the policy does (else KL and ratio are not
-    exactly 0 and 1 at policy = reference, and Adam turns the rounding into a full step)."""
+    """token_logprobs() where head is in SPLIT_HEADS, with less compute and memory: padding columns
+    skipped, shared prompts run once, <= chunk_elems logits at a time (docs/memory.md)."""
     P = ids.shape[1] - T
     Tb = max(1, int(attention_mask[:, P:].sum(-1).max()))  # these rows' longest completion
     ids, attention_mask = ids[:, :P + Tb], attention_mask[:, :P + Tb]
-    B = ids.shape[0]
-    pos = C.positions(attention_mask)
-    head = _lm_head(model)  # None: fall back to logits from the model's forward
+    B, V, pos = ids.shape[0], head.out_features, C.positions(attention_mask)
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                    return_inverse=True)
-    saves = len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb)
-    # (checkpointed layers drop the KV cache; FSDP2 wants one forward per backward)
-    if P > 1 and saves and not torch.distributed.is_initialized() and not any(
-            isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing
-            for m in model.modules()):
+    # share prompts if that saves a quarter of the tokens; not under torchrun (DDP: one forward per
+    # backward; the reference, unwrapped, must match the policy bit for bit) nor with checkpointing
+    if P > 1 and len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb) and not (
+            torch.distributed.is_initialized()  # (checkpointed layers drop the KV cache)
+            or any(getattr(m, "gradient_checkpointing", False) for m in model.modules())):
         cache, p_mask = DynamicCache(), prompts[:, P:2 * P - 1]
         C._forward(model, prompts[:, :P - 1], p_mask, C.positions(p_mask), cache, keep=1)
         cache.batch_select_indices(row_of)  # every prompt but its last token, once per prompt
         # each row feeds its last prompt token and completion tokens 0..Tb-2: they predict 0..Tb-1
-        out = C._forward(model, ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1], cache,
-                       keep=0 if head is None else 1, hidden=head is not None)
-        x = out.hidden_states[-1] if head is not None else out.logits  # (B, Tb, H), or (B, Tb, V)
-    else:
-        out = C._forward(model, ids, attention_mask, pos, keep=Tb + 1 if head is None else 1,
-                       hidden=head is not None)
-        x = out.logits[:, :-1] if head is None else out.hidden_states[-1][:, -Tb - 1:-1]
-    if head is not None:  # (B, Tb, H), small: contiguous, so the head's matmul rounds the same
-        x = x.contiguous()  # in every model (MKL's rounding can depend on the memory layout)
-    pad = (0, T - Tb)
-    if head is not None and not _head_makes_logits(model, head, out):  # (now falls back)
-        lp, ent = fast_token_logprobs(model, ids, attention_mask, Tb, temperature, entropy,
-                                      chunk_elems)
-        return F.pad(lp, pad), ent if ent is None else F.pad(ent, pad)
-    V = out.logits.shape[-1]
-    never = C.suppressed(model, V, ids.device)
-    targets = ids[:, -Tb:]
-    # chunks of whole rows (x[i:i + r]: (r, Tb, H), or logits (r, Tb, V)) while a row's logits
-    # fit in chunk_elems, else of c positions of one row: the same for every T beyond that
-    r = max(1, chunk_elems // (Tb * V))
-    c = Tb if Tb * V <= chunk_elems else max(1, chunk_elems // V)
-    several = B > r or Tb > c
-    if torch.is_grad_enabled() and several and type(head) is torch.nn.Linear:
+        x = C._forward(model, ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1], cache,
+                       keep=1, hidden=True).hidden_states[-1]  # (B, Tb, H)
+    else:  # contiguous: MKL's rounding of the head's matmul can depend on the memory layout
+        x = C._forward(model, ids, attention_mask, pos, keep=1,
+                       hidden=True).hidden_states[-1][:, -Tb - 1:-1].contiguous()
+    targets, never = ids[:, -Tb:], C.suppressed(model, V, ids.device)
+    r = max(1, chunk_elems // (Tb * V))  # chunks: r whole rows while a row's logits fit,
+    c = Tb if Tb * V <= chunk_elems else max(1, chunk_elems // V)  # else c positions of a row
+    if torch.is_grad_enabled() and B * Tb * V <= chunk_elems:  # one chunk: plain autograd
+        lp, ent = _chunk_logprobs(x, targets, temperature, entropy, head, never)
+    else:  # backward recomputes each chunk (without gradients: each chunk is freed)
         lp, ent = LinearHeadLogprobs.apply(x, head.weight, head.bias, targets, temperature, never,
                                            r, c, entropy)
-        return F.pad(lp, pad), F.pad(ent, pad) if entropy else None
-    lps, ents = [], []
-    for i in range(0, B, r):
-        row_lps, row_ents = [], []
-        for j in range(0, Tb, c):
-            args = (x[i:i + r, j:j + c], targets[i:i + r, j:j + c], temperature, entropy, head,
-                    never)
-            if torch.is_grad_enabled() and several:  # any other head (LoRA): recompute
-                lp, ent = checkpoint(_chunk_logprobs, *args, use_reentrant=False,
-                                     preserve_rng_state=False)
-            else:
-                lp, ent = _chunk_logprobs(*args)
-            row_lps.append(lp)
-            row_ents.append(ent)
-        lps.append(torch.cat(row_lps, 1))
-        ents.append(torch.cat(row_ents, 1) if entropy else None)
-    lp = F.pad(torch.cat(lps), pad)
-    return lp, F.pad(torch.cat(ents), pad) if entropy else None
+    return F.pad(lp, (0, T - Tb)), F.pad(ent, (0, T - Tb)) if entropy else None
 
 
 def _chunk_logprobs(x, targets, temperature, entropy, head, never):
-    """One chunk: x (r, c, H) final hidden states through the head, or x (r, c, V) logits."""
-    logits = head(x) if head is not None else x
-    logp = C.masked_logits(logits.float() / temperature, never).log_softmax(-1)
-    ent = -(logp.exp() * logp).sum(-1) if entropy else None
+    """Final hidden states x (r, c, H) -> log-probs of targets (r, c), entropies (0: not asked)."""
+    logp = C.masked_logits(head(x).float() / temperature, never).log_softmax(-1)
+    ent = -(logp.exp() * logp).sum(-1) if entropy else 0
     return logp.gather(-1, targets[..., None])[..., 0], ent
 
 
@@ -145,19 +114,16 @@ class LinearHeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, targets, temperature, never, r, c, entropy):
-        dev = x.device.type
-        ctx.amp = torch.is_autocast_enabled(dev), torch.get_autocast_dtype(dev)
-        ctx.save_for_backward(x, weight, bias, targets)
+        ctx.amp = torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type)
+        ctx.save_for_backward(x, weight, bias, targets)  # x, not the logits
         ctx.args = temperature, never, r, c
         ctx.set_materialize_grads(False)
         lp = x.new_zeros(targets.shape, dtype=torch.float32)
         ent = torch.zeros_like(lp)
-        head = functools.partial(F.linear, weight=weight, bias=bias)
+        head = functools.partial(F.linear, weight=weight, bias=bias)  # not the module: no hooks
         for rows, cols in _blocks(*targets.shape, r, c):
-            lp[rows, cols], e = _chunk_logprobs(x[rows, cols], targets[rows, cols], temperature,
-                                                entropy, head, never)
-            if entropy:
-                ent[rows, cols] = e
+            lp[rows, cols], ent[rows, cols] = _chunk_logprobs(
+                x[rows, cols], targets[rows, cols], temperature, entropy, head, never)
         return lp, ent
 
     @staticmethod
@@ -174,6 +140,7 @@ class LinearHeadLogprobs(torch.autograd.Function):
             logp = C.masked_logits(logits.float() / temperature, never).log_softmax(-1)
             del logits
             p = logp.exp()
+            # dL/dz = g_lp (onehot(target) - p) - g_ent p (log p + entropy), z the logits / temp.
             gz = torch.zeros_like(p)
             if g_lp is not None:
                 g = g_lp[rows, cols, None]
@@ -193,31 +160,3 @@ class LinearHeadLogprobs(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += gz.sum(0).to(grad_b.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None
-
-
-def _lm_head(model):
-    """The LM head (a LoRA-wrapped one too), or None where the fast path cannot split it."""
-    hf = C._unwrap(model)
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        if not _SAID_FSDP:
-            _SAID_FSDP.append(print("FSDP2: the LM head's weight is sharded; log-probs make full "
-                                    "logits (more memory)"))
-        return None
-    return None if _HEAD_CHECKED.get(type(hf)) is False else hf.get_output_embeddings()
-
-
-def _head_makes_logits(model, head, out):
-    """Once per model class: head(last hidden state) equals the logits of the forward's last
-    position (not so for models that scale or soft-cap their logits); if not, say so and fall
-    back from then on."""
-    cls = type(C._unwrap(model))
-    if cls not in _HEAD_CHECKED:
-        with torch.no_grad():
-            want = out.logits[:, -1].float()
-            ok = torch.allclose(head(out.hidden_states[-1][:, -1:])[:, -1].float(), want,
-                                rtol=1e-3, atol=1e-3 * float(want.abs().max()))
-        _HEAD_CHECKED[cls] = ok
-        if not ok:
-            print(f"{cls.__name__}: its logits are not its LM head applied to its last hidden "
-                  "state; log-probs make full logits (more memory)")
-    return _HEAD_CHECKED[cls]

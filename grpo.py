@@ -126,10 +126,9 @@ class Args:
 
 # --------------------------------------------------------------------------- the algorithm
 def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
-    """A_i = r_i - mean of its group, divided by the group's std (GRPO), the batch's std, or
-    nothing (Dr. GRPO). rewards (B,) with groups as contiguous rows -> (B,). A group whose rewards
-    are all equal gets A = 0: no signal (counted in frac_zero_std by zero_std_groups).
-    std: the batch's std; under torchrun runs.global_std, over the whole step's rewards."""
+    """A_i = r_i - mean of its group, divided by the group's std (GRPO), the batch's std (std:
+    under torchrun runs.global_std, over the whole step) or nothing (Dr. GRPO). rewards (B,), groups
+    as contiguous rows -> (B,). A group of equal rewards gets A = 0 (counted in frac_zero_std)."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
@@ -147,46 +146,32 @@ def zero_std_groups(rewards, group_size):
 def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, ref_logprobs=None,
                    beta=0.0, kl_estimator="k3", mask=None, level="token", policy_loss="clip",
                    tau=(1.0, 1.05), is_weight=None):
-    """Clipped surrogate per token, plus beta * k to the reference: GRPO puts KL in the loss, not
-    in the reward. logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages (B,).
-    rho is the ratio pi_theta / pi_old, at the importance sampling `level`:
-      token     rho_i,t = exp(log pi_theta(o_i,t) - log pi_old(o_i,t))          (PPO, GRPO)
-      sequence  rho_i = s_i = exp(mean_t of that, over o_i's tokens), given to every token of o_i
-                (GSPO, Zheng et al. 2025; its eps are tiny); grad s_i = s_i mean_t grad log pi_theta
-    The policy part, by `policy_loss` (sg = stop-gradient, eps = clip_eps, clip_eps_high):
-      clip   -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A): a clipped token's gradient is 0
-      cispo  -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi_theta (MiniMax-M1, arXiv
-             2506.13585): the weight is clipped, never the gradient, -sg(w) A grad log pi_theta
-      sapo   -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, tau = tau_pos where A > 0, else
-             tau_neg (SAPO, arXiv 2511.20347): a soft gate, f'(1) = 1, fading away from rho = 1
-    At rho = 1 (num_iterations = 1) each has the plain policy gradient -A grad log pi_theta per
-    token (tested). is_weight (detached, from mismatch_weights) multiplies the policy part (TRL).
-    Which KL the term pulls towards is set by its gradient, not its value. On samples y ~ pi_theta
-    with log r = log pi_ref(y) - log pi_theta(y), the gradients' expectations are exactly
-      k2: E[-log r * grad log pi_theta] = grad KL(pi_theta || pi_ref)    (reverse KL)
-      k3: E[(1 - r) * grad log pi_theta] = grad KL(pi_ref || pi_theta)   (forward KL)
-      k1: E[grad log pi_theta] = 0                                       (no pull at all)
-    (Schulman 2020; "A Comedy of Estimators", arXiv 2512.21852; tested by exact summation.)
+    """The policy loss per token, plus beta * k to the reference (GRPO: KL in the loss, not in the
+    reward). logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages A (B,). Each objective
+    is written out at its line (the papers, derivations: docs/policy_losses.md); at rho = 1 each
+    is the plain -A grad log pi_theta per token (tested). k's gradient pulls along the reverse
+    KL(pi_theta || pi_ref) with k2, the forward KL(pi_ref || pi_theta) with k3, nowhere with k1
+    (why: docs/algorithms.md; tested by exact summation).
     Returns the (B, T) loss and the ratio, KL and clipped-mask tensors for logging."""
-    log_ratio = logprobs - old_logprobs
-    if level == "sequence":  # GSPO: the mean over the sequence's own tokens, one per sequence
+    log_ratio = logprobs - old_logprobs  # log rho = log pi_theta - log pi_old, per token
+    if level == "sequence":  # GSPO: s_i = exp(mean of log rho over o_i's own tokens)
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
     ratio = torch.exp(log_ratio).expand_as(logprobs)  # (B, T): token ratios, or s_i per token
     adv = advantages[:, None]
-    low, high = 1 - clip_eps, 1 + clip_eps_high
-    if policy_loss == "clip":
+    low, high = 1 - clip_eps, 1 + clip_eps_high  # 1 - eps_low, 1 + eps_high
+    if policy_loss == "clip":  # PPO, GRPO: -min(rho A, clip(rho, low, high) A)
         unclipped = ratio * adv
         clipped = torch.clamp(ratio, low, high) * adv
         loss = -torch.min(unclipped, clipped)
         is_clipped = (clipped < unclipped).float()  # the min took the clipped branch: gradient 0
-    elif policy_loss == "cispo":  # the clipped weight is a constant: every token keeps a gradient
+    elif policy_loss == "cispo":  # MiniMax-M1: -sg(clip(rho, low, high)) A log pi_theta
         loss = -torch.clamp(ratio, low, high).detach() * adv * logprobs
         is_clipped = ((ratio < low) | (ratio > high)).float()  # weight clipped, gradient kept
-    else:  # sapo: the gate's slope is 1 at rho = 1 and decays smoothly away from it
-        t = torch.where(adv > 0, tau[0], tau[1])
+    else:  # SAPO: -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, a soft gate with f'(1) = 1
+        t = torch.where(adv > 0, tau[0], tau[1])  # tau_pos where A > 0, else tau_neg
         loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
         is_clipped = torch.zeros_like(logprobs)  # no hard clip
-    if is_weight is not None:
+    if is_weight is not None:  # the detached mismatch correction (TIS, MIS), as TRL does
         loss = loss * is_weight
     kl = torch.zeros_like(logprobs)
     if ref_logprobs is not None:
@@ -196,47 +181,38 @@ def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, 
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """Sampler/trainer mismatch. common.sample returns log pi_sampler of each token it drew; the
-    trainer's forward gives log pi_old of the same tokens. With the same weights the raw ratio
-    w = pi_old / pi_sampler is 1 up to rounding (about 1e-6 on the CPU in fp32: incremental
-    decoding sums in another order), unless they differ: a bf16 sampler, vLLM kernels, or
-    top_p < 1, where the sampler draws from the kept tokens renormalised: w = kept mass <= 1.
-    The correction, detached, multiplies each token's policy loss (cap C > 0; 0 = off):
-      truncate  min(w, C)             TIS (Yao et al. 2025, fengyao.notion.site/off-policy-rl)
-      mask      w, or 0 where w > C   MIS (the Ling team's IcePop)
-    level sequence: one w per sequence, the product of its token ratios (TRL's sequence_* modes).
-    Returns the weight ((B, T), (B, 1), or None when off) and the raw token ratio (B, T)."""
+    """The sampler/trainer mismatch (docs/policy_losses.md): returns the detached weight of each
+    token's policy loss ((B, T), (B, 1) at level sequence; None when cap C = 0: off) and the raw
+    ratio w = pi_old / pi_sampler (B, T), 1 to rounding unless they differ (bf16, vLLM, top_p)."""
     log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
     raw = log_w.exp()
     if not cap:
         return None, raw
-    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw
+    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw  # sequence: the product
+    # truncate: min(w, C), TIS (Yao et al. 2025); mask: w, or 0 where w > C, MIS (IcePop)
     return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
 
 
 def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     """This micro-batch's share of the step's loss. The normalisers (n_tokens, n_seqs) count the
-    whole optimizer step, so micro-batching does not change the gradient (TRL issue #3021):
-      token-mean           sum over all tokens / tokens in the step  (DAPO; long answers weigh more)
-      seq-mean-token-mean  mean over sequences of each one's token mean   (original GRPO, 1/|o_i|)
-      seq-sum-norm         sum over all tokens / (sequences * max_new_tokens)  (Dr. GRPO)"""
-    if loss_agg == "token-mean":
-        return (loss * mask).sum() / n_tokens
-    if loss_agg == "seq-mean-token-mean":
+    whole optimizer step, so micro-batching does not change the gradient (TRL issue #3021)."""
+    if loss_agg == "token-mean":  # sum over all tokens / tokens in the step (DAPO, TRL)
+        return (loss * mask).sum() / n_tokens  # a long answer weighs more
+    if loss_agg == "seq-mean-token-mean":  # mean over sequences of each one's token mean (GRPO)
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
-    return (loss * mask).sum() / (n_seqs * max_new_tokens)  # seq-sum-norm (Args: one of three)
+    # seq-sum-norm (Dr. GRPO): sum over all tokens / (sequences * max_new_tokens), a constant
+    return (loss * mask).sum() / (n_seqs * max_new_tokens)
 
 
 def cat_rollouts(pieces):
     """Concatenate (rollout, kept row indices) pieces into one rollout: prompts re-left-padded,
-    completions right-padded. Padding ids are 0; every mask comes from lengths. Other fields:
-    (B, T) ones right-padded with 0, (B,) ones and lists (multi-turn rollouts) concatenated."""
+    completions right-padded (ids 0; masks come from lengths), other fields concatenated."""
     P = max(r.P for r, _ in pieces)
     T = max(r.completion_mask.shape[1] for r, _ in pieces)
     pad = torch.nn.functional.pad
     out = {"P": P}
     for key, x in vars(pieces[0][0]).items():
-        if isinstance(x, list):
+        if isinstance(x, list):  # multi-turn fields: texts per row
             out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
         elif torch.is_tensor(x) and x.dim() == 2:  # right-padded to T; ids and attention_mask
             prompt = key in ("ids", "attention_mask")  # are left-padded to P first
@@ -249,14 +225,12 @@ def cat_rollouts(pieces):
 
 
 def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, env=None):
-    """G completions for each of prompts_per_step prompts, scored. With dynamic_sampling (DAPO),
-    groups whose rewards are all equal are dropped and more prompts sampled, up to
-    max_resample_rounds extra rounds. Returns the kept rollout, its rows, completion texts and
-    rewards (B,), and `seen`: the rewards and reward parts of everything sampled."""
+    """G completions for each of prompts_per_step prompts, scored. dynamic_sampling (DAPO): drop
+    the groups of equal rewards and sample more, up to max_resample_rounds extra rounds. Returns
+    the kept rollout, rows, texts and rewards (B,), and every round's (rewards, reward parts)."""
     G = args.group_size
     want = args.prompts_per_step * G // R.get_world_size()  # this process's share
-    pieces, rows_kept, texts_kept, rewards_kept = [], [], [], []
-    seen = {"rewards": [], "parts": []}
+    pieces, rows_kept, texts_kept, rewards_kept, seen = [], [], [], [], []
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(G)]
@@ -266,10 +240,8 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, en
             length = roll.completion_mask.sum(-1).cpu()
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
-        zero_std = zero_std_groups(rewards, G)
-        seen["rewards"].append(rewards)
-        seen["parts"].append(parts)
-        keep = ~zero_std if args.dynamic_sampling else torch.ones_like(zero_std)
+        seen.append((rewards, parts))
+        keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)  # groups with a signal
         idx = keep.repeat_interleave(G).nonzero().squeeze(-1)[:want - len(rows_kept)]
         pieces.append((roll, idx.to(roll.ids.device)))
         rows_kept += [rows[i] for i in idx.tolist()]
@@ -338,6 +310,8 @@ def main():
     eps = (args.clip_eps, args.clip_eps_high)  # GSPO's sequence ratio has its own tiny eps:
     if args.importance_sampling_level == "sequence":
         eps = (args.seq_clip_eps, args.seq_clip_eps_high)
+    tau = (args.sapo_tau_pos, args.sapo_tau_neg)  # SAPO's gate temperatures, A > 0 | A <= 0
+    tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
     G = args.group_size
     token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # weighted
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
@@ -346,7 +320,7 @@ def main():
         t0 = time.time()
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, model, step):
+        with R.gathered(model), R.stop_on_divergence(run, step):
             roll, rows, completions, rewards, seen = sample_groups(
                 model, tok, data, rng, args, weights, rm, rm_tok, fns, sample_amp, env)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
@@ -359,10 +333,8 @@ def main():
             mask = mask * (~roll.truncated)[:, None].float()
         # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
         # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio)
-        old_logprobs = None
-        if args.num_iterations > 1:
-            old_logprobs = C.batched_logprobs(model, roll, args.temperature,
-                                              args.micro_batch_size, amp)
+        old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size,
+                                          amp) if args.num_iterations > 1 else None
         ref_logprobs = None
         if ref is not None:
             with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
@@ -373,8 +345,7 @@ def main():
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
         n_local = float(mask.sum().clamp(min=1))  # for the logged means: this process's tokens
-        sums = dict.fromkeys(("loss", "kl", "ratio", "clip_frac", "entropy", "is_ratio",
-                              "is_frac_out"), 0.0)
+        sums = dict.fromkeys(("loss",) + token_means, 0.0)  # the logged means, summed
         is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
         for it in range(args.num_iterations):
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
@@ -389,20 +360,17 @@ def main():
                     ref_mb = ref_logprobs[mb] if ref_logprobs is not None else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
                     is_weight, is_ratio = mismatch_weights(old, roll.sample_logprobs[mb], mask[mb],
-                                                           args.tis_cap, args.tis_mode,
-                                                           args.tis_level)
+                                                           *tis)
                     loss, ratio, kl, clipped = per_token_loss(
                         logprobs, old, advantages[mb], *eps, ref_mb, args.beta, args.kl_estimator,
-                        mask[mb], args.importance_sampling_level, args.policy_loss,
-                        (args.sapo_tau_pos, args.sapo_tau_neg), is_weight)
+                        mask[mb], args.importance_sampling_level, args.policy_loss, tau, is_weight)
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
                     # DDP/FSDP2 average the processes' gradients: x world makes them the sum
                     (loss * run.world).backward()  # gradients add up over the micro-batches
                 # logged token means over the step, averaged over the mu updates
                 out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
-                for key, x in (("kl", kl), ("ratio", ratio), ("clip_frac", clipped),
-                               ("entropy", entropy), ("is_ratio", is_ratio), ("is_frac_out", out)):
+                for key, x in zip(token_means, (kl, ratio, clipped, entropy, is_ratio, out)):
                     sums[key] += float((x.detach() * mask[mb]).sum()) / n_local
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
@@ -413,18 +381,17 @@ def main():
             else:
                 R.skip_update(run, "loss or gradient")
             opt.zero_grad(set_to_none=True)
-        sums = {k: v / args.num_iterations for k, v in sums.items()}
-        sums["is_ratio_max"] = is_max
         # 4. log, eval, checkpoint
-        all_rewards = torch.cat(seen["rewards"])
-        parts = {k: torch.cat([p[k] for p in seen["parts"]]) for k in seen["parts"][0]}
+        all_rewards = torch.cat([r for r, _ in seen])  # every round's, with dynamic_sampling
+        parts = {k: torch.cat([p[k] for _, p in seen]) for k in seen[0][1]}
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
                    "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
-                   **sums, "grad_norm": float(grad_norm),
+                   **{k: v / args.num_iterations for k, v in sums.items()},  # mean of the mu
+                   "is_ratio_max": is_max, "grad_norm": float(grad_norm),
                    "completion_len": float(roll.completion_mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,

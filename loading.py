@@ -21,6 +21,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
+import fastpath
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -96,6 +97,7 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
     model = model.to(device).eval()  # eval(): dropout off; it makes log-probs noisy, KL > 0 at 0
     if kind == "lm":  # rows the tokenizer cannot decode are never sampled: see suppressed()
         _suppress_untokenized_rows(model, name, trust_remote_code)
+        fastpath.check_head(model)  # may token_logprobs run the LM head apart, chunk by chunk?
     if frozen:
         model.requires_grad_(False)
     if compile:  # dynamic shapes: new batch sizes and lengths reuse the compiled graphs
@@ -140,6 +142,12 @@ def load_policy(args, device, checkpoint=""):
         enable_gradient_checkpointing(model)
     if args.lora_r:
         model = add_lora(model, args, checkpoint)
+    head = C._unwrap(model).get_output_embeddings()
+    if getattr(args, "fsdp", False) and head in fastpath.SPLIT_HEADS:  # runs.wrap_model shards it
+        fastpath.SPLIT_HEADS.discard(head)
+        print("--fsdp shards the LM head's weight: log-probs make the full logits (more memory)")
+    if args.lora_r and type(head) is not torch.nn.Linear:  # peft wrapped it: a new module
+        print("LoRA on the LM head: log-probs make the full logits (more memory)")
     return model, tok
 
 
@@ -179,9 +187,8 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
 
 
 def adapters_off(model):
-    """Context in which a LoRA policy computes as its frozen base: the reference model for free.
-    For any other model, nothing changes."""
-    if hasattr(model, "disable_adapter"):
+    """LoRA: a context in which the policy computes as its frozen base (a free reference)."""
+    if hasattr(model, "disable_adapter"):  # a peft model
         return model.disable_adapter()
     return contextlib.nullcontext()
 

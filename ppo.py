@@ -138,34 +138,28 @@ class Args:
 # --------------------------------------------------------------------------- the algorithm
 def shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator="k1"):
     """Per-token reward (B, T): -kl_coef * KL on every completion token, plus the sequence score
-    (B,) on the last real token (the EOS, or the last token of a truncated row; TL;DR details),
-    not at the padded end. With tool use (--env) that is the last token the model sampled:
-    observation tokens (mask 0) get neither KL nor score. A row with no completion token gets no
-    score."""
+    (B,) on the last real token (the EOS, or a truncated row's last; TL;DR details), not at the
+    padded end; with --env the last token the model sampled (observations, mask 0, get neither)."""
     kl = C.kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask
     rewards = -kl_coef * kl
-    T = mask.shape[1]
-    last = T - 1 - mask.flip(1).argmax(1)  # the last mask-1 position (single turn: lengths - 1)
+    last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last mask 1 (one turn: lengths - 1)
     rows = torch.arange(len(rewards), device=rewards.device)
-    rewards[rows, last] += scores * (mask.sum(1) > 0)
+    rewards[rows, last] += scores * (mask.sum(1) > 0)  # a row with no model token: no score
     return rewards, kl
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalised advantage estimation (Schulman et al. 2016), backwards over the completion:
-    delta_t = r_t + gamma V_t+1 - V_t, A_t = delta_t + gamma lam A_t+1; V and A are 0 past a row's
-    end (the state after the EOS is terminal). (B, T) -> (advantages, returns = A + values).
-    Over the model's tokens only (mask 1): t+1 is the next model token, so an observation in
-    between (mask 0) is part of the environment's step, with no value, reward or advantage."""
+    """Generalised advantage estimation (Schulman et al. 2016), backwards over the model's tokens
+    (mask 1; an observation between them is the environment's step): V and A are 0 past a row's
+    end (the state after the EOS is terminal). (B, T) -> (advantages, returns = A + values)."""
     values, rewards = values * mask, rewards * mask
-    T = rewards.shape[1]
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])  # A_t+1, of the next model token
     next_value = torch.zeros_like(last)  # V_t+1, of the next model token (0: terminal)
-    for t in reversed(range(T)):
+    for t in reversed(range(rewards.shape[1])):
         model_token = mask[:, t] > 0
-        delta = rewards[:, t] + gamma * next_value - values[:, t]
-        a = delta + gamma * lam * last
+        delta = rewards[:, t] + gamma * next_value - values[:, t]  # r_t + gamma V_t+1 - V_t
+        a = delta + gamma * lam * last  # A_t = delta_t + gamma lam A_t+1
         advantages[:, t] = a * mask[:, t]
         last = torch.where(model_token, a, last)  # observations pass A and V on unchanged
         next_value = torch.where(model_token, values[:, t], next_value)
@@ -292,75 +286,68 @@ def check_args(args):
 
 # -------------------------------------------------------------------------- the training loop
 def ppo_update(model, critic, opt, run, roll, batch, args, amp):
-    """ppo_epochs passes over the batch in shuffled minibatches, one optimizer step per minibatch
-    (micro-batch gradients summed, normalised by the minibatch's token count). Stops early,
-    dropping that minibatch's update, when its approx KL(pi_old || pi) passes target_kl.
-    batch: old_logprobs, old_values, returns, advantages, each (B, T). Returns averaged stats.
-    model and critic: as given by runs.wrap_model (under torchrun, DDP or FSDP2 averages their
-    gradients; each process then holds its share of every minibatch)."""
+    """ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each (micro-
+    batch gradients summed, normalised by the minibatch's tokens); stops, dropping that minibatch's
+    update, when its approx KL(pi_old || pi) passes target_kl. batch: old_logprobs, old_values,
+    returns, advantages (B, T); model, critic: from runs.wrap_model. Returns averaged stats."""
     mask = roll.completion_mask
     B, T = mask.shape
     mb_size = B // args.num_minibatches
-    keys = ("loss", "pg_loss", "value_loss", "clip_frac", "value_clip_frac", "ratio",
-            "approx_kl", "entropy", "grad_norm")
-    sums = dict.fromkeys(keys, 0.0)
+    logged = ("pg_loss", "value_loss", "clip_frac", "value_clip_frac", "ratio", "approx_kl",
+              "entropy")  # token means over each minibatch
+    sums = dict.fromkeys(("loss",) + logged + ("grad_norm",), 0.0)
     n_updates = 0
-    for epoch in range(args.ppo_epochs):
-        perm = torch.randperm(B, device=mask.device)  # reshuffled every epoch (N details)
-        for start in range(0, B, mb_size):
-            idx = perm[start:start + mb_size]  # this minibatch's rows
-            n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
-            mb = dict.fromkeys(keys, 0.0)
-            micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
-            for i, j in enumerate(idx[m] for m in micro):
-                m = mask[j]
-                with R.sync_gradients(model, now=i == len(micro) - 1), \
-                        R.sync_gradients(critic, now=i == len(micro) - 1):
-                    with amp:
-                        logprobs, entropy = C.token_logprobs(model, roll.ids[j],
-                                                             roll.attention_mask[j], T,
-                                                             args.temperature, entropy=True)
-                        if not args.ent_coef:  # no bonus: only logged, so drop its graph
-                            entropy = entropy.detach()
-                        values = critic(roll.ids[j], roll.attention_mask[j], T)
-                    pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
-                                                     batch["advantages"][j], args.clip_eps)
-                    vf, v_clipped = value_loss(values, batch["old_values"][j],
-                                               batch["returns"][j], args.clip_eps_value)
+    # each epoch's shuffle (N details) is drawn when its first minibatch is taken
+    perms = (torch.randperm(B, device=mask.device) for _ in range(args.ppo_epochs))
+    for idx in (perm[s:s + mb_size] for perm in perms for s in range(0, B, mb_size)):
+        n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
+        mb = dict.fromkeys(sums, 0.0)
+        micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
+        for i, j in enumerate(idx[m] for m in micro):
+            m = mask[j]
+            with R.sync_gradients(model, now=i == len(micro) - 1), \
+                    R.sync_gradients(critic, now=i == len(micro) - 1):
+                with amp:
+                    logprobs, entropy = C.token_logprobs(model, roll.ids[j], roll.attention_mask[j],
+                                                         T, args.temperature, entropy=True)
+                    if not args.ent_coef:  # no bonus: only logged, so drop its graph
+                        entropy = entropy.detach()
+                    values = critic(roll.ids[j], roll.attention_mask[j], T)
+                pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
+                                                 batch["advantages"][j], args.clip_eps)
+                vf, v_clipped = value_loss(values, batch["old_values"][j], batch["returns"][j],
+                                           args.clip_eps_value)
 
-                    def token_mean(x):  # over the whole minibatch's tokens
-                        return (x * m).sum() / n_tokens
-                    loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
-                        - args.ent_coef * token_mean(entropy)
-                    # gradients add up over the micro-batches; DDP's (FSDP2's) average over the
-                    # processes, scaled by their number, is the minibatch's sum
-                    (loss * run.world).backward()
-                approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
-                mb["loss"] += float(loss.detach())
-                for k, x in (("pg_loss", pg), ("value_loss", vf), ("clip_frac", clipped),
-                             ("value_clip_frac", v_clipped), ("ratio", ratio),
-                             ("approx_kl", approx_kl), ("entropy", entropy)):
-                    mb[k] += float(token_mean(x.detach()))
-            mb = {k: v * run.world for k, v in R.global_mean(mb).items()}  # sums over processes
-            if args.target_kl and mb["approx_kl"] > args.target_kl:
-                opt.zero_grad(set_to_none=True)  # drop this update: pi moved far enough from pi_old
-                return {**{k: v / max(n_updates, 1) for k, v in sums.items()},
-                        "ppo_updates": n_updates}
-            critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            if not torch.isfinite(critic_norm):
-                critic.zero_grad(set_to_none=True)  # AdamW skips parameters without gradients
-                R.skip_update(run, "value loss or critic gradient")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
-                opt.step()
-                run.nonfinite_in_row = 0
-            else:
-                R.skip_update(run, "loss or gradient")
-            opt.zero_grad(set_to_none=True)
-            mb["grad_norm"] = float(grad_norm)
-            for k in keys:
-                sums[k] += mb[k]
-            n_updates += 1
+                def token_mean(x):  # over the whole minibatch's tokens
+                    return (x * m).sum() / n_tokens
+                loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
+                    - args.ent_coef * token_mean(entropy)
+                # gradients add up over the micro-batches; DDP's (FSDP2's) average over the
+                # processes, scaled by their number, is the minibatch's sum
+                (loss * run.world).backward()
+            approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
+            mb["loss"] += float(loss.detach())
+            for k, x in zip(logged, (pg, vf, clipped, v_clipped, ratio, approx_kl, entropy)):
+                mb[k] += float(token_mean(x.detach()))
+        mb = {k: v * run.world for k, v in R.global_mean(mb).items()}  # sums over processes
+        if args.target_kl and mb["approx_kl"] > args.target_kl:
+            opt.zero_grad(set_to_none=True)  # drop this update: pi moved far enough from pi_old
+            break
+        critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+        if not torch.isfinite(critic_norm):
+            critic.zero_grad(set_to_none=True)  # AdamW skips parameters without gradients
+            R.skip_update(run, "value loss or critic gradient")
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+            opt.step()
+            run.nonfinite_in_row = 0
+        else:
+            R.skip_update(run, "loss or gradient")
+        opt.zero_grad(set_to_none=True)
+        mb["grad_norm"] = float(grad_norm)
+        for k in sums:
+            sums[k] += mb[k]
+        n_updates += 1
     return {**{k: v / max(n_updates, 1) for k, v in sums.items()}, "ppo_updates": n_updates}
 
 
@@ -425,7 +412,7 @@ def main():
         # 1. sample one completion per prompt and score it
         rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, model, step):
+        with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
@@ -459,16 +446,13 @@ def main():
         stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
         # nats per sequence: what Ziegler's controller targets (the mean over all processes)
         kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
-        used_kl_coef = kl_coef
-        if args.adaptive_kl:
-            kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         # 5. log, eval, checkpoint
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(raw_scores.mean()),
                    "reward_std": float(R.global_std(raw_scores)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
                    **C.gold(completions, rows),
-                   "kl": float(C.masked_mean(kl, mask)), "kl_seq": kl_seq, "kl_coef": used_kl_coef,
+                   "kl": float(C.masked_mean(kl, mask)), "kl_seq": kl_seq, "kl_coef": kl_coef,
                    **stats, "explained_var": explained_variance(old_values, returns, mask,
                                                                  total=R.global_sum),
                    "returns": float(C.masked_mean(returns, mask)),
@@ -478,6 +462,8 @@ def main():
                    "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
                    "tokens_per_s": float(mask.sum()) / elapsed,
                    **(E.tool_metrics(roll) if env else {})}
+        if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
+            kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
                    for r, c, s in zip(rows[:4], shown[:4], scores[:4])]

@@ -135,80 +135,68 @@ def kl_returns(scores, mask, kl=None, beta=0.0, kl_in_reward="token"):
     if kl is None or beta == 0:
         return returns
     kl = kl * mask
+    to_come = kl.sum(-1, keepdim=True)  # sequence: the whole sequence's KL at every token
     if kl_in_reward == "token":
-        to_come = kl.flip(-1).cumsum(-1).flip(-1)  # sum over t' >= t
-    else:
-        to_come = kl.sum(-1, keepdim=True)
+        to_come = kl.flip(-1).cumsum(-1).flip(-1)  # the KL still to come, sum over t' >= t
     return (returns - beta * to_come) * mask
 
 
 def rloo_baseline(rewards, k):
-    """b_i = mean of the other k - 1 rewards of the same prompt: (group sum - own) / (k - 1)."""
-    if k < 2:
-        raise C.UserError("the rloo baseline needs --samples_per_prompt >= 2: with k = 1 there is "
-                          "no other sample")
+    """b_i = mean of the other k - 1 rewards of the same prompt: (group sum - own) / (k - 1).
+    k >= 2 (check_args refuses --baseline rloo with one sample per prompt)."""
     r = rewards.view(-1, k)
     return ((r.sum(1, keepdim=True) - r) / (k - 1)).view(-1)
 
 
 def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=None,
                total=None):
-    """A = G - b for the chosen baseline, (B, T), 0 on padding. returns[:, 0] is each sequence's
-    whole return (every completion has at least one token). ema: the running baseline of earlier
-    steps (None at the first step: this batch's mean, once). scores (B,): with per-token KL, RLOO
-    compares the other samples' scores, not their returns (OpenRLHF); None compares returns.
-    total: sums over every torchrun process, for whitening over the global batch."""
-    whole = returns[:, 0]
+    """A = G - b for the chosen baseline, (B, T), 0 on padding. ema: the running baseline b (None:
+    this batch's mean). scores (B,): with per-token KL, RLOO compares the other samples' scores,
+    not their returns (OpenRLHF). total: torchrun's sums, for whitening over the global batch."""
+    if baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens
+        return C.whiten(returns, mask, total=total)
+    whole = returns[:, 0]  # each sequence's whole return (every completion has a token)
     if baseline == "none":
         b = torch.zeros_like(whole)
     elif baseline == "ema":
         b = torch.full_like(whole, float(whole.mean()) if ema is None else ema)
-    elif baseline == "rloo":
+    else:  # rloo
         b = rloo_baseline(whole if scores is None else scores.to(whole), k)
-    elif baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens
-        return C.whiten(returns, mask, total=total)
-    else:
-        raise ValueError(baseline)
     adv = (returns - b[:, None]) * mask
     return C.whiten(adv, mask, total=total) if whiten_after else adv
 
 
 def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum",
                    old_logprobs=None, clip_eps=0.2, is_weight=None):
-    """This micro-batch's share of -(1/N) sum A log pi. n_seqs / n_tokens count the whole optimizer
-    step, so micro-batching does not change the gradient (TRL issue #3021). With old_logprobs
-    (mu > 1) the PPO clipped surrogate -min(rho A, clip(rho) A) replaces A log pi: both have the
-    gradient A grad log pi while rho = 1. is_weight (detached, from mismatch_weights) multiplies
-    each token's term. Returns the loss, the ratio and the clipped mask."""
-    if old_logprobs is None:
+    """This micro-batch's share of -(1/N) sum A log pi; n_seqs / n_tokens count the whole optimizer
+    step, so micro-batching does not change the gradient (TRL issue #3021). Returns the loss, the
+    ratio and the clipped mask."""
+    if old_logprobs is None:  # mu = 1: -A log pi_theta
         per_token = -advantages * logprobs
         ratio = torch.ones_like(logprobs)
         clipped = torch.zeros_like(logprobs)
-    else:
+    else:  # mu > 1: PPO's -min(rho A, clip(rho) A), the same gradient A grad log pi at rho = 1
         ratio = torch.exp(logprobs - old_logprobs)
         unclipped = ratio * advantages
         clipped_obj = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
         per_token = -torch.min(unclipped, clipped_obj)
         clipped = (clipped_obj < unclipped).float()
-    if is_weight is not None:
+    if is_weight is not None:  # the detached mismatch correction (mismatch_weights)
         per_token = per_token * is_weight
     norm = n_seqs if loss_agg == "seq-sum" else n_tokens
     return (per_token * mask).sum() / norm, ratio, clipped
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """The sampler/trainer mismatch, as in grpo.py (same code, tested equal): the raw ratio
-    w = pi_old / pi_sampler of each sampled token (1 to float rounding in fp32 on the CPU; the
-    kept mass with top_p < 1) and, when cap C > 0, the detached weight of each token's loss:
-    min(w, C) (truncate: TIS, Yao et al. 2025) or w with 0 where w > C (mask: MIS), per token or
-    one per sequence (the product). Returns the weight (or None) and the raw ratio (B, T)."""
+    """The sampler/trainer mismatch (docs/policy_losses.md): returns the detached weight of each
+    token's policy loss ((B, T), (B, 1) at level sequence; None when cap C = 0: off) and the raw
+    ratio w = pi_old / pi_sampler (B, T), 1 to rounding unless they differ (bf16, vLLM, top_p)."""
     log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
     raw = log_w.exp()
     if not cap:
         return None, raw
-    if level == "sequence":
-        log_w = log_w.sum(-1, keepdim=True)
-    w = log_w.exp()
+    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw  # sequence: the product
+    # truncate: min(w, C), TIS (Yao et al. 2025); mask: w, or 0 where w > C, MIS (IcePop)
     return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
 
 
@@ -278,8 +266,11 @@ def main():
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
-    token_means = ("kl", "ratio", "clip_frac", "entropy", "adv_mean", "is_ratio",
-                   "is_frac_out")  # their means over every process are weighted by tokens
+    needs_old = ref is not None or args.num_iterations > 1  # log pi_old: for the KL, for mu > 1
+    per_token_kl = ref is not None and args.kl_in_reward == "token"  # rloo compares the scores
+    tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
+    logged = ("ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # summed over the step
+    token_means = ("kl", "adv_mean") + logged  # means over every process, weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
@@ -288,7 +279,7 @@ def main():
         prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
         rows = [r for r in prompts for _ in range(k)]
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, model, step):
+        with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
@@ -297,10 +288,8 @@ def main():
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         B, T = mask.shape
         # log pi_old, recomputed with the training forward: needed for the KL and for mu > 1
-        old_logprobs = None
-        if ref is not None or args.num_iterations > 1:
-            old_logprobs = C.batched_logprobs(model, roll, args.temperature,
-                                              args.micro_batch_size, amp)
+        old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size,
+                                          amp) if needs_old else None
         kl = None
         if ref is not None:
             with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
@@ -309,25 +298,20 @@ def main():
             kl = C.kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask
         # 2. returns and advantages, (B, T)
         returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
-        per_token_kl = kl is not None and args.kl_in_reward == "token"
-        # the ema baseline b: its running value, or at the first step this step's mean return
-        # (under torchrun over every process's rows, not this process's)
-        b_ema = ema
-        if args.baseline == "ema":
+        b_ema = ema  # the ema baseline b: the running mean return of earlier steps
+        if args.baseline == "ema":  # this step's mean return, over every process's rows
             mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
-            b_ema = mean_return if ema is None else ema
+            b_ema = mean_return if ema is None else ema  # the first step: this step's, once
         adv = advantages(returns, mask, args.baseline, k, b_ema, args.whiten,
                          scores if per_token_kl else None, total=R.global_sum)
         if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
-            ema = mean_return if ema is None else \
-                args.ema_decay * ema + (1 - args.ema_decay) * mean_return
-        # 3. mu optimizer steps, each summing micro-batch losses over the step's normaliser
-        # (tokens and sequences of the whole step, in every process; one process: these rows)
+            ema = b_ema if ema is None else (args.ema_decay * ema
+                                             + (1 - args.ema_decay) * mean_return)
+        # 3. mu optimizer steps; the losses' normalisers count the whole step, every process's
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
         n_local = mask.sum().clamp(min=1)  # for the logged means: this process's tokens
-        sums = dict.fromkeys(("loss", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out"),
-                             0.0)
+        sums = dict.fromkeys(("loss",) + logged, 0.0)  # the logged means, summed
         is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
         grad_norms.clear()
         for it in range(args.num_iterations):
@@ -344,7 +328,7 @@ def main():
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
                     is_weight, is_ratio = mismatch_weights(
                         logprobs.detach() if old is None else old, roll.sample_logprobs[mb],
-                        mask[mb], args.tis_cap, args.tis_mode, args.tis_level)
+                        mask[mb], *tis)
                     loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], n_seqs,
                                                           n_tokens, args.loss_agg, old,
                                                           args.clip_eps, is_weight)
@@ -352,8 +336,7 @@ def main():
                     # processes' gradients: scaled by their number, that is the whole step's sum
                     (loss * run.world).backward()
                 out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
-                for key, x in (("ratio", ratio), ("clip_frac", clipped), ("entropy", entropy),
-                               ("is_ratio", is_ratio), ("is_frac_out", out)):
+                for key, x in zip(logged, (ratio, clipped, entropy, is_ratio, out)):
                     sums[key] += float((x.detach() * mask[mb]).sum() / n_local)
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
@@ -364,8 +347,6 @@ def main():
             else:
                 R.skip_update(run, "loss or gradient")
             opt.zero_grad(set_to_none=True)
-        sums = {key: v / args.num_iterations for key, v in sums.items()}
-        sums["is_ratio_max"] = is_max
         # 4. log, eval, checkpoint
         valid = mask.bool()
         # g_i: each sample's term of the first update's gradient (times N, the step's sequences)
@@ -378,7 +359,8 @@ def main():
                    "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean())
                    if k > 1 else 0.0,
                    "kl": float(C.masked_mean(kl, mask)) if kl is not None else 0.0,
-                   **sums, "grad_norm": float(grad_norm),
+                   **{key: v / args.num_iterations for key, v in sums.items()},  # mean of the mu
+                   "is_ratio_max": is_max, "grad_norm": float(grad_norm),
                    "adv_mean": float(adv[valid].mean()),
                    "adv_std": float(R.global_std(adv[valid])),  # torchrun: over every process
                    # sqrt of the mean of ||g_i||^2 over the step's rows (equal in every process)

@@ -44,6 +44,11 @@ from tqdm import tqdm
 from transformers import HfArgumentParser
 from transformers.utils import logging as hf_logging
 
+try:
+    import resource  # this process's peak memory on a CPU (peak_mem_mb)
+except ImportError:  # Windows has none
+    resource = None
+
 import common as C
 import envs as E
 import loading
@@ -53,6 +58,7 @@ STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then 
 NEW_FOLDERS = []  # output folders this process made: removed again if the run fails before step 1
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to")
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # FSDP2: gathered onto the CPU
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -354,6 +360,8 @@ def start_run(args, algo):
     if not state and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl): continue "
                           f"it with --resume {folder}, or choose another --output_dir")
+    for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
+        shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)
     history = _trim_jsonl(metrics_path, state["step"]) if state else []
     if state:
         _trim_jsonl(samples_path, state["step"])
@@ -394,11 +402,10 @@ def _report(tracker, metrics, samples):
         if samples:
             tracker.add_text("samples", json.dumps(samples, indent=1), step)
         return
-    tracker.log(numbers, step=step)
     if samples:  # wandb and trackio both have Table(columns=..., data=...)
-        columns = list(samples[0])
-        table = tracker.Table(columns=columns, data=[[s[c] for c in columns] for s in samples])
-        tracker.log({"samples": table}, step=step)
+        numbers["samples"] = tracker.Table(columns=list(samples[0]),
+                                           data=[[s[c] for c in samples[0]] for s in samples])
+    tracker.log(numbers, step=step)
 
 
 def _load_state(folder):
@@ -466,54 +473,41 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 
 # ------------------------------------------------------------------------- during the loop
 def skip_update(run, what, max_in_row=10):
-    """Count an update skipped for NaN/inf (in a reward, loss or gradient); the caller resets
-    run.nonfinite_in_row after a good one. Too many in a row stop the run."""
+    """Count an update skipped for NaN/inf (the caller resets nonfinite_in_row after a good one)."""
     run.nonfinite += 1
     run.nonfinite_in_row += 1
     if what not in run.warned:  # said once per kind; summary.json counts them all
-        tqdm.write(f"warning: non-finite {what}: update skipped (further ones are counted in "
-                   "summary.json's nonfinite_skips)")
+        tqdm.write(f"warning: non-finite {what}: update skipped (counted in summary.json)")
         run.warned.add(what)
     if run.nonfinite_in_row >= max_in_row:
         hint = "does a reward return NaN/inf?" if "reward" in what else "try a lower --lr"
-        stop_nonfinite(run, f"the {what} was NaN or inf in {max_in_row} updates in a row ({hint})")
+        stop_run(run, f"the {what} was NaN or inf in {max_in_row} updates in a row ({hint})")
 
 
-def stop_nonfinite(run, why, diverged_at=0):
-    """End the run with one line (exit 2) saying what went NaN/inf. The folder stays (even with
-    no step logged: it is evidence), with metrics.jsonl and the last checkpoint, if one was saved,
-    to --resume from; a checkpoint is never written from non-finite weights."""
-    if run.dir in NEW_FOLDERS:
+def stop_run(run, why):
+    """End the run in one line (exit 2), keeping its folder, metrics.jsonl and last checkpoint."""
+    if run.dir in NEW_FOLDERS:  # even with no step logged: it is evidence
         NEW_FOLDERS.remove(run.dir)
     kept = f"the checkpoint of step {run.saved_step} is kept" if run.saved_step else \
         "no checkpoint had been saved yet"
-    if diverged_at and run.saved_step == diverged_at:  # saved just after the update that diverged
-        kept = f"the checkpoint of step {run.saved_step} holds the diverged weights"
     raise C.UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl of the steps so far, "
                       f"and {kept}")
 
 
 @contextlib.contextmanager
-def stop_on_divergence(run, model, step):
-    """Sampling from a policy that diverged (weights or logits NaN/inf, e.g. --lr far too high)
-    fails deep in torch.multinomial ("probability tensor contains either inf, nan or element <
-    0"): stop with one line naming the step instead."""
+def stop_on_divergence(run, step):
+    """A diverged policy fails deep in torch.multinomial: stop with one line naming the step."""
     try:
         yield
     except RuntimeError as e:
-        if "probability tensor contains" not in str(e):
+        if "probability tensor contains" not in str(e):  # "... either inf, nan or element < 0"
             raise
-        bad = _nonfinite_weights([model])
-        what = "its weights are NaN or inf" if bad else "its next-token logits overflow to inf"
-        when = f"in the update of step {step}" if step else "before any update"
-        stop_nonfinite(run, f"the policy diverged {when} ({what}, so step {step + 1} cannot "
-                            "sample; try a lower --lr)", diverged_at=step)
+        stop_run(run, f"the policy diverged (its next-token probabilities are NaN or inf), so "
+                      f"step {step + 1} cannot sample; try a lower --lr")
 
 
-def _nonfinite_weights(modules):
-    """How many of the modules' weights hold a NaN or inf (--fsdp: in this process's shards)."""
-    return sum(float(not torch.isfinite(p.to_local() if isinstance(p, DTensor) else p).all())
-               for m in modules for p in m.parameters())
+def _local(p):  # --fsdp: this process's shard of a sharded parameter (a DTensor)
+    return p.to_local() if isinstance(p, DTensor) else p
 
 
 def every(step, n):
@@ -521,81 +515,63 @@ def every(step, n):
     return n > 0 and (step + 1) % n == 0
 
 
-def log_step(run, metrics, bar, samples, opt, kl_warn=10.0):
-    """Append the metrics line (and every 25 steps the samples); after the first step, say what
-    memory AdamW's moments add from the next step on (where runs that barely fit fail, trl#2972)."""
-    step = metrics["step"]
+def log_step(run, metrics, bar, samples, opt):
+    """Rank 0: the metrics line (and, every 25 steps, the samples) to the run's files and tracker.
+    After step 1: its peak memory, and what AdamW's moments, made at its end, add."""
     if run.rank > 0:
         return
-    if metrics.get("kl", 0.0) > kl_warn:
-        tqdm.write(f"warning: KL per token is {metrics['kl']:.2f} at step {step}: the policy is "
-                   "running away from the reference")
+    step = metrics["step"]
+    samples = samples if (step - 1) % 25 == 0 else None  # steps 1, 26, 51, ...
     run.history.append(metrics)
     run.metrics.write(json.dumps(metrics) + "\n")
     run.metrics.flush()
-    if samples and (step - 1) % 25 == 0:
+    if samples:
         run.samples.write(json.dumps({"step": step, "samples": samples}) + "\n")
         run.samples.flush()
     if run.tracker is not None:
-        _report(run.tracker, metrics, samples if (step - 1) % 25 == 0 else None)
+        _report(run.tracker, metrics, samples)
     shown = ("reward", "kl", "gold", "eval")
     bar.set_postfix({k: f"{metrics[k]:.3g}" for k in shown if k in metrics})
-    if step == 1:
-        params = [p for g in opt.param_groups for p in g["params"] if p.requires_grad]
-        device = params[0].device
-        params = [p.to_local() if isinstance(p, DTensor) else p for p in params]  # --fsdp: 1/N
-        moments = 8 * sum(p.numel() for p in params) / 2**20
-        total = ""
-        if device.type == "cuda":
-            total = f" of {torch.cuda.get_device_properties(device).total_memory / 2**20:,.0f}"
-        tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB{total} in the first step; AdamW's "
-                   f"moments, created at its end, add {moments:,.0f} MB from the next step on")
+    if step == 1:  # where runs that barely fit fail: step 2, with the moments (trl#2972)
+        params = [_local(p) for group in opt.param_groups for p in group["params"]]
+        moments = 8 * sum(p.numel() for p in params) / 2**20  # two fp32 numbers per weight
+        tqdm.write(f"memory: peak {peak_mem_mb(params[0].device):,.0f} MB in the first step; "
+                   f"AdamW's moments, created at its end, add {moments:,.0f} MB from the next "
+                   "step on")
 
 
 def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
-    """Atomic: write checkpoint.tmp/, then swap it in by renames, so a kill while saving leaves the
-    previous checkpoint loadable (parse_args recovers checkpoint.old/ if the kill fell between the
-    renames). extra: the algorithm's own state to restore on resume, e.g. PPO's kl_coef.
-    trained: the modules opt updates (default: model). Under --fsdp every process helps gather
-    full weights and a full optimizer state (keyed by parameter names) for rank 0 to write:
-    from_pretrained loads the checkpoint as any other, and a resume may use another world size."""
-    final, tmp, old = (os.path.join(run.dir, n) for n in ("checkpoint", "checkpoint.tmp",
-                                                          "checkpoint.old"))
-    for leftover in (tmp, old):  # of a save that was killed
-        shutil.rmtree(leftover, ignore_errors=True)
-    if global_sum(_nonfinite_weights(trained or [model])):  # keep the last good checkpoint
-        stop_nonfinite(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
+    """Atomic: written to checkpoint.tmp/, then swapped in by renames (docs/reliability.md).
+    extra: the algorithm's own state for --resume; trained: the modules opt updates (or model)."""
+    trained = trained or [model]
+    bad = sum(float(not torch.isfinite(_local(p)).all()) for m in trained for p in m.parameters())
+    if global_sum(bad):  # NaN/inf weights, in any process: keep the last good checkpoint
+        stop_run(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rng_states = [(torch.get_rng_state(), cuda_rng)]
-    if run.world > 1:  # every process's sampling RNG, gathered on rank 0
-        rng_states = [None] * run.world
-        dist.all_gather_object(rng_states, (torch.get_rng_state(), cuda_rng))
-    weights = opt_state = None  # unsharded: save_pretrained and opt.state_dict() as they are
-    if _sharded(trained or [model]):
-        weights = full_state_dict(model)
-        opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained or [model]), opt,
-                                             options=StateDictOptions(full_state_dict=True,
-                                                                      cpu_offload=True))
+    rng_states = [(torch.get_rng_state(), cuda_rng)] * run.world
+    if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
+        dist.all_gather_object(rng_states, rng_states[0])
+    # --fsdp: every process helps gather full weights and optimizer state for rank 0 to write
+    weights = full_state_dict(model)
+    opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \
+        if _sharded(trained) else opt.state_dict()
     if run.rank > 0:
-        run.saved_step = step
         return
-    state = {"step": step, "optimizer": opt_state or opt.state_dict(), "data_rng": rng.getstate(),
+    state = {"step": step, "optimizer": opt_state, "data_rng": rng.getstate(),
              "torch_rng": [t for t, _ in rng_states], "cuda_rng": [c for _, c in rng_states],
              "nonfinite": run.nonfinite, "extra": extra}
+    tmp, final, old = (os.path.join(run.dir, n) for n in ("checkpoint.tmp", "checkpoint",
+                                                          "checkpoint.old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tok.save_pretrained(tmp)
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
         with open(os.path.join(tmp, "args.json"), "w") as f:
             json.dump({"algo": run.algo, "args": dataclasses.asdict(run.args)}, f, indent=1)
-    # a full disk: OSError, torch.save's RuntimeError ("enforce fail at inline_container"), or
-    except (OSError, RuntimeError, SafetensorError) as e:  # safetensors' "No space left on device"
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each of them says it
         shutil.rmtree(tmp, ignore_errors=True)
-        free = shutil.disk_usage(run.dir).free / 2**20
-        kept = f"--resume {run.dir}: the checkpoint of step {run.saved_step} is intact" \
-            if run.saved_step else "no checkpoint had been saved yet"
-        raise C.UserError(f"could not write the checkpoint to {tmp} ({C._first_line(e)[:80]}; "
-                          f"{free:,.0f} MB free): free some space; {kept}") from None
+        stop_run(run, f"could not write the checkpoint to {tmp} ({C._first_line(e)[:80]}): "
+                      "free some space")
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
@@ -643,63 +619,47 @@ def get_world_size():
 
 
 def my_share(items):
-    """This process's contiguous share of a list that every process drew alike (prompts: so a
-    GRPO group never straddles two processes). One process: all of it."""
+    """This process's contiguous share of rows that all drew alike (a GRPO group stays whole)."""
     n = len(items) // get_world_size()
     return items[get_rank() * n:(get_rank() + 1) * n]
 
 
 def global_sum(x):
-    """x summed over every process: for normalisers that count the whole optimizer step (tokens,
-    sequences) and for global means. One process: x itself."""
+    """x summed over every process, as a float64 copy (x stays as it was). One process: x."""
     if get_world_size() == 1:
         return x
     t = torch.as_tensor(x)
-    total = t.to(_collective_device(), torch.float64)  # a copy: x itself stays as it was
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # nccl reduces CUDA tensors only
+    total = t.to(device, torch.float64, copy=True)
     dist.all_reduce(total)
     return total.to(t.device, t.dtype if t.is_floating_point() else torch.float64)
 
 
-def _collective_device():
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-        else torch.device("cpu")
-
-
 def global_mean(metrics, weight=1.0, weights=None):
-    """Each float in a dict averaged over the processes, weighted so that it is the mean one
-    process would take over all their rows: by `weight` (e.g. the rows each process scored), or
-    per key by weights[key] (a token mean by the tokens it averages: each process's kl over its
-    own tokens, weighted by them, is the kl over every token). Ints (the step) are counts every
-    process shares: kept as they are. One process: metrics itself."""
+    """Each float averaged over the processes as one process would over all their rows, weighted by
+    `weight` (rows) or per key by weights[key] (a token mean: its tokens); ints stay as they are."""
     if get_world_size() == 1:
         return metrics
-    weights = weights or {}
     keys = sorted(k for k, v in metrics.items() if isinstance(v, float))
-    w = torch.tensor([float(weights.get(k, weight)) for k in keys], dtype=torch.float64)
-    x = torch.tensor([metrics[k] for k in keys], dtype=torch.float64) * w
-    total = torch.cat([w, x]).to(_collective_device())
-    dist.all_reduce(total)
-    w, x = total.split(len(keys))
-    return {**metrics, **{k: float(s / n) if n else float(s) for k, s, n in zip(keys, x, w)}}
+    w = torch.tensor([float((weights or {}).get(k, weight)) for k in keys], dtype=torch.float64)
+    x = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
+    n, total = global_sum(torch.stack([w, x * w]))
+    return {**metrics, **dict(zip(keys, (total / n).tolist()))}
 
 
 def global_std(x):
-    """The unbiased std of x's entries over every process (as torch.std over all of them): the
-    global mean first, then the squared deviations from it. One process: x.std() itself."""
+    """The unbiased std of x's entries over every process (torch.std over all of them)."""
     if get_world_size() == 1:
         return x.std()
     x64 = x.detach().double()
-    n, s = global_sum(torch.stack([torch.tensor(float(x.numel()), dtype=torch.float64),
-                                   x64.sum()]))
-    squares = global_sum(((x64 - s / n) ** 2).sum())
+    n, s = global_sum(torch.stack([x64.new_tensor(x.numel()), x64.sum()]))
+    squares = global_sum(((x64 - s / n) ** 2).sum())  # deviations from the global mean
     return (squares / (n - 1)).sqrt().to(x.dtype)
 
 
 def stop_requested():
     """Ctrl-C in any process stops every process after the same step."""
-    if get_world_size() == 1:
-        return STOP["requested"]
-    return bool(global_sum(float(STOP["requested"])) > 0)
+    return bool(global_sum(float(STOP["requested"])))
 
 
 def wrap_model(model, fsdp=False):
@@ -727,10 +687,8 @@ def wrap_model(model, fsdp=False):
 
 
 def sync_gradients(model, now):
-    """DDP averages gradients once per optimizer step: in the last micro-batch's backward only.
-    FSDP2 reduce-scatters them in every micro-batch's backward: waiting would keep a full-size
-    gradient in every process (4 B/param), the memory it is there to save; it all-gathers the
-    weights per micro-batch anyway."""
+    """DDP averages gradients in the last micro-batch's backward only (now); FSDP2 reduce-scatters
+    them in every one, not to hold a full gradient (docs/scaling.md). One process: nothing."""
     if isinstance(model, DistributedDataParallel) and not now:
         return model.no_sync()
     return contextlib.nullcontext()
@@ -738,31 +696,22 @@ def sync_gradients(model, now):
 
 @contextlib.contextmanager
 def gathered(model):
-    """--fsdp: sampling and eval on gathered weights. Every process all-gathers the whole model once
-    (together), then its decode loop runs with no collective at all, so processes may stop at
-    different lengths and run different numbers of eval batches; on leaving, back to 1/N. The cost:
-    the full weights in every process while sampling (as RL systems that sync the weights to an
-    inference engine also hold them). Without FSDP: nothing to do."""
-    if not isinstance(model, FSDPModule):
-        yield
-        return
-    units = [m for m in model.modules() if isinstance(m, FSDPModule)]
+    """--fsdp: sampling and eval on the whole model, all-gathered once in every process, so the
+    decode loop makes no collective (docs/scaling.md); back to 1/N on leaving. Else: nothing."""
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # none without --fsdp
     for m in units:
         m.unshard()
-    model.set_reshard_after_forward(False)  # forwards keep the weights gathered
+        m.set_reshard_after_forward(False, recurse=False)  # forwards keep the weights gathered
     try:
         yield
     finally:  # FSDP2's defaults again: blocks free their weights after forward, the root keeps its
-        model.set_reshard_after_forward(True)
-        model.set_reshard_after_forward(False, recurse=False)
         for m in units:
+            m.set_reshard_after_forward(m is not model, recurse=False)
             m.reshard()
 
 
 def split_eval(run, model, rows, score):
-    """Held-out scores: under torchrun each process scores its share of the rows (score(rows) ->
-    dict of means) and the shares are merged, weighted by their sizes; --fsdp: on gathered weights,
-    so processes may run different numbers of batches. One process: score(rows)."""
+    """Held-out scores, score(rows) -> dict of means, each process on its share, merged by size."""
     mine = rows[run.rank::run.world]
     with gathered(model):
         return global_mean(score(mine), weight=len(mine))
@@ -773,17 +722,14 @@ def _sharded(modules):
 
 
 def full_state_dict(model):
-    """The weights as full tensors: FSDP2 gathers its shards onto the CPU (every process must call
-    this; rank 0 gets the dict, the others {}). Otherwise model.state_dict()."""
+    """The full weights; under FSDP2 gathered onto rank 0's CPU ({} elsewhere; all must call it)."""
     if not _sharded([model]):
         return model.state_dict()
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
-                                                                cpu_offload=True))
-    first = {}  # tied weights (an LM head that is the embedding) gather as two copies: make them
-    for name, p in model.named_parameters(remove_duplicate=False):  # one again, as in
-        if full and id(p) in first:  # model.state_dict(), so save_pretrained writes it once
-            full[name] = full[first[id(p)]]
-        first.setdefault(id(p), name)
+    full = get_model_state_dict(model, options=FULL)
+    first = {}  # tied weights (an LM head that is the embedding) gather as two copies: one again,
+    for name, p in model.named_parameters(remove_duplicate=False):  # as in model.state_dict(),
+        if full:  # so that save_pretrained writes it once
+            full[name] = full[first.setdefault(id(p), name)]
     return full
 
 
@@ -791,9 +737,7 @@ def full_state_dict(model):
 def peak_mem_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    try:  # this process's own peak RSS (Linux's VmHWM)
-        import resource
-    except ImportError:  # Windows has no `resource`: unknown, not a crash
+    if resource is None:  # Windows has no `resource`: unknown, not a crash
         return float("nan")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
     return rss / 2**20 if sys.platform == "darwin" else rss / 1024
@@ -860,8 +804,8 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
     first = run.state["step"] if run.state else 0  # a run whose every update was skipped stops
     if run.nonfinite_in_row and not any(math.isfinite(m.get("grad_norm", math.nan))
                                         for m in run.history if m["step"] > first):
-        stop_nonfinite(run, f"every update of this run was skipped for NaN/inf (non-finite "
-                            f"{', '.join(sorted(run.warned))}), so nothing was trained")
+        stop_run(run, f"every update of this run was skipped for NaN/inf (non-finite "
+                      f"{', '.join(sorted(run.warned))}), so nothing was trained")
     steps = [m["step"] for m in run.history]
     tokens_per_s = sum(m.get("tokens_per_s", 0) for m in run.history) / max(len(steps), 1)
     summary = {"algo": run.algo, "args": dataclasses.asdict(run.args), "eval_metric": metric,

@@ -9,8 +9,8 @@ ratios).
                                    vs chunked
   python bench/bench.py memory     peak memory and time of one training forward + backward of
                                    token_logprobs on a 151,936-token vocabulary, T = 128 and 512:
-                                   plain, the pre-#27 fast path (full logits) and the chunked
-                                   head; the bundled model's speed, new vs old
+                                   plain and the chunked head; the bundled model's speed, fast
+                                   path vs plain
   python bench/bench.py trl        grpo.py vs TRL's GRPOTrainer on the bundled model and task
                                    (needs `pip install trl`, used only here, never a project
                                    dependency)
@@ -199,8 +199,8 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            return fastpath.fast_token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True,
-                                         chunk_elems=chunk_elems)[0]
+            return fastpath.fast_token_logprobs(model, model.lm_head, ids, torch.ones_like(ids), T,
+                                                1.0, True, chunk_elems=chunk_elems)[0]
     forward().sum().backward()  # warm-up: gradients and allocator caches exist before we measure
     base = used()
     t = time.perf_counter()
@@ -246,8 +246,7 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
     peak; on the CPU the kernel's peak resident set (VmHWM), reset just before the pass by
     writing 5 to /proc/self/clear_refs (big blocks are mmap'ed, so freed ones leave the resident
     set: after a warm-up pass the RSS is the weights, their gradients and the runtime). path:
-    'plain' (fast=False), 'logits' (the fast path before #27: a full forward's logits, only the
-    log-softmax chunked; forced by marking the head unsplittable) or 'hidden' (the default)."""
+    'plain' (fast=False) or 'hidden' (the default: the chunked head)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.set_num_threads(1)
     device = loading.pick_device()
@@ -256,8 +255,7 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024)
     model = Qwen2ForCausalLM(cfg).to(device).eval()
-    if path == "logits":
-        fastpath._HEAD_CHECKED[Qwen2ForCausalLM] = False  # the pre-#27 fast path: logits, chunks
+    fastpath.check_head(model)  # as loading.load_model does: the fast path may run its head
     ids = torch.randint(3, vocab, (rows, P + T), device=device)  # distinct prompts: no sharing
 
     def step():
@@ -286,27 +284,25 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
 
 def bundled_logprobs_speed(repeats=30):
     """s per training forward + backward of token_logprobs on the bundled model and a GRPO-sized
-    batch (64 rows, 8 groups), the new path against the pre-#27 one, interleaved in one process."""
+    batch (64 rows, 8 groups), the fast path against the plain one, interleaved in one process."""
     tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
     model = loading.load_model(loading.DEFAULT_POLICY, "lm", loading.pick_device())
     torch.manual_seed(0)
     prompts = C.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:8]] * 8)
     roll = C.sample(model, tok, prompts, 6)
     T = roll.completion_mask.shape[1]
-    cls = type(model)
 
-    def step():
-        lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, entropy=True)
+    def step(fast):
+        lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, entropy=True,
+                                   fast=fast)
         (lp * roll.completion_mask).sum().backward()
-    best = {"hidden": float("inf"), "logits": float("inf")}
+    best = {"hidden": float("inf"), "plain": float("inf")}
     torch.set_num_threads(1)  # as the scripts run the bundled model
     for _ in range(repeats):
         for name in best:
-            fastpath._HEAD_CHECKED[cls] = name == "hidden"  # (the head's check already passed)
             t = time.perf_counter()
-            step()
+            step(fast=name == "hidden")
             best[name] = min(best[name], time.perf_counter() - t)
-    fastpath._HEAD_CHECKED.pop(cls, None)
     return best
 
 
@@ -314,8 +310,8 @@ def bench_memory():
     """train_logprobs_memory for each path and T, each in a fresh process, then the bundled
     model's speed."""
     out = []
-    # (the two full-logits paths at T = 512 would need about 9 and 11 GB: not run)
-    for T, paths in ((128, ("plain", "logits", "hidden")), (512, ("hidden",))):
+    # (the plain path at T = 512 would need about 11 GB: not run)
+    for T, paths in ((128, ("plain", "hidden")), (512, ("hidden",))):
         for path in paths:
             cmd = [sys.executable, __file__, "_train_memory", path, str(T)]
             # glibc would keep freed blocks under 32 MB in its heap (its mmap threshold rises as
@@ -328,8 +324,8 @@ def bench_memory():
                   f"({m['weights_mb']:.0f} MB of weights)   fwd+bwd {m['fwd_bwd_s']:.2f} s   "
                   f"one (8, {T}, 151,936) fp32 logits: {m['full_logits_fp32_mb']:.0f} MB")
     speed = bundled_logprobs_speed()
-    print(f"bundled model, fwd+bwd of token_logprobs: {speed['hidden'] * 1e3:.2f} ms (hidden) vs "
-          f"{speed['logits'] * 1e3:.2f} ms (logits, pre-#27)")
+    print(f"bundled model, fwd+bwd of token_logprobs: {speed['hidden'] * 1e3:.2f} ms (fast) vs "
+          f"{speed['plain'] * 1e3:.2f} ms (plain)")
     return {"train_memory": out, "bundled_s": speed}
 
 
