@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import torch
 from transformers import DynamicCache
 
-import answer_format  # the number a text's answer states: \\boxed{}, '####', fractions
+import answer_format  # the number a text's answer states: \boxed{}, '####', fractions
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 
 try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
@@ -185,9 +185,9 @@ def rollout(model, tok, prompt_ids, env, rows, max_turns, max_new_tokens, temper
     """Multi-turn sampling with a tool (docs/tool_use.md): each turn, sample() continues every
     live row's transcript, then env(row, turns) (the model's turns so far, texts) returns an
     observation to append, or None: the episode ends. max_new_tokens: the whole completion's
-    budget, observations included. Returns sample()'s fields, completion_mask 0 on observations,
-    and per row turns, tool_calls, observations, final (the text after the last observation:
-    what rewards read) and transcript."""
+    budget, observations included. Returns sample()'s fields (completion_mask, sample_logprobs
+    0 on observations) and per row turns, tool_calls, observations, final (the text after the
+    last observation: what rewards read) and transcript."""
     B, device = len(prompt_ids), next(model.parameters()).device
     comp = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # the completions
     completion_mask = torch.zeros(B, max_new_tokens, device=device)  # 1: sampled by the model
