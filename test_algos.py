@@ -3235,10 +3235,10 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     calls = []
     real = C.compute_rewards
 
-    def rewards(*a, **kw):
+    def rewards(*a, **kw):  # call 1 scores the held-out eval before training, call 3 step 2
         calls.append(1)
         total, parts = real(*a, **kw)
-        return (total * float("nan") if len(calls) == 2 else total), parts
+        return (total * float("nan") if len(calls) == 3 else total), parts
     monkeypatch.setattr(C, "compute_rewards", rewards)
     out = tmp_path / "out"
     run_main(monkeypatch, grpo, "--max_steps", "3", "--eval_size", "10", "--output_dir", str(out))
