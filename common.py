@@ -24,6 +24,7 @@ from transformers import DynamicCache
 
 import answer_format  # the number a text's answer states: \boxed{}, '####', fractions
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
+import tasks  # the data: encode_prompts() turns a row's prompt into token ids (chat template)
 
 try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
     import math_verify
@@ -37,26 +38,6 @@ class UserError(Exception):
 
 def _first_line(e):
     return (str(e).splitlines() or [type(e).__name__])[0]
-
-
-# --------------------------------------------------------------------------- prompts, sampling
-def as_messages(prompt):
-    """A prompt as chat messages: a text is one user message; a list of messages stays as it is."""
-    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-
-
-def as_text(prompt):
-    """A prompt as plain text, for a tokenizer without a chat template: the messages' contents."""
-    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
-
-
-def encode_prompts(tok, prompts, chat_template="auto"):
-    """Token ids per prompt (text or messages), with the tokenizer's chat template unless 'none'."""
-    if chat_template != "none" and tok.chat_template:
-        texts = [tok.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True)
-                 for p in prompts]
-        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [tok(as_text(p))["input_ids"] for p in prompts]
 
 
 def left_pad(seqs, pad_id, device):
@@ -247,7 +228,7 @@ def decode_completions(tok, roll):
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
     """One completion per row by sample(), or with env by the multi-turn rollout(). Returns the
     rollout and the texts rewards read. greedy (held-out eval): the argmax, at temperature 1."""
-    prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
     if env is None:
         roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy,
@@ -373,11 +354,11 @@ def rm_sequences(rm_tok, prompts, completions, chat_template="auto"):
     """What a reward model reads: prompt + completion re-tokenised with its own tokenizer (and chat
     template), then EOS, so it sees a finished answer."""
     if chat_template != "none" and rm_tok.chat_template:
-        chats = [as_messages(p) + [{"role": "assistant", "content": c}]
+        chats = [tasks.as_messages(p) + [{"role": "assistant", "content": c}]
                  for p, c in zip(prompts, completions)]
         texts = [rm_tok.apply_chat_template(chat, tokenize=False) for chat in chats]
         return [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [rm_tok(as_text(p) + c)["input_ids"] + [rm_tok.eos_token_id]
+    return [rm_tok(tasks.as_text(p) + c)["input_ids"] + [rm_tok.eos_token_id]
             for p, c in zip(prompts, completions)]
 
 

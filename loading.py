@@ -22,6 +22,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
 import fastpath
+import tasks
 
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -203,7 +204,7 @@ def check_prompts(tok, model, rows, args):
     limit = getattr(model.config, "max_position_embeddings", None)
     if not limit:
         return
-    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     lens = [len(s) for s in prompt_ids]
     too_long = sum(n + args.max_new_tokens > limit for n in lens)
     if too_long:

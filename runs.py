@@ -52,6 +52,7 @@ except ImportError:  # Windows has none
 import common as C
 import envs as E
 import loading
+import tasks
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
@@ -844,7 +845,7 @@ def sanity_check(model, ref, tok, rows, args, amp):
     training forward's; the ratio pi / pi_old is exactly 1; KL(pi || pi_ref) is 0; every finished
     row's mask ends on an EOS. Prints each check and a peak-memory estimate; returns failures."""
     device = next(model.parameters()).device
-    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template)
+    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template)
     # top_p 1: below 1 the sampler's log-probs are over the kept tokens (by design, not a bug)
     roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, 1.0, amp=amp,
                     stop=args.stop)

@@ -125,7 +125,7 @@ def heldout_loss(model, examples, pad_id, micro_batch_size, amp):
 
 def read_demonstrations(path, tok, chat_template, limit):
     """(prompt ids, completion ids + EOS) per row, the prompt encoded as the RL scripts encode it
-    (C.encode_prompts: chat template and all). Errors name the file, the line and the field."""
+    (tasks.encode_prompts: chat template and all). Errors name the file, the line and the field."""
     prompts, completions, lines = [], [], []
     for where, row in tasks.jsonl_objects(path):  # (errors name the file and the line)
         if isinstance(row, dict) and "messages" in row:  # chat: the last message is the reply
@@ -145,7 +145,7 @@ def read_demonstrations(path, tok, chat_template, limit):
         completions.append(row["completion"])
         lines.append(where)
     examples = []
-    for p, c, where in zip(C.encode_prompts(tok, prompts, chat_template), completions, lines):
+    for p, c, where in zip(tasks.encode_prompts(tok, prompts, chat_template), completions, lines):
         ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
         if limit and len(p) + len(ids) > limit:
             raise C.UserError(f"{where}: {len(p) + len(ids)} tokens, more than the model's "

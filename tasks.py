@@ -2,7 +2,8 @@
 
 The built-in addition task (seeded, with a fixed held-out split), your JSONL files, hub datasets
 (`--data hf:NAME`, optional package `datasets`), and the preference files of reward_model.py and
-dpo.py. Every error names the file, the line and the field. The calculator tool task is envs.py.
+dpo.py; and encode_prompts(), a prompt as the token ids the model reads (its chat template). Every
+error names the file, the line and the field. The calculator tool task is envs.py.
 """
 import json
 import math
@@ -235,3 +236,23 @@ def collate(examples, pad_id, device):
     return SimpleNamespace(ids=torch.cat([prompt, completion], 1), P=prompt.shape[1],
                              attention_mask=torch.cat([prompt_mask, mask], 1),
                              completion_mask=mask.float())
+
+
+# ------------------------------------------------------------ prompts as token ids the model reads
+def as_messages(prompt):
+    """A prompt as chat messages: a text is one user message; a list of messages stays as it is."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def as_text(prompt):
+    """A prompt as plain text, for a tokenizer without a chat template: the messages' contents."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+
+
+def encode_prompts(tok, prompts, chat_template="auto"):
+    """Token ids per prompt (text or messages), with the tokenizer's chat template unless 'none'."""
+    if chat_template != "none" and tok.chat_template:
+        texts = [tok.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True)
+                 for p in prompts]
+        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tok(as_text(p))["input_ids"] for p in prompts]

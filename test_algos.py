@@ -260,7 +260,7 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
         # a pre-hook: the recompute may stop early
         model.transformer.h[0].attn.register_forward_pre_hook(lambda *a: n.append(1))
         if not grads:  # one rollout, sampled by the first model, scored by both
-            prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(2)]
+            prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) for _ in range(2)]
             roll = C.sample(model, tok, prompts, 6)
         T = roll.completion_mask.shape[1]
         lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
@@ -273,8 +273,8 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
         grads.append([p.grad.clone() for p in model.parameters()])
     assert calls == [0, 1]
     # the KV cache still works
-    greedy = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 8, greedy=True)
-    ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
+    greedy = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 8, greedy=True)
+    ids, mask = C.left_pad(tasks.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              use_cache=False, pad_token_id=tok.pad_token_id)
@@ -291,7 +291,7 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
 def test_greedy_sample_equals_generate(arch, tok):
     model = tiny_model(arch, seed=1)
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = C.encode_prompts(tok, PROMPTS + PROMPTS[::-1])  # repeated prompts share one prefill
+    prompts = tasks.encode_prompts(tok, PROMPTS + PROMPTS[::-1])  # repeats share one prefill
     roll = C.sample(model, tok, prompts, 10, greedy=True)
     ids, mask = C.left_pad(prompts, tok.pad_token_id, "cpu")
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
@@ -306,7 +306,7 @@ def test_stop_strings_end_rows_as_generate_does(tok):
     """A row ends at the token that completes a stop string (kept in the completion and its mask,
     not truncated); greedy completions equal model.generate(stop_strings=...)."""
     model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
-    prompts = C.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:64]])
+    prompts = tasks.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:64]])
     stop = ["8", "12"]  # a one-token and a two-token stop string
     roll = C.sample(model, tok, prompts, 6, greedy=True, stop=stop)
     ids, mask = C.left_pad(prompts, tok.pad_token_id, "cpu")
@@ -328,7 +328,7 @@ def test_stop_strings_end_rows_as_generate_does(tok):
 def test_completion_mask_includes_eos_and_nothing_after(tok):
     model = tiny_model("llama", seed=1)
     model.generation_config.eos_token_id = [2, 43, 72]
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 4), 10, temperature=1.0)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 4), 10, temperature=1.0)
     eos = torch.tensor([2, 43, 72])
     comp = roll.ids[:, roll.P:]
     for i in range(len(comp)):
@@ -346,7 +346,7 @@ def test_completion_mask_when_pad_equals_eos(tok):
     t.pad_token = t.eos_token
     model = tiny_model("qwen2", seed=1)
     model.generation_config.eos_token_id = [2, 43]
-    roll = C.sample(model, t, C.encode_prompts(t, PROMPTS * 3), 10, temperature=1.0)
+    roll = C.sample(model, t, tasks.encode_prompts(t, PROMPTS * 3), 10, temperature=1.0)
     comp = roll.ids[:, roll.P:]
     for i in range(len(comp)):
         hits = torch.isin(comp[i], torch.tensor([2, 43])).nonzero()
@@ -370,7 +370,7 @@ def test_logprobs_equal_plain_forward_with_left_padding(arch, tok):
     model = tiny_model(arch)
     # frequent tokens of this random model, so rows end early
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = C.encode_prompts(tok, PROMPTS)
+    prompts = tasks.encode_prompts(tok, PROMPTS)
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 2, OFF)
     # one row per micro-batch: rows shorter than the batch run on fewer columns; same values,
@@ -394,7 +394,7 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
     model = tiny_model(arch)
     model.generation_config.eos_token_id = [2, 43, 72]
     # [1]: a 1-token prompt
-    prompts = [p for p in C.encode_prompts(tok, PROMPTS) + [[1]] for _ in range(4)]
+    prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) + [[1]] for _ in range(4)]
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     T = roll.completion_mask.shape[1]
     # rows differ within groups
@@ -419,7 +419,7 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
     same values, entropies and gradients as one chunk and as the plain path (bf16: the head's
     matmul on other shapes rounds differently, so to bf16 precision)."""
     model = tiny_model("llama")
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
     chunks, real = [], fastpath._chunk_logprobs
     monkeypatch.setattr(fastpath, "_chunk_logprobs",
@@ -463,7 +463,7 @@ def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
     value and parameter gradient equal -sum p log p of a plain forward's (logits / temperature),
     also when the head and log-softmax are chunked; under no_grad it has none."""
     model = tiny_model("gpt2")
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
     T, mask = roll.completion_mask.shape[1], roll.completion_mask
     logits = model(roll.ids, attention_mask=roll.attention_mask,
                    position_ids=C.positions(roll.attention_mask)).logits
@@ -486,7 +486,7 @@ def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
 
 def test_batch_order_does_not_change_logprobs(tok):
     model = tiny_model("llama")
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 6)
     lp = C.batched_logprobs(model, roll, 1.0, 5, OFF)
     perm = torch.tensor([3, 0, 4, 2, 1])
     rolled = SimpleNamespace(ids=roll.ids[perm], attention_mask=roll.attention_mask[perm],
@@ -552,7 +552,7 @@ def bigram_chat_model(folder, tmp_path):
     "7</answer>" (several tokens), then <|im_end|>."""
     model = loading.load_model(folder, "lm", torch.device("cpu"))
     tok = loading.load_tokenizer(folder)
-    chain = [C.encode_prompts(tok, ["hi"])[0][-1]] + tok("7</answer>")["input_ids"] \
+    chain = [tasks.encode_prompts(tok, ["hi"])[0][-1]] + tok("7</answer>")["input_ids"] \
         + [tok.eos_token_id]
     assert len(set(chain)) == len(chain) > 4
     with torch.no_grad():
@@ -577,7 +577,7 @@ def test_real_tokenizer_encode_sample_decode_logprobs_equal_a_plain_forward(chat
     assert tok.pad_token_id != tok.eos_token_id and C.eos_ids(model, tok) == sorted(
         tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     assert model.generation_config.suppress_tokens == list(range(len(tok), len(tok) + 37))
-    prompts = C.encode_prompts(tok, ["12+30=", "What is the sum?", "Be brief."] * 2)
+    prompts = tasks.encode_prompts(tok, ["12+30=", "What is the sum?", "Be brief."] * 2)
     assert tok.decode(prompts[0]) == "<|im_start|>user\n12+30=<|im_end|>\n<|im_start|>assistant\n"
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 12, temperature=1.0)
@@ -603,7 +603,7 @@ def test_real_tokenizer_encode_sample_decode_logprobs_equal_a_plain_forward(chat
 def test_real_tokenizer_system_prompt_adds_a_chat_turn(chat_model):
     tok = loading.load_tokenizer(chat_model)
     rows = tasks.load_data("", eval_size=4, system_prompt="Be brief.").eval_rows
-    text = tok.decode(C.encode_prompts(tok, [rows[0]["prompt"]])[0])
+    text = tok.decode(tasks.encode_prompts(tok, [rows[0]["prompt"]])[0])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
@@ -616,7 +616,7 @@ def test_multi_token_stop_string_ends_a_row_on_its_last_token_and_sanity_passes(
     folder, chain = bigram_chat_model(chat_model, tmp_path)
     model = loading.load_model(folder, "lm", torch.device("cpu"))
     tok = loading.load_tokenizer(folder)
-    prompts = C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 2)
+    prompts = tasks.encode_prompts(tok, ["1+2=", "What is the sum?"] * 2)
     for stop, want in ((["</answer>"], chain[1:-1]), ([], chain[1:])):
         roll = C.sample(model, tok, prompts, 10, greedy=True, stop=stop)
         assert len(chain[1:-1]) > 2 and not roll.truncated.any()
@@ -637,8 +637,8 @@ def test_sampling_puts_only_the_last_position_through_the_lm_head(chat_model):
     tok = loading.load_tokenizer(chat_model)
     shapes = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
-    C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "Be brief.", "1+2="]), 5)
-    C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "Be brief."]), 5, share_prompts=False)
+    C.sample(model, tok, tasks.encode_prompts(tok, ["1+2=", "Be brief.", "1+2="]), 5)
+    C.sample(model, tok, tasks.encode_prompts(tok, ["1+2=", "Be brief."]), 5, share_prompts=False)
     hook.remove()
     assert shapes and all(s[1] == 1 for s in shapes)
 
@@ -649,7 +649,7 @@ def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
     model = loading.load_model(chat_model, "lm", torch.device("cpu"))
     tok = loading.load_tokenizer(chat_model)
     torch.manual_seed(0)
-    roll = C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 3), 12)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, ["1+2=", "What is the sum?"] * 3), 12)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
     sizes, blocks, real = [], [], fastpath._blocks
     hook = model.lm_head.register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[:-1])))
@@ -680,7 +680,7 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
     so token_logprobs takes its plain path (said at load), the adapter in it (and off inside
     adapters_off). LoRA elsewhere keeps the fast path, with the plain path's numbers."""
     tok = loading.load_tokenizer(chat_model)
-    prompts = C.encode_prompts(tok, ["1+2=", "Be brief."] * 2)  # shared prompts
+    prompts = tasks.encode_prompts(tok, ["1+2=", "Be brief."] * 2)  # shared prompts
     for targets in ("q_proj,lm_head", "q_proj,v_proj"):
         args = SimpleNamespace(model=chat_model, lora_r=4, lora_alpha=8, lora_dropout=0.0,
                                lora_target_modules=targets, trust_remote_code=False,
@@ -730,7 +730,7 @@ def test_soft_capped_or_unchecked_models_take_the_plain_logprob_path(tmp_path, t
     by_hand = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()  # no check_head
     for model in (capped, by_hand):
         assert model.lm_head not in fastpath.SPLIT_HEADS
-        roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
+        roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
         T = roll.completion_mask.shape[1]
         lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True)
         want, want_ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
@@ -752,7 +752,7 @@ def test_fsdp_policy_takes_the_plain_logprob_path(capsys):
     assert model.lm_head not in fastpath.SPLIT_HEADS
     assert loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu")).lm_head \
         in fastpath.SPLIT_HEADS  # a model loaded on its own (the reference) keeps the fast path
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 6)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 6)
     T = roll.completion_mask.shape[1]
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     assert torch.equal(lp, C.token_logprobs(model, roll.ids, roll.attention_mask, T, fast=False)[0])
@@ -767,7 +767,7 @@ def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path
     from torch.nn.parallel import DistributedDataParallel
     model = tiny_model("qwen2")
     tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
-    prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(4)]  # GRPO groups
+    prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) for _ in range(4)]  # GRPO groups
     roll = C.sample(model, tok, prompts, 8)
     T = roll.completion_mask.shape[1]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
@@ -976,11 +976,12 @@ def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypa
     assert rows[0]["prompt"] == chat  # its own system message is kept
     assert rows[1]["prompt"] == [{"role": "system", "content": "Add."},
                                  {"role": "user", "content": "2+2="}]
-    assert C.encode_prompts(tok, [rows[1]["prompt"]], "none")[0] == tok("Add.\n\n2+2=")["input_ids"]
+    want = tok("Add.\n\n2+2=")["input_ids"]
+    assert tasks.encode_prompts(tok, [rows[1]["prompt"]], "none")[0] == want
     templated = loading.load_tokenizer(loading.DEFAULT_POLICY)
     templated.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}; "
                                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
-    ids = C.encode_prompts(templated, [rows[1]["prompt"]])[0]
+    ids = tasks.encode_prompts(templated, [rows[1]["prompt"]])[0]
     assert templated.decode(ids) == "system: Add.; user: 2+2=; assistant: "
 
 
@@ -1026,7 +1027,7 @@ def test_lora_reference_is_the_base_and_merged_checkpoints_match(tmp_path, tok):
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     base = loading.load_model(loading.DEFAULT_POLICY, "lm", cpu)
-    roll = C.sample(base, tok, C.encode_prompts(tok, PROMPTS[:4] * 2), 6)
+    roll = C.sample(base, tok, tasks.encode_prompts(tok, PROMPTS[:4] * 2), 6)
     base_lp = C.batched_logprobs(base, roll, 1.0, 8, OFF)
     with loading.adapters_off(model):
         torch.testing.assert_close(C.batched_logprobs(model, roll, 1.0, 8, OFF), base_lp)
@@ -1157,7 +1158,7 @@ def test_micro_batched_gradient_equals_full_batch_gradient(mode, tok):
     gradient."""
     model = tiny_model("llama", seed=3)
     model.generation_config.eos_token_id = [2, 43, 72]
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS + PROMPTS[:3]), 8)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS + PROMPTS[:3]), 8)
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
     # rows of different lengths, or the test proves nothing
     assert len(set(mask.sum(-1).tolist())) > 1
@@ -1197,7 +1198,7 @@ def test_clipping_zeroes_the_gradient_exactly_where_it_should():
 
 def test_ratio_is_one_and_kl_zero_at_first_inner_step(tok):
     model, ref = tiny_model("qwen2", seed=4), tiny_model("qwen2", seed=4)
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 6)
     T = roll.completion_mask.shape[1]
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     ref_lp = C.batched_logprobs(ref, roll, 1.0, 2, OFF)
@@ -1412,7 +1413,7 @@ def test_reinforce_mismatch_correction_is_grpos(mode, level):
 def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = C.encode_prompts(tok, PROMPTS)
+    prompts = tasks.encode_prompts(tok, PROMPTS)
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
@@ -1593,7 +1594,7 @@ def _loss_and_grad(model, roll, adv, micro, loss_agg, old=None):
 def test_micro_batching_does_not_change_the_gradient(loss_agg, clipped, tok):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = [2, 43, 72]  # rows of different lengths
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 6)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 6)
     assert len(set(roll.completion_mask.sum(-1).tolist())) > 1  # or the test proves nothing
     adv = torch.randn(len(roll.ids), 1) * roll.completion_mask
     old = None
@@ -1613,7 +1614,7 @@ def test_sample_grad_probe_equals_per_sample_backward(k, tok):
     between them."""
     model = tiny_model("gpt_neox")
     norms = R.sample_grad_probe(model)
-    prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(k)]
+    prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) for _ in range(k)]
     roll = C.sample(model, tok, prompts, 5)
     mask, n, T = roll.completion_mask, len(roll.ids), roll.completion_mask.shape[1]
     adv = torch.randn(n, 1) * mask
@@ -1723,7 +1724,7 @@ def test_ppo_refuses_adaptive_kl_from_zero_and_has_no_weight_decay_by_default(mo
 def test_critic_values_read_the_state_before_each_token_with_left_padding(tok):
     critic = tiny_rm()
     model = tiny_model("llama")
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 5)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 5)
     T = roll.completion_mask.shape[1]
     values = ppo.critic_values(critic, roll.ids, roll.attention_mask, T)
     for i in range(len(PROMPTS)):
@@ -1743,7 +1744,7 @@ def test_critic_values_read_the_state_before_each_token_with_left_padding(tok):
 def make_update_inputs(tok, seed=0, varied=False):
     torch.manual_seed(seed)
     model, critic = tiny_model("llama"), tiny_rm()
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 4), 5)
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 4), 5)
     # the random model never ends early: give rows lengths 1..5, as EOS would (masks from lengths)
     if varied:
         lengths = torch.arange(len(roll.ids)) % 5 + 1
@@ -1827,7 +1828,7 @@ def test_critic_from_policy_starts_at_zero_and_bad_tokenizer_is_refused(tmp_path
     args = SimpleNamespace(critic_init="policy", model=str(tmp_path / "policy"), reward_model="",
                            trust_remote_code=False, gradient_checkpointing=False)
     critic = ppo.load_critic(args, tok, torch.device("cpu"))
-    ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
+    ids, mask = C.left_pad(tasks.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
     assert (ppo.critic_values(critic, ids, mask, 3) == 0).all()
     assert any(p.requires_grad for p in critic.parameters())
     other = loading.load_tokenizer(loading.DEFAULT_POLICY)
@@ -1851,7 +1852,7 @@ def test_gradient_checkpointing_reaches_the_ppo_critic(tok):
         critic = ppo.load_critic(args, tok, torch.device("cpu"))
         n = []
         critic.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: n.append(1))
-        ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS[:4]), tok.pad_token_id, "cpu")
+        ids, mask = C.left_pad(tasks.encode_prompts(tok, PROMPTS[:4]), tok.pad_token_id, "cpu")
         values = ppo.critic_values(critic, ids, mask, 2)
         n.clear()
         values.sum().backward()
@@ -1911,7 +1912,7 @@ def test_rollout_masks_and_ids_on_hand_made_turns(monkeypatch):
     t.pad_token = t.eos_token  # pad == EOS: masks must come from positions
     eos = t.eos_token_id
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    p1, p2, p3 = (C.encode_prompts(t, [s], "none")[0] for s in ("3+4=", "33+44=", "5+5="))
+    p1, p2, p3 = (tasks.encode_prompts(t, [s], "none")[0] for s in ("3+4=", "33+44=", "5+5="))
     script = {tuple(p1): [enc("ab") + [eos], enc("7") + [eos]],  # EOS, obs, answer, EOS
               tuple(p2): [enc("<calc>33+44</calc>")],  # its observation hits the budget
               tuple(p3): [enc("xyzxyzxyzxyzxyzxyzxyzxyz")]}  # longer than the budget
@@ -1967,7 +1968,7 @@ def test_rollout_logprobs_equal_a_plain_forward_and_ids_are_the_sampled_ones(arc
         return r
     monkeypatch.setattr(C, "sample", spy)
     torch.manual_seed(0)
-    prompts = C.encode_prompts(tok, PROMPTS * 2)
+    prompts = tasks.encode_prompts(tok, PROMPTS * 2)
     env = always_env(" 12 ")
     roll = C.rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS * 2], 3, 24)
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
@@ -1999,7 +2000,7 @@ def test_rollout_logprobs_equal_a_plain_forward_and_ids_are_the_sampled_ones(arc
 def test_rollout_respects_max_turns_and_the_budget(tok):
     model = tiny_model("llama", seed=4)
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = C.encode_prompts(tok, PROMPTS * 4)
+    prompts = tasks.encode_prompts(tok, PROMPTS * 4)
     rows = [{"prompt": p} for p in PROMPTS * 4]
     for max_turns, budget in ((1, 30), (2, 30), (4, 40), (4, 9)):
         env = always_env(" 1 ")
@@ -2022,7 +2023,7 @@ def test_env_gets_the_row_and_the_turns_so_far(tok):
     model.generation_config.eos_token_id = [2, 43, 72]
     env = always_env(" 1 ")
     torch.manual_seed(0)
-    prompts = C.encode_prompts(tok, PROMPTS)
+    prompts = tasks.encode_prompts(tok, PROMPTS)
     roll = C.rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS], 3, 40)
     for i, p in enumerate(PROMPTS):
         mine = [turns for q, turns in env.calls if q == p]
@@ -2118,7 +2119,7 @@ def test_micro_batching_does_not_change_the_gradient_with_observations(tok):
     model = tiny_model("llama", seed=3)
     model.generation_config.eos_token_id = [2, 43, 72]
     torch.manual_seed(1)
-    prompts = C.encode_prompts(tok, PROMPTS + PROMPTS[:3])
+    prompts = tasks.encode_prompts(tok, PROMPTS + PROMPTS[:3])
     roll = C.rollout(model, tok, prompts, always_env(" 5 "), [{"prompt": p} for p in
                                                               PROMPTS + PROMPTS[:3]], 3, 20)
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
@@ -2184,8 +2185,8 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
     model.generation_config.eos_token_id = [2, 43, 72]
     torch.manual_seed(0)
     rows = [{"prompt": p} for p in PROMPTS]
-    a = C.rollout(model, tok, C.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
-    b = C.rollout(model, tok, C.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
+    a = C.rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
+    b = C.rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
     both = grpo.cat_rollouts([(a, torch.tensor([0, 2])), (b, torch.tensor([1]))])
     assert both.final == [a.final[0], a.final[2], b.final[1]]
     assert both.tool_calls.tolist() == [a.tool_calls[0], a.tool_calls[2], b.tool_calls[1]]
@@ -2220,7 +2221,7 @@ def test_chat_tool_observation_is_the_templates_difference(monkeypatch):
     assert obs == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912\n</tool_response>"
                    "<|im_end|>\n<|im_start|>assistant\n")
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompt = C.encode_prompts(t, [messages])[0]
+    prompt = tasks.encode_prompts(t, [messages])[0]
     script = {tuple(prompt): [enc(call), enc("6912")]}
     monkeypatch.setattr(C, "sample", scripted_sample(script, t))
 
@@ -2625,7 +2626,7 @@ def test_bad_flags_are_refused(monkeypatch, tmp_path, capsys):
 
 def test_chat_messages_rows_train_with_a_chat_template(tmp_path):
     """{"messages"} rows: the prompt is the chat before the last (assistant) message, through
-    the tokenizer's template, as C.encode_prompts builds it for the RL scripts."""
+    the tokenizer's template, as tasks.encode_prompts builds it for the RL scripts."""
     tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
                          "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -3357,7 +3358,7 @@ def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, c
         next(model.parameters())[0, 0] = float("inf")
     with pytest.raises(C.UserError, match=r"diverged \(its next-token .*\), so step 4 cannot"):
         with runs.stop_on_divergence(run, 3):
-            C.sample(model, tok, C.encode_prompts(tok, ["1+1="]), 2)
+            C.sample(model, tok, tasks.encode_prompts(tok, ["1+1="]), 2)
 
 
 def test_a_full_disk_inside_safetensors_is_one_line_and_leaves_no_tmp(tmp_path, monkeypatch):

@@ -79,7 +79,7 @@ def main():
     model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
     pairs = tasks.task_train_pairs(random.Random(1), N_RANK_PROMPTS)
     prompts = [f"{a}+{b}=" for a, b in pairs for _ in range(SAMPLES)]
-    roll = C.sample(model, tok, C.encode_prompts(tok, prompts), max_new_tokens=6,
+    roll = C.sample(model, tok, tasks.encode_prompts(tok, prompts), max_new_tokens=6,
                     temperature=TEMPERATURE)
     answers = C.decode_completions(tok, roll)
     rankings, right_first = [], 0
