@@ -245,8 +245,9 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
     (B, T); entropy: also each position's entropy (B, T), else None. suppressed() ids get p = 0."""
     head = _unwrap(model).get_output_embeddings()  # fast path: a head load_model checked
     if not fast or head not in fastpath.SPLIT_HEADS:  # the plain computation, as a student's:
-        logits = _forward(model, ids, attention_mask, positions(attention_mask)).logits
-        logits = logits[:, -T - 1:-1]  # (B, T, V): position t predicts token t + 1, shift by one
+        # the last T + 1 positions through the LM head (logits_to_keep): position t predicts
+        logits = _forward(model, ids, attention_mask, positions(attention_mask), keep=T + 1).logits
+        logits = logits[:, :-1]  # (B, T, V): token t + 1, so shift by one and drop the last
         z = logits.float() / temperature  # fp32, at the sampling temperature
         logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
         lp = logp.gather(-1, ids[:, -T:, None])[..., 0]  # (B, T): the log-prob of each taken token
