@@ -645,7 +645,8 @@ def global_mean(metrics, weight=1.0, weights=None):
     w = torch.tensor([float((weights or {}).get(k, weight)) for k in keys], dtype=torch.float64)
     x = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
     n, total = global_sum(torch.stack([w, x * w]))
-    return {**metrics, **dict(zip(keys, (total / n).tolist()))}
+    mean = torch.where(n > 0, total / n, total)  # a key no process had a row for: its sum, 0
+    return {**metrics, **dict(zip(keys, mean.tolist()))}
 
 
 def global_std(x):

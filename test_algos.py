@@ -3728,6 +3728,9 @@ def test_global_statistics_are_those_of_every_processs_rows(monkeypatch):
         assert type(m["step"]) is int and m["step"] == 3
         assert m["kl"] == pytest.approx(float(kl.mean()), rel=1e-6)  # not the mean of 2 means
         assert m["reward"] == pytest.approx(float(reward.mean()), rel=1e-6)
+    no_tokens = as_two_processes(monkeypatch, lambda s: runs.global_mean(  # e.g. all masked
+        {"kl": 0.0}, weights={"kl": 0}), (None, None))
+    assert [m["kl"] for m in no_tokens] == [0.0, 0.0]  # not 0 / 0 = nan
     rewards = torch.tensor([1.0, 0, 0, 1, 1, 1, 0, 1, 0, 0, 0, 0, 1, 1, 1, 1])  # 4 groups of 4
     whole = grpo.group_advantages(rewards, 4, "batch")
     halves = as_two_processes(monkeypatch, lambda r: grpo.group_advantages(
