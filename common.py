@@ -1,5 +1,5 @@
 """common.py: the algorithmic core that every training script shares, and must share identically:
-prompts and sampling (one turn, and the multi-turn rollout with a tool) -> log-probs and KL ->
+sampling (one turn, and the multi-turn rollout with a tool) -> log-probs and KL ->
 rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
 algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py.
 

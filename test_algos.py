@@ -3988,6 +3988,15 @@ def test_docs_relative_links_and_anchors_resolve():
                 assert frag in {anchor(h) for h in headings}, f"{path}: no heading for {target}"
 
 
+def test_every_module_keeps_the_line_budget_the_readme_states():
+    """README's "Reading the code" table gives each module a budget in lines: each file keeps it."""
+    rows = re.findall(r"^\| `(\w+\.py)`[^|]*\|[^|]*\| (\d+) lines \|$", read_readme(), re.M)
+    assert len(rows) >= 13  # common, answer_format, fastpath, envs, the plumbing, the six scripts
+    for name, budget in rows:
+        with open(os.path.join(ROOT, name)) as f:
+            assert len(f.read().splitlines()) <= int(budget), f"{name} is over its {budget} lines"
+
+
 def test_readme_links_every_docs_file():
     readme, docs = read_readme(), [p for p in read_docs() if p.startswith("docs/")]
     assert docs and all(f"]({p})" in readme for p in docs), [p for p in docs if p not in readme]
