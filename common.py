@@ -417,16 +417,15 @@ def gold(completions, rows):
 
 
 @torch.no_grad()
-def evaluate(model, tok, rows, args, amp, weights=None, rm=None, rm_tok=None, fns=None,
+def evaluate(model, tok, rows, args, amp, weights, rm=None, rm_tok=None, fns=None,
              batch_size=128, env=None):
-    """Held-out scores, {"eval": the mean score of greedy completions}: math_reward (accuracy) or
-    the run's weighted --rewards, as eval_metric says. args.eval_samples = k > 0: also
-    eval_mean@k and eval_pass@k (the best of k, per prompt) over k samples per prompt at the
-    training temperature; args.eval_sampled: mean@k is the "eval", greedy's "eval_greedy"."""
+    """Held-out scores, {"eval": the mean score of greedy completions} under these reward weights
+    ({"math": 1}: accuracy; the scripts choose by eval_metric, once for all torchrun's shares).
+    args.eval_samples = k > 0: also eval_mean@k and eval_pass@k (the best of k, per prompt) over
+    k samples per prompt at the training temperature; args.eval_sampled: mean@k is the "eval",
+    greedy's "eval_greedy"."""
     if not rows:  # e.g. a data file too small to hold rows out: no score rather than a made-up 0
         return {"eval": float("nan")}
-    if eval_metric(rows, getattr(args, "eval_reward", "auto")) == "accuracy":
-        weights = {"math": 1.0}
     k = getattr(args, "eval_samples", 0)
     scores = {"eval": [], "sampled": []}
     for i in range(0, len(rows), batch_size):

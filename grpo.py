@@ -299,10 +299,12 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
+    metric = C.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
+    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, weights, rm, rm_tok, fns, env=env))
-    metric = C.eval_metric(data.eval_rows, args.eval_reward)
+            model, tok, rows, args, amp, scored, rm, rm_tok, fns, env=env))
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "

@@ -394,10 +394,12 @@ def main():
                              {"params": list(value_model.parameters()), "lr": args.critic_lr}],
                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
 
+    metric = C.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
+    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, weights, rm, rm_tok, fns, env=env))
-    metric = C.eval_metric(data.eval_rows, args.eval_reward)
+            model, tok, rows, args, amp, scored, rm, rm_tok, fns, env=env))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)

@@ -258,10 +258,12 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
+    metric = C.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
+    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, weights, rm, rm_tok, fns, env=env))
-    metric = C.eval_metric(data.eval_rows, args.eval_reward)
+            model, tok, rows, args, amp, scored, rm, rm_tok, fns, env=env))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)

@@ -207,7 +207,7 @@ def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
     fake.load_dataset = lambda *a, split: [{"prompt": "1+1=", "answer": "2"}] * 4
     assert tasks.load_data("hf:someone/set", eval_size=2).eval_rows == []
     # no held-out rows: no score, rather than a made-up 0
-    assert math.isnan(C.evaluate(None, None, [], None, OFF)["eval"])
+    assert math.isnan(C.evaluate(None, None, [], None, OFF, {"math": 1.0})["eval"])
 
 
 def test_jsonl_reads_numbers_nulls_and_a_byte_order_mark(tmp_path):

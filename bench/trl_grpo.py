@@ -128,7 +128,7 @@ def accuracy(model, tok, device):
     model.eval()
     args = SimpleNamespace(chat_template="auto", max_new_tokens=NEW_TOKENS, stop=[])
     return C.evaluate(model, tok, tasks.load_data("").eval_rows, args,
-                      loading.autocast(device, "auto"))
+                      loading.autocast(device, "auto"), {"math": 1.0})
 
 
 def mean(xs):
