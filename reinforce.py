@@ -135,9 +135,10 @@ def kl_returns(scores, mask, kl=None, beta=0.0, kl_in_reward="token"):
     if kl is None or beta == 0:
         return returns
     kl = kl * mask
-    to_come = kl.sum(-1, keepdim=True)  # sequence: the whole sequence's KL at every token
     if kl_in_reward == "token":
         to_come = kl.flip(-1).cumsum(-1).flip(-1)  # the KL still to come, sum over t' >= t
+    else:  # sequence: the whole sequence's KL at every token
+        to_come = kl.sum(-1, keepdim=True)
     return (returns - beta * to_come) * mask
 
 
