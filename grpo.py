@@ -397,7 +397,7 @@ def main():
                    "completion_len": float(roll.completion_mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
-                   "tokens_per_s": float(roll.completion_mask.sum()) / elapsed,
+                   "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
                    **(E.tool_metrics(roll) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}

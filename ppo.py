@@ -465,7 +465,7 @@ def main():
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()),
                    "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
-                   "tokens_per_s": float(mask.sum()) / elapsed,
+                   "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
                    **(E.tool_metrics(roll) if env else {})}
         if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))

@@ -371,7 +371,8 @@ def main():
                    **({"baseline_ema": ema} if args.baseline == "ema" else {}),
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   "step_time": elapsed, "tokens_per_s": float(mask.sum()) / elapsed,
+                   "step_time": elapsed,
+                   "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
                    **(E.tool_metrics(roll) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
