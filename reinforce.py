@@ -27,9 +27,8 @@ unchanged (E[b grad log pi] = 0) and can cut its variance. Without one, the upda
 reward's offset: add c to every reward and each sample's gradient gains c grad log pi, pure noise.
 Logged proxies: adv_mean, adv_std and sample_grad_rms (see sample_grad_probe). On the bundled
 task, with 0/1 rewards b = 0 already is the failure reward, so `none` is no noisier than rloo;
-with +1 added to almost every reward vanilla's per-sample gradient nearly triples while every
-baseline's stays put (README: measured with --rewards math,format when `format` paid 1 for any
-number; it now pays only a \\boxed{} or '#### N' answer, which this model never writes).
+with +1 added to every reward vanilla's per-sample gradient nearly triples while every
+baseline's stays put (docs/algorithms.md: --reward_fn one.py:one, a reward that is always 1).
 
 Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO paper);
 num_iterations > 1 turns on a PPO-style clipped token ratio. --whiten whitens the advantages after
@@ -37,8 +36,8 @@ any baseline (TRL RLOO's normalize_advantages; with beta = 0, --baseline rloo --
 REINFORCE++-baseline: leave-one-out and group-mean advantages differ by the factor k/(k-1), which
 whitening removes).
 
-Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-core CPU, ~30 s
-      python reinforce.py --baseline none --rewards math,format   # vs rloo: see sample_grad_rms
+Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-core CPU, ~15 s
+      python reinforce.py --baseline none --reward_fn one.py:one --rewards math=1,one=1  # +1
       python reinforce.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl \\
           --max_new_tokens 256 --baseline rloo --beta 0.05 --lr 1e-6 --compile
 Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.99 with rloo.
