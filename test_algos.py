@@ -33,7 +33,6 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors.torch import load_file
-from torch.utils.checkpoint import checkpoint
 from transformers import AutoModelForCausalLM
 from transformers import GPT2Config
 from transformers import GPTNeoXConfig
