@@ -124,6 +124,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
             logits = logits.logits[:, -1]
         mask = prompt_mask  # grows by a column of ones each step
+        pos = positions(prompt_mask)[:, -1:]  # each row's last position; + 1 per new token
         never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
         for t in range(max_new_tokens):  # logits (rows, V): the last position only (keep=1)
             z = masked_logits(logits.float(), never) / temperature
@@ -148,9 +149,9 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             if ended.any():  # drop finished rows from the batch and the KV cache
                 keep = (~ended).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
-                live, nxt, mask = live[keep], nxt[keep], mask[keep]
+                live, nxt, mask, pos = live[keep], nxt[keep], mask[keep], pos[keep]
             mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
-            pos = positions(mask)[:, -1:]  # the new token's position
+            pos = pos + 1  # the new token's position
             logits = _forward(model, nxt[:, None], mask, pos, cache, keep=1).logits[:, -1]
     T = int(lengths.max())
     completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()

@@ -33,7 +33,7 @@ def read_metrics(run_dir):
                 if not isinstance(m, dict) or type(m.get("step")) not in (int, float):
                     raise ValueError("no number 'step'")
                 lines.append(m)
-            except ValueError as e:  # (the scripts' runs.read_jsonl_lines does the same)
+            except ValueError as e:  # as runs.read_jsonl_lines: a copy, so plot needs no torch
                 if line.endswith("\n"):
                     print(f"warning: {path}, line {i} is damaged ({str(e)[:60]}): skipped",
                           file=sys.stderr)
