@@ -401,10 +401,14 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
 
 
 # ------------------------------------------------------------------------------------------ eval
+def has_numbers(rows):
+    return all(answer_format.final_number(r.get("answer", "")) is not None for r in rows)
+
+
 def eval_metric(rows, choice="auto"):
     """What the held-out score is: 'accuracy' (math_reward, 0-1) or 'mean reward' (the run's
     --rewards). auto: accuracy when every row has an answer with a number, else mean reward."""
-    numeric = all(answer_format.final_number(r.get("answer", "")) is not None for r in rows)
+    numeric = has_numbers(rows)
     if choice == "math" and not numeric:
         raise UserError("--eval_reward math: some held-out rows have no answer with a number, so "
                         "the score would be 0 whatever the model says; use --eval_reward rewards")
@@ -413,8 +417,8 @@ def eval_metric(rows, choice="auto"):
 
 def gold(completions, rows):
     """{"gold": true task score of these completions} when every row's answer has a number."""
-    accuracy = eval_metric(rows) == "accuracy"
-    return {"gold": sum(map(math_reward, completions, rows)) / len(rows)} if accuracy else {}
+    numeric = has_numbers(rows)
+    return {"gold": sum(map(math_reward, completions, rows)) / len(rows)} if numeric else {}
 
 
 @torch.no_grad()
