@@ -19,12 +19,10 @@ import common as C
 
 
 def prefill_shared(model, prompt_ids, pad_id, device):
-    """Fast path of sample()'s prefill: each distinct prompt runs once and its KV cache is copied to
-    every row that asks for it (a GRPO group of G rows shares one prefill; HF's generate runs G).
-    Returns the same (last logits, cache, ids, mask) as the plain prefill."""
-    keys = [tuple(p) for p in prompt_ids]
-    distinct = {p: i for i, p in enumerate(dict.fromkeys(keys))}
-    row_of = torch.tensor([distinct[k] for k in keys], device=device)  # row -> its prompt
+    """sample()'s prefill, the same (last logits, cache, ids, mask), but each distinct prompt runs
+    once and its KV cache is copied to its rows (a GRPO group: one prefill; HF's generate: G)."""
+    distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompt_ids)))}  # prompt -> i
+    row_of = torch.tensor([distinct[tuple(p)] for p in prompt_ids], device=device)  # row -> its i
     ids, mask = C.left_pad(list(distinct), pad_id, device)
     cache = DynamicCache()
     logits = C._forward(model, ids, mask, C.positions(mask), cache, keep=1).logits[:, -1][row_of]
@@ -84,11 +82,12 @@ def fast_token_logprobs(model, head, ids, attention_mask, T, temperature, entrop
     targets, never = ids[:, -Tb:], C.suppressed(model, V, ids.device)
     r = max(1, chunk_elems // (Tb * V))  # chunks: r whole rows while a row's logits fit,
     c = Tb if Tb * V <= chunk_elems else max(1, chunk_elems // V)  # else c positions of a row
+    blocks = [(slice(i, i + r), slice(j, j + c)) for i in range(0, B, r) for j in range(0, Tb, c)]
     if torch.is_grad_enabled() and B * Tb * V <= chunk_elems:  # one chunk: plain autograd
         lp, ent = _chunk_logprobs(x, targets, temperature, entropy, head, never)
     else:  # backward recomputes each chunk (without gradients: each chunk is freed)
         lp, ent = LinearHeadLogprobs.apply(x, head.weight, head.bias, targets, temperature, never,
-                                           r, c, entropy)
+                                           blocks, entropy)
     return F.pad(lp, (0, T - Tb)), F.pad(ent, (0, T - Tb)) if entropy else None
 
 
@@ -97,10 +96,6 @@ def _chunk_logprobs(x, targets, temperature, entropy, head, never):
     logp = C.masked_logits(head(x).float() / temperature, never).log_softmax(-1)
     ent = -(logp.exp() * logp).sum(-1) if entropy else 0
     return logp.gather(-1, targets[..., None])[..., 0], ent
-
-
-def _blocks(B, Tb, r, c):
-    return [(slice(i, i + r), slice(j, j + c)) for i in range(0, B, r) for j in range(0, Tb, c)]
 
 
 class LinearHeadLogprobs(torch.autograd.Function):
@@ -113,15 +108,15 @@ class LinearHeadLogprobs(torch.autograd.Function):
     entropy costs nothing in backward when the caller did not use it (g_ent is None)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, targets, temperature, never, r, c, entropy):
+    def forward(ctx, x, weight, bias, targets, temperature, never, blocks, entropy):
         ctx.amp = torch.is_autocast_enabled(x.device.type), torch.get_autocast_dtype(x.device.type)
         ctx.save_for_backward(x, weight, bias, targets)  # x, not the logits
-        ctx.args = temperature, never, r, c
+        ctx.args = temperature, never, blocks
         ctx.set_materialize_grads(False)
         lp = x.new_zeros(targets.shape, dtype=torch.float32)
         ent = torch.zeros_like(lp)
         head = functools.partial(F.linear, weight=weight, bias=bias)  # not the module: no hooks
-        for rows, cols in _blocks(*targets.shape, r, c):
+        for rows, cols in blocks:  # (rows, positions) slices
             lp[rows, cols], ent[rows, cols] = _chunk_logprobs(
                 x[rows, cols], targets[rows, cols], temperature, entropy, head, never)
         return lp, ent
@@ -129,11 +124,11 @@ class LinearHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         x, weight, bias, targets = ctx.saved_tensors
-        temperature, never, r, c = ctx.args
+        temperature, never, blocks = ctx.args
         (amp, dtype), dev = ctx.amp, x.device.type
         grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
         grad_b = None if bias is None else torch.zeros_like(bias)
-        for rows, cols in _blocks(*targets.shape, r, c):
+        for rows, cols in blocks:
             xc, t = x[rows, cols], targets[rows, cols]
             with torch.autocast(dev, dtype=dtype, enabled=amp):  # as in forward
                 logits = F.linear(xc, weight, bias)
@@ -159,4 +154,4 @@ class LinearHeadLogprobs(torch.autograd.Function):
                 grad_w += (gz.to(low).T @ xf.to(low)).to(grad_w.dtype)
             if grad_b is not None:
                 grad_b += gz.sum(0).to(grad_b.dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None
