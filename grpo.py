@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
@@ -126,9 +127,8 @@ class Args:
 
 # --------------------------------------------------------------------------- the algorithm
 def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
-    """A_i = r_i - mean of its group, divided by the group's std (GRPO), the batch's std (std:
-    under torchrun runs.global_std, over the whole step) or nothing (Dr. GRPO). rewards (B,), groups
-    as contiguous rows -> (B,). A group of equal rewards gets A = 0 (counted in frac_zero_std)."""
+    """A_i = r_i - its group's mean, over the group's std (GRPO), the batch's (std: runs.global_std
+    under torchrun) or 1 (Dr. GRPO). rewards (B,), groups of contiguous rows -> (B,)."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
@@ -145,14 +145,11 @@ def zero_std_groups(rewards, group_size):
 
 def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, ref_logprobs=None,
                    beta=0.0, kl_estimator="k3", mask=None, level="token", policy_loss="clip",
-                   tau=(1.0, 1.05), is_weight=None):
-    """The policy loss per token, plus beta * k to the reference (GRPO: KL in the loss, not in the
-    reward). logprobs, old_logprobs, ref_logprobs, mask (B, T); advantages A (B,). Each objective
-    is written out at its line (the papers, derivations: docs/policy_losses.md); at rho = 1 each
-    is the plain -A grad log pi_theta per token (tested). k's gradient pulls along the reverse
-    KL(pi_theta || pi_ref) with k2, the forward KL(pi_ref || pi_theta) with k3, nowhere with k1
-    (why: docs/algorithms.md; tested by exact summation).
-    Returns the (B, T) loss and the ratio, KL and clipped-mask tensors for logging."""
+                   tau=(1.0, 1.05), is_weight=1.0):
+    """The policy loss per token plus beta * k to the reference (GRPO: KL in the loss). logprobs,
+    old_logprobs, ref_logprobs, mask (B, T); advantages A (B,). k2's gradient pulls along the
+    reverse KL(pi_theta || pi_ref), k3's the forward KL(pi_ref || pi_theta) (docs/algorithms.md).
+    Returns the loss, and to log the ratio, KL and where the clip acted, all (B, T)."""
     log_ratio = logprobs - old_logprobs  # log rho = log pi_theta - log pi_old, per token
     if level == "sequence":  # GSPO: s_i = exp(mean of log rho over o_i's own tokens)
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
@@ -171,23 +168,18 @@ def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, 
         t = torch.where(adv > 0, tau[0], tau[1])  # tau_pos where A > 0, else tau_neg
         loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
         is_clipped = torch.zeros_like(logprobs)  # no hard clip
-    if is_weight is not None:  # the detached mismatch correction (TIS, MIS), as TRL does
-        loss = loss * is_weight
-    kl = torch.zeros_like(logprobs)
-    if ref_logprobs is not None:
-        kl = C.kl_estimate(logprobs, ref_logprobs, kl_estimator)
-        loss = loss + beta * kl
-    return loss, ratio, kl, is_clipped
+    kl = torch.zeros_like(logprobs) if ref_logprobs is None else C.kl_estimate(
+        logprobs, ref_logprobs, kl_estimator)
+    return loss * is_weight + beta * kl, ratio, kl, is_clipped  # is_weight: TIS, MIS (1: none)
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """The sampler/trainer mismatch (docs/policy_losses.md): returns the detached weight of each
-    token's policy loss ((B, T), (B, 1) at level sequence; None when cap C = 0: off) and the raw
-    ratio w = pi_old / pi_sampler (B, T), 1 to rounding unless they differ (bf16, vLLM, top_p)."""
+    """The detached loss weight per token for the sampler/trainer mismatch (docs/policy_losses.md):
+    (B, T), (B, 1) at level sequence, 1 when cap C = 0 (off); and the raw pi_old / pi_sampler."""
     log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
-    raw = log_w.exp()
+    raw = log_w.exp()  # 1 to rounding unless they differ (bf16, vLLM, top_p)
     if not cap:
-        return None, raw
+        return 1.0, raw
     w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw  # sequence: the product
     # truncate: min(w, C), TIS (Yao et al. 2025); mask: w, or 0 where w > C, MIS (IcePop)
     return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
@@ -209,14 +201,13 @@ def cat_rollouts(pieces):
     completions right-padded (ids 0; masks come from lengths), other fields concatenated."""
     P = max(r.P for r, _ in pieces)
     T = max(r.completion_mask.shape[1] for r, _ in pieces)
-    pad = torch.nn.functional.pad
     out = {"P": P}
     for key, x in vars(pieces[0][0]).items():
         if isinstance(x, list):  # multi-turn fields: texts per row
             out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
         elif torch.is_tensor(x) and x.dim() == 2:  # right-padded to T; ids and attention_mask
             prompt = key in ("ids", "attention_mask")  # are left-padded to P first
-            out[key] = torch.cat([pad(getattr(r, key)[i.to(x.device)],
+            out[key] = torch.cat([F.pad(getattr(r, key)[i.to(x.device)],
                                       (P - r.P if prompt else 0, T - r.completion_mask.shape[1]))
                                   for r, i in pieces])
         elif torch.is_tensor(x):
@@ -225,9 +216,8 @@ def cat_rollouts(pieces):
 
 
 def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, env=None):
-    """G completions for each of prompts_per_step prompts, scored. dynamic_sampling (DAPO): drop
-    the groups of equal rewards and sample more, up to max_resample_rounds extra rounds. Returns
-    the kept rollout, rows, texts and rewards (B,), and every round's (rewards, reward parts)."""
+    """G scored completions per prompt; dynamic_sampling (DAPO) drops groups of equal rewards and
+    samples more. Returns the kept rollout, rows, texts, rewards (B,), all (rewards, parts) seen."""
     G = args.group_size
     want = args.prompts_per_step * G // R.get_world_size()  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept, seen = [], [], [], [], []
@@ -243,14 +233,14 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, en
         seen.append((rewards, parts))
         keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)  # groups with a signal
         idx = keep.repeat_interleave(G).nonzero().squeeze(-1)[:want - len(rows_kept)]
-        pieces.append((roll, idx.to(roll.ids.device)))
+        pieces.append((roll, idx))
         rows_kept += [rows[i] for i in idx.tolist()]
         texts_kept += [texts[i] for i in idx.tolist()]
         rewards_kept.append(rewards[idx])
         if len(rows_kept) >= want:
             break
     if not rows_kept:  # no group had a signal even after resampling: keep the last round (A = 0)
-        pieces = [(roll, torch.arange(len(rows), device=roll.ids.device))]
+        pieces = [(roll, torch.arange(len(rows)))]
         rows_kept, texts_kept, rewards_kept = rows, texts, [rewards]
     return cat_rollouts(pieces), rows_kept, texts_kept, torch.cat(rewards_kept), seen
 

@@ -1383,7 +1383,7 @@ def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode,
     torch.testing.assert_close(w, slow_mismatch_weight(old, sample, mask, 1.5, mode, level))
     assert (w <= 1.5).all() and (raw * mask).max() > 1.5  # the cap is reached
     torch.testing.assert_close(raw, torch.exp((old - sample) * mask))
-    assert grpo.mismatch_weights(old, sample, mask)[0] is None  # cap 0: off
+    assert grpo.mismatch_weights(old, sample, mask)[0] == 1.0  # cap 0: off
     # the weight multiplies the policy part, not the KL term (as TRL applies it)
     ref = old - 0.1
     got, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2, ref, 0.04, "k3", is_weight=w)
