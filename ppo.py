@@ -137,9 +137,8 @@ class Args:
 
 # --------------------------------------------------------------------------- the algorithm
 def shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator="k1"):
-    """Per-token reward (B, T): -kl_coef * KL on every completion token, plus the sequence score
-    (B,) on the last real token (the EOS, or a truncated row's last; TL;DR details), not at the
-    padded end; with --env the last token the model sampled (observations, mask 0, get neither)."""
+    """Per-token reward (B, T): -kl_coef * KL on each model token (mask 1), plus the score (B,) on
+    the last one (the EOS or a truncated row's last, TL;DR details; not the padded end)."""
     kl = C.kl_estimate(logprobs, ref_logprobs, kl_estimator) * mask
     rewards = -kl_coef * kl
     last = mask.shape[1] - 1 - mask.flip(1).argmax(1)  # the last mask 1 (one turn: lengths - 1)
@@ -149,9 +148,8 @@ def shaped_rewards(scores, logprobs, ref_logprobs, mask, kl_coef, kl_estimator="
 
 
 def gae(rewards, values, mask, gamma, lam):
-    """Generalised advantage estimation (Schulman et al. 2016), backwards over the model's tokens
-    (mask 1; an observation between them is the environment's step): V and A are 0 past a row's
-    end (the state after the EOS is terminal). (B, T) -> (advantages, returns = A + values)."""
+    """GAE (Schulman et al. 2016), backwards over the model's tokens (mask 1; an observation between
+    them is the env's step; V = A = 0 past the end: terminal). (B, T) -> (A, returns = A + V)."""
     values, rewards = values * mask, rewards * mask
     advantages = torch.zeros_like(rewards)
     last = torch.zeros_like(rewards[:, 0])  # A_t+1, of the next model token
@@ -175,8 +173,7 @@ def policy_loss(logprobs, old_logprobs, advantages, clip_eps):
 
 
 def value_loss(values, old_values, returns, clip_eps_value):
-    """Clipped value loss per token (N details, OpenAI baselines): the new value may move at most
-    clip_eps_value from the rollout's before the loss stops rewarding the move."""
+    """Clipped value loss per token (N details): a move past old +- clip_eps_value earns nothing."""
     clipped_values = old_values + (values - old_values).clamp(-clip_eps_value, clip_eps_value)
     l_unclipped = (values - returns) ** 2
     l_clipped = (clipped_values - returns) ** 2
@@ -218,12 +215,9 @@ class ValueModel(torch.nn.Module):
 def explained_variance(values, returns, mask, total=None):
     """1 - Var(R - V) / Var(R) over valid tokens: 1 is a perfect critic, 0 a constant's worth.
     total: sums over every torchrun process (runs.global_sum), for the global batch's variances."""
-    def mean(x):  # over the valid tokens (of every process)
-        return C.masked_mean(x, mask, total=total)
-    var_r = mean((returns - mean(returns)) ** 2)
-    diff = returns - values
-    var_diff = mean((diff - mean(diff)) ** 2)
-    return float(1 - var_diff / var_r.clamp(min=1e-8))
+    def var(x):  # over the valid tokens (of every process)
+        return C.masked_mean((x - C.masked_mean(x, mask, total=total)) ** 2, mask, total=total)
+    return float(1 - var(returns - values) / var(returns).clamp(min=1e-8))
 
 
 def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256, env=None):
@@ -286,72 +280,63 @@ def check_args(args):
 
 # -------------------------------------------------------------------------- the training loop
 def ppo_update(model, critic, opt, run, roll, batch, args, amp):
-    """ppo_epochs passes over the batch in shuffled minibatches, one optimizer step each (micro-
-    batch gradients summed, normalised by the minibatch's tokens); stops, dropping that minibatch's
-    update, when its approx KL(pi_old || pi) passes target_kl. batch: old_logprobs, old_values,
-    returns, advantages (B, T); model, critic: from runs.wrap_model. Returns averaged stats."""
+    """ppo_epochs passes over shuffled minibatches, an optimizer step each (micro-batch gradients
+    summed, over the minibatch's tokens), until one's approx KL(pi_old || pi) > target_kl (its
+    update dropped). batch: old_logprobs, old_values, returns, advantages (B, T). -> mean stats"""
     mask = roll.completion_mask
     B, T = mask.shape
     mb_size = B // args.num_minibatches
     logged = ("pg_loss", "value_loss", "clip_frac", "value_clip_frac", "ratio", "approx_kl",
               "entropy")  # token means over each minibatch
-    sums = dict.fromkeys(("loss",) + logged + ("grad_norm",), 0.0)
-    n_updates = 0
-    for epoch in range(args.ppo_epochs):
-        perm = torch.randperm(B, device=mask.device)  # reshuffled every epoch (N details)
-        for start in range(0, B, mb_size):
-            idx = perm[start:start + mb_size]  # this minibatch's rows
-            n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
-            mb = dict.fromkeys(sums, 0.0)
-            micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
-            for i, j in enumerate(idx[m] for m in micro):
-                m = mask[j]
-                with R.sync_gradients(model, now=i == len(micro) - 1), \
-                        R.sync_gradients(critic, now=i == len(micro) - 1):
-                    with amp:
-                        logprobs, entropy = C.token_logprobs(model, roll.ids[j],
-                                                             roll.attention_mask[j], T,
-                                                             args.temperature, entropy=True)
-                        if not args.ent_coef:  # no bonus: only logged, so drop its graph
-                            entropy = entropy.detach()
-                        values = critic(roll.ids[j], roll.attention_mask[j], T)
-                    pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
-                                                     batch["advantages"][j], args.clip_eps)
-                    vf, v_clipped = value_loss(values, batch["old_values"][j], batch["returns"][j],
-                                               args.clip_eps_value)
+    # a new order every epoch (N details), drawn as the epoch starts: lazily, by generators
+    perms = (torch.randperm(B, device=mask.device) for _ in range(args.ppo_epochs))
+    updates = []  # each optimizer step's stats
+    for idx in (perm[s:s + mb_size] for perm in perms for s in range(0, B, mb_size)):  # its rows
+        n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
+        mb = dict.fromkeys(("loss",) + logged, 0.0)
+        micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
+        for i, j in enumerate(idx[m] for m in micro):
+            m = mask[j]
+            with R.sync_gradients(model, now=i == len(micro) - 1), \
+                    R.sync_gradients(critic, now=i == len(micro) - 1):
+                with amp:
+                    logprobs, entropy = C.token_logprobs(model, roll.ids[j], roll.attention_mask[j],
+                                                         T, args.temperature, entropy=True)
+                    if not args.ent_coef:  # no bonus: only logged, so drop its graph
+                        entropy = entropy.detach()
+                    values = critic(roll.ids[j], roll.attention_mask[j], T)
+                pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
+                                                 batch["advantages"][j], args.clip_eps)
+                vf, v_clipped = value_loss(values, batch["old_values"][j], batch["returns"][j],
+                                           args.clip_eps_value)
 
-                    def token_mean(x):  # over the whole minibatch's tokens
-                        return (x * m).sum() / n_tokens
-                    loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
-                        - args.ent_coef * token_mean(entropy)
-                    # gradients add up over the micro-batches; DDP's (FSDP2's) average over the
-                    # processes, scaled by their number, is the minibatch's sum
-                    (loss * run.world).backward()
-                approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
-                mb["loss"] += float(loss.detach())
-                for k, x in zip(logged, (pg, vf, clipped, v_clipped, ratio, approx_kl, entropy)):
-                    mb[k] += float(token_mean(x.detach()))
-            mb = {k: v * run.world for k, v in R.global_mean(mb).items()}  # sums over processes
-            if args.target_kl and mb["approx_kl"] > args.target_kl:
-                opt.zero_grad(set_to_none=True)  # drop this update: pi moved far enough from pi_old
-                return {**{k: v / max(n_updates, 1) for k, v in sums.items()},
-                        "ppo_updates": n_updates}
-            critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-            if not torch.isfinite(critic_norm):
-                critic.zero_grad(set_to_none=True)  # AdamW skips parameters without gradients
-                R.skip_update(run, "value loss or critic gradient")
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
-                opt.step()
-                run.nonfinite_in_row = 0
-            else:
-                R.skip_update(run, "loss or gradient")
-            opt.zero_grad(set_to_none=True)
-            mb["grad_norm"] = float(grad_norm)
-            for k in sums:
-                sums[k] += mb[k]
-            n_updates += 1
-    return {**{k: v / max(n_updates, 1) for k, v in sums.items()}, "ppo_updates": n_updates}
+                def token_mean(x):  # over the whole minibatch's tokens
+                    return (x * m).sum() / n_tokens
+                loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
+                    - args.ent_coef * token_mean(entropy)
+                # gradients add up over the micro-batches; DDP's (FSDP2's) average over the
+                # processes, scaled by their number, is the minibatch's sum
+                (loss * run.world).backward()
+            approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
+            mb["loss"] += float(loss.detach())
+            for k, x in zip(logged, (pg, vf, clipped, v_clipped, ratio, approx_kl, entropy)):
+                mb[k] += float(token_mean(x.detach()))
+        mb = {k: v * run.world for k, v in R.global_mean(mb).items()}  # sums over processes
+        if args.target_kl and mb["approx_kl"] > args.target_kl:
+            opt.zero_grad(set_to_none=True)  # drop this update: pi moved far enough from pi_old
+            break
+        critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if torch.isfinite(grad_norm) and torch.isfinite(critic_norm):  # else NaN/inf: skip it
+            opt.step()
+            run.nonfinite_in_row = 0
+        else:
+            R.skip_update(run, "loss or gradient")
+        opt.zero_grad(set_to_none=True)
+        updates.append({**mb, "grad_norm": float(grad_norm)})
+    keys = ("loss",) + logged + ("grad_norm",)  # each one's mean over the updates (0: none)
+    return {**{k: sum(u[k] for u in updates) / max(len(updates), 1) for k in keys},
+            "ppo_updates": len(updates)}
 
 
 def main():
