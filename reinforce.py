@@ -128,16 +128,12 @@ class Args:
 # --------------------------------------------------------------------------- the algorithm
 def kl_returns(scores, mask, kl=None, beta=0.0, kl_in_reward="token"):
     """G_i,t with gamma = 1: the score s_i (paid at the last token) minus beta * the KL still to
-    come. kl_in_reward='sequence': every token gets the whole sequence's penalty (TRL RLOO).
-    scores (B,), mask and kl (B, T) -> (B, T)."""
+    come, or the whole sequence's (kl_in_reward='sequence': TRL RLOO). scores (B,), kl (B, T)."""
     returns = scores[:, None].to(mask) * mask
     if kl is None or beta == 0:
         return returns
-    kl = kl * mask
-    if kl_in_reward == "token":
-        to_come = kl.flip(-1).cumsum(-1).flip(-1)  # the KL still to come, sum over t' >= t
-    else:  # sequence: the whole sequence's KL at every token
-        to_come = kl.sum(-1, keepdim=True)
+    kl = kl * mask  # the KL to come: token, the sum over t' >= t; sequence, over every t'
+    to_come = kl.flip(-1).cumsum(-1).flip(-1) if kl_in_reward == "token" else kl.sum(-1)[:, None]
     return (returns - beta * to_come) * mask
 
 
@@ -150,9 +146,8 @@ def rloo_baseline(rewards, k):
 
 def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=None,
                total=None):
-    """A = G - b for the chosen baseline, (B, T), 0 on padding. ema: the running baseline b (None:
-    this batch's mean). scores (B,): with per-token KL, RLOO compares the other samples' scores,
-    not their returns (OpenRLHF). total: torchrun's sums, for whitening over the global batch."""
+    """A = G - b (B, T), 0 on padding. ema: the running b (None: this batch's mean); scores (B,):
+    RLOO's b from the others' scores, not returns (OpenRLHF); total: torchrun's sums, to whiten."""
     if baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens
         return C.whiten(returns, mask, total=total)
     whole = returns[:, 0]  # each sequence's whole return (every completion has a token)
@@ -167,10 +162,9 @@ def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=
 
 
 def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum",
-                   old_logprobs=None, clip_eps=0.2, is_weight=None):
-    """This micro-batch's share of -(1/N) sum A log pi; n_seqs / n_tokens count the whole optimizer
-    step, so micro-batching does not change the gradient (TRL issue #3021). Returns the loss, the
-    ratio and the clipped mask."""
+                   old_logprobs=None, clip_eps=0.2, is_weight=1.0):
+    """This micro-batch's share of -(1/N) sum A log pi; n_seqs, n_tokens count the whole step, so
+    micro-batches leave the gradient as it is (TRL #3021). -> the loss, ratio and clipped mask."""
     if old_logprobs is None:  # mu = 1: -A log pi_theta
         per_token = -advantages * logprobs
         ratio = torch.ones_like(logprobs)
@@ -181,20 +175,17 @@ def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-s
         clipped_obj = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
         per_token = -torch.min(unclipped, clipped_obj)
         clipped = (clipped_obj < unclipped).float()
-    if is_weight is not None:  # the detached mismatch correction (mismatch_weights)
-        per_token = per_token * is_weight
     norm = n_seqs if loss_agg == "seq-sum" else n_tokens
-    return (per_token * mask).sum() / norm, ratio, clipped
+    return (per_token * is_weight * mask).sum() / norm, ratio, clipped  # is_weight: TIS (1: none)
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """The sampler/trainer mismatch (docs/policy_losses.md): returns the detached weight of each
-    token's policy loss ((B, T), (B, 1) at level sequence; None when cap C = 0: off) and the raw
-    ratio w = pi_old / pi_sampler (B, T), 1 to rounding unless they differ (bf16, vLLM, top_p)."""
+    """The detached loss weight per token for the sampler/trainer mismatch (docs/policy_losses.md):
+    (B, T), (B, 1) at level sequence, 1 when cap C = 0 (off); and the raw pi_old / pi_sampler."""
     log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
-    raw = log_w.exp()
+    raw = log_w.exp()  # 1 to rounding unless they differ (bf16, vLLM, top_p)
     if not cap:
-        return None, raw
+        return 1.0, raw
     w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw  # sequence: the product
     # truncate: min(w, C), TIS (Yao et al. 2025); mask: w, or 0 where w > C, MIS (IcePop)
     return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
