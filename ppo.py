@@ -281,8 +281,8 @@ def check_args(args):
 # -------------------------------------------------------------------------- the training loop
 def ppo_update(model, critic, opt, run, roll, batch, args, amp):
     """ppo_epochs passes over shuffled minibatches, an optimizer step each (micro-batch gradients
-    summed, over the minibatch's tokens), until one's approx KL(pi_old || pi) > target_kl (its
-    update dropped). batch: old_logprobs, old_values, returns, advantages (B, T). -> mean stats"""
+    summed, over the minibatch's tokens), ended by a minibatch whose approx KL(pi_old || pi) passes
+    target_kl (its update dropped). batch: old_logprobs, old_values, returns, advantages (B, T)."""
     mask = roll.completion_mask
     B, T = mask.shape
     mb_size = B // args.num_minibatches
