@@ -20,10 +20,10 @@ import common as C
 
 def prefill_shared(model, prompt_ids, pad_id, device):
     """sample()'s prefill, the same (last logits, cache, ids, mask), but each distinct prompt runs
-    once and its KV cache is copied to its rows (a GRPO group: one prefill; HF's generate: G)."""
-    distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompt_ids)))}  # prompt -> i
-    row_of = torch.tensor([distinct[tuple(p)] for p in prompt_ids], device=device)  # row -> its i
-    ids, mask = C.left_pad(list(distinct), pad_id, device)
+    once and its KV cache is copied to its rows (a GRPO group's G rows: one prefill, HF's G)."""
+    index = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompt_ids)))}  # distinct prompts
+    row_of = torch.tensor([index[tuple(p)] for p in prompt_ids], device=device)  # row -> its prompt
+    ids, mask = C.left_pad(list(index), pad_id, device)
     cache = DynamicCache()
     logits = C._forward(model, ids, mask, C.positions(mask), cache, keep=1).logits[:, -1][row_of]
     cache.batch_select_indices(row_of)

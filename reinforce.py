@@ -164,7 +164,7 @@ def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=
 def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum",
                    old_logprobs=None, clip_eps=0.2, is_weight=1.0):
     """This micro-batch's share of -(1/N) sum A log pi; n_seqs, n_tokens count the whole step, so
-    micro-batches leave the gradient as it is (TRL #3021). -> the loss, ratio and clipped mask."""
+    micro-batches leave the gradient as it is (TRL #3021). Returns loss, ratio, clipped mask."""
     if old_logprobs is None:  # mu = 1: -A log pi_theta
         per_token = -advantages * logprobs
         ratio = torch.ones_like(logprobs)
