@@ -200,8 +200,8 @@ def sample_grad_probe(model):
     not parameter space (per-parameter per-sample gradients cost a backward each): the parameter
     gradient is J_i^T g_i. On the bundled model it ranks the baselines in the same order as the
     batch gradient's covariance over 30 batches. Returns the list it fills, in micro-batch order.
-    Measured while token_logprobs puts whole rows through the head module at once (T x V <= its
-    chunk_elems, as on the bundled model); with a large vocabulary its chunks run the head's
+    Measured while token_logprobs puts a micro-batch through the head module at once (B x T x V <=
+    its chunk_elems, as on the bundled model); with a large vocabulary its chunks run the head's
     weight by hand (fastpath.LinearHeadLogprobs), nothing is recorded, and it is logged as nan."""
     norms = []
 
