@@ -19,8 +19,8 @@ import common as C
 
 
 def prefill_shared(model, prompt_ids, pad_id, device):
-    """sample()'s prefill, the same (last logits, cache, ids, mask), but each distinct prompt runs
-    once and its KV cache is copied to its rows (a GRPO group's G rows: one prefill, HF's G)."""
+    """sample()'s prefill with the same results (last logits, cache, ids, mask), but each distinct
+    prompt runs once and its KV cache is copied to its rows (HF's generate runs a group's G)."""
     index = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompt_ids)))}  # distinct prompts
     row_of = torch.tensor([index[tuple(p)] for p in prompt_ids], device=device)  # row -> its prompt
     ids, mask = C.left_pad(list(index), pad_id, device)

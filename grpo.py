@@ -216,8 +216,9 @@ def cat_rollouts(pieces):
 
 
 def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, env=None):
-    """G scored completions per prompt; dynamic_sampling (DAPO): groups of equal rewards dropped,
-    more sampled. Returns the kept rollout, rows, texts, rewards (B,); per round (rewards, parts)"""
+    """G scored completions per prompt. dynamic_sampling (DAPO): groups of equal rewards are dropped
+    and more are sampled. Returns the kept rollout, rows, texts, rewards (B,), and every round's
+    (rewards, reward parts)."""
     G = args.group_size
     want = args.prompts_per_step * G // R.get_world_size()  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept, seen = [], [], [], [], []

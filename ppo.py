@@ -288,52 +288,57 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
     mb_size = B // args.num_minibatches
     logged = ("pg_loss", "value_loss", "clip_frac", "value_clip_frac", "ratio", "approx_kl",
               "entropy")  # token means over each minibatch
-    # a new order every epoch (N details), drawn as the epoch starts: lazily, by generators
-    perms = (torch.randperm(B, device=mask.device) for _ in range(args.ppo_epochs))
     updates = []  # each optimizer step's stats
-    for idx in (perm[s:s + mb_size] for perm in perms for s in range(0, B, mb_size)):  # its rows
-        n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
-        mb = dict.fromkeys(("loss",) + logged, 0.0)
-        micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
-        for i, j in enumerate(idx[m] for m in micro):
-            m = mask[j]
-            with R.sync_gradients(model, now=i == len(micro) - 1), \
-                    R.sync_gradients(critic, now=i == len(micro) - 1):
-                with amp:
-                    logprobs, entropy = C.token_logprobs(model, roll.ids[j], roll.attention_mask[j],
-                                                         T, args.temperature, entropy=True)
-                    if not args.ent_coef:  # no bonus: only logged, so drop its graph
-                        entropy = entropy.detach()
-                    values = critic(roll.ids[j], roll.attention_mask[j], T)
-                pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
-                                                 batch["advantages"][j], args.clip_eps)
-                vf, v_clipped = value_loss(values, batch["old_values"][j], batch["returns"][j],
-                                           args.clip_eps_value)
+    for epoch in range(args.ppo_epochs):
+        perm = torch.randperm(B, device=mask.device)  # reshuffled every epoch (N details)
+        for start in range(0, B, mb_size):
+            idx = perm[start:start + mb_size]  # this minibatch's rows
+            n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
+            mb = dict.fromkeys(("loss",) + logged, 0.0)
+            micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
+            for i, j in enumerate(idx[m] for m in micro):
+                m = mask[j]
+                with R.sync_gradients(model, now=i == len(micro) - 1), \
+                        R.sync_gradients(critic, now=i == len(micro) - 1):
+                    with amp:
+                        logprobs, entropy = C.token_logprobs(model, roll.ids[j],
+                                                             roll.attention_mask[j], T,
+                                                             args.temperature, entropy=True)
+                        if not args.ent_coef:  # no bonus: only logged, so drop its graph
+                            entropy = entropy.detach()
+                        values = critic(roll.ids[j], roll.attention_mask[j], T)
+                    pg, ratio, clipped = policy_loss(logprobs, batch["old_logprobs"][j],
+                                                     batch["advantages"][j], args.clip_eps)
+                    vf, v_clipped = value_loss(values, batch["old_values"][j], batch["returns"][j],
+                                               args.clip_eps_value)
 
-                def token_mean(x):  # over the whole minibatch's tokens
-                    return (x * m).sum() / n_tokens
-                loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
-                    - args.ent_coef * token_mean(entropy)
-                # gradients add up over the micro-batches; DDP's (FSDP2's) average over the
-                # processes, scaled by their number, is the minibatch's sum
-                (loss * run.world).backward()
-            approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
-            mb["loss"] += float(loss.detach())
-            for k, x in zip(logged, (pg, vf, clipped, v_clipped, ratio, approx_kl, entropy)):
-                mb[k] += float(token_mean(x.detach()))
-        mb = {k: v * run.world for k, v in R.global_mean(mb).items()}  # sums over processes
-        if args.target_kl and mb["approx_kl"] > args.target_kl:
-            opt.zero_grad(set_to_none=True)  # drop this update: pi moved far enough from pi_old
+                    def token_mean(x):  # over the whole minibatch's tokens
+                        return (x * m).sum() / n_tokens
+                    loss = token_mean(pg) + args.vf_coef * token_mean(vf) \
+                        - args.ent_coef * token_mean(entropy)
+                    # gradients add up over the micro-batches; DDP's (FSDP2's) average over the
+                    # processes, scaled by their number, is the minibatch's sum
+                    (loss * run.world).backward()
+                approx_kl = C.kl_estimate(batch["old_logprobs"][j], logprobs.detach(), "k3")
+                mb["loss"] += float(loss.detach())
+                for k, x in zip(logged, (pg, vf, clipped, v_clipped, ratio, approx_kl, entropy)):
+                    mb[k] += float(token_mean(x.detach()))
+            mb = {k: v * run.world for k, v in R.global_mean(mb).items()}  # sums over processes
+            stop = args.target_kl and mb["approx_kl"] > args.target_kl  # pi moved far from pi_old
+            if stop:
+                opt.zero_grad(set_to_none=True)  # drop this minibatch's update, and stop
+                break
+            critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+            if torch.isfinite(grad_norm) and torch.isfinite(critic_norm):  # else NaN/inf: skip it
+                opt.step()
+                run.nonfinite_in_row = 0
+            else:
+                R.skip_update(run, "loss or gradient")
+            opt.zero_grad(set_to_none=True)
+            updates.append({**mb, "grad_norm": float(grad_norm)})
+        if stop:  # target_kl: no more epochs either
             break
-        critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if torch.isfinite(grad_norm) and torch.isfinite(critic_norm):  # else NaN/inf: skip it
-            opt.step()
-            run.nonfinite_in_row = 0
-        else:
-            R.skip_update(run, "loss or gradient")
-        opt.zero_grad(set_to_none=True)
-        updates.append({**mb, "grad_norm": float(grad_norm)})
     keys = ("loss",) + logged + ("grad_norm",)  # each one's mean over the updates (0: none)
     return {**{k: sum(u[k] for u in updates) / max(len(updates), 1) for k in keys},
             "ppo_updates": len(updates)}
