@@ -423,7 +423,7 @@ def _on_sigint(signum, frame):
 def seed_everything(seed):
     """Seeds sampling (each torchrun process its own: they must not draw the same completions)
     and returns the data stream's rng: the same in every process, which each takes its share of
-    (see my_share), and saved in checkpoints."""
+    (rows[rank::world], or my_share), and saved in checkpoints."""
     random.seed(seed)
     torch.manual_seed(seed + 100003 * get_rank())  # rank 0: seed itself, as in one process
     return random.Random(seed)
@@ -443,7 +443,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
             print(f"memory: AdamW's moments will add {8 * weights / 2**20:,.0f} MB from step 2")
         return 0, eval_before, {}
     s = run.state
-    if _sharded(trained):
+    if isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
         set_optimizer_state_dict(torch.nn.ModuleList(trained), opt, s["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
     else:
@@ -533,7 +533,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
         dist.all_gather_object(rngs, rngs[0])
     weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state
     opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \
-        if _sharded(trained) else opt.state_dict()
+        if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
     if run.rank > 0:
         return
     state = {"step": step, "optimizer": opt_state, "data_rng": rng.getstate(), "rngs": rngs,
@@ -602,7 +602,7 @@ def my_share(items):
 
 
 def global_sum(x):
-    """x summed over every process, as a float64 copy (x stays as it was). One process: x."""
+    """x summed over every process, in float64 (x stays as it was). One process: x itself."""
     if not dist.is_initialized():
         return x
     t = torch.as_tensor(x)  # reduced on the GPU where there is one: nccl reduces CUDA tensors only
@@ -612,11 +612,10 @@ def global_sum(x):
 
 
 def global_mean(metrics, weight=1.0, weights=None):
-    """Floats averaged over every process's rows, weighted by `weight` (rows) or per key by
-    weights[key] (a token mean: its tokens), as one process would; ints stay as they are."""
+    """Floats averaged over every process's rows, weighted by weights[key] (tokens) or weight."""
     if not dist.is_initialized():
         return metrics
-    keys = sorted(k for k, v in metrics.items() if isinstance(v, float))
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, float))  # ints (step) stay
     w = torch.tensor([float((weights or {}).get(k, weight)) for k in keys], dtype=torch.float64)
     x = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
     n, total = global_sum(torch.stack([w, x * w]))
@@ -688,17 +687,12 @@ def split_eval(run, model, rows, score):
         return global_mean(score(mine), weight=len(mine))
 
 
-def _sharded(modules):
-    return any(isinstance(m, FSDPModule) for module in modules for m in module.modules())
-
-
 def full_state_dict(model):
     """The full weights, on rank 0's CPU ({} elsewhere; under FSDP2 every process must call it)."""
     full = get_model_state_dict(model, options=FULL)
-    first = {}  # tied weights (an LM head that is the embedding) come as two copies: one again,
-    for name, p in model.named_parameters(remove_duplicate=False):  # as in model.state_dict(),
-        if full:  # so that save_pretrained writes it once
-            full[name] = full[first.setdefault(id(p), name)]
+    first = {}  # tied weights (an LM head that is the embedding) come back as two copies: one
+    for name, p in model.named_parameters(remove_duplicate=False) if full else ():  # again, as
+        full[name] = full[first.setdefault(id(p), name)]  # in state_dict(), written once
     return full
 
 
