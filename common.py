@@ -6,10 +6,12 @@ algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py.
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
   pi_theta's log-probs);  pi_ref  a frozen reference model, usually the starting policy.
-  A rollout `roll` holds B rows of prompt + completion: P prompt columns (left-padded), then T
-  completion columns (right-padded). roll.completion_mask (B, T) is 1 on every generated token up to
-  AND including the EOS and 0 after it. Masks come from lengths, never from token values, so the EOS
-  is in the loss even when the pad token is the EOS token.
+  A rollout `roll` (from sample() or rollout()) holds B rows of prompt + completion: roll.ids and
+  roll.attention_mask (B, P + T) are P prompt columns (left-padded), then T completion columns
+  (right-padded). roll.completion_mask (B, T) is 1 on every generated token up to AND including the
+  EOS and 0 after it. Masks come from lengths, never from token values, so the EOS is in the loss
+  even when the pad token is the EOS token. roll.truncated (B,): no EOS (nor stop string) in the
+  budget; roll.sample_logprobs (B, T): log pi_sampler of each token, at the sampling temperature.
   Log-probs are log pi(token | earlier tokens), in fp32, on logits / the sampling temperature.
 """
 import functools
@@ -64,9 +66,8 @@ def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the mod
 
 
 def _forward(model, ids, mask, pos, cache=None, keep=0, hidden=False):
-    """Every forward passes the same arguments, so --compile's guards hold. keep = logits_to_keep
-    (the last `keep` positions go through the LM head; 0 = all); hidden: also return every
-    layer's hidden states (the last: the final norm's output, the LM head's input)."""
+    """Every forward passes the same arguments, so --compile's guards hold. keep: logits_to_keep
+    (the last `keep` positions go through the LM head, 0 = all); hidden: also the hidden states."""
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
                  use_cache=cache is not None, output_hidden_states=hidden,
                  **{_cache_kwarg(type(_unwrap(model))): cache})
@@ -98,14 +99,9 @@ def eos_ids(model, tok):
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
            amp=None, stop=(), share_prompts=True):
-    """Batched sampling with a KV cache. A row ends at its first EOS or at the token that completes
-    one of the `stop` strings; finished rows leave the batch and the cache (they stop costing).
-    greedy: the argmax instead of a draw. Returns a SimpleNamespace with P (prompt columns) and
-      ids, attention_mask (B, P+T)  left-padded prompt, then the completion, right-padded
-      completion_mask (B, T)        float, 1 on each generated token up to and including the EOS
-      truncated (B,)                bool: no EOS (nor stop string) within max_new_tokens
-      sample_logprobs (B, T)        log pi_sampler of each token, at the sampling temperature
-                                    (top_p < 1: over the kept tokens, renormalised)"""
+    """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row ends
+    at its first EOS or at the token that completes a `stop` string, and then leaves the batch and
+    the cache. greedy: the argmax instead of a draw."""
     B, device = len(prompt_ids), next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # sampled tokens
@@ -167,9 +163,9 @@ def rollout(model, tok, prompt_ids, env, rows, max_turns, max_new_tokens, temper
     """Multi-turn sampling with a tool (docs/tool_use.md): each turn, sample() continues every
     live row's transcript, then env(row, turns) (the model's turns so far, texts) returns an
     observation to append, or None: the episode ends. max_new_tokens: the whole completion's
-    budget, observations included. Returns sample()'s fields (completion_mask, sample_logprobs
-    0 on observations) and per row turns, tool_calls, observations, final (the text after the
-    last observation: what rewards read) and transcript."""
+    budget, observations included (completion_mask 0 on them). Also returns per row turns,
+    tool_calls, observations, final (the text after the last observation: what rewards read) and
+    transcript (observations marked ⟦...⟧)."""
     B, device = len(prompt_ids), next(model.parameters()).device
     comp = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # the completions
     completion_mask = torch.zeros(B, max_new_tokens, device=device)  # 1: sampled by the model
@@ -279,18 +275,14 @@ def batched_logprobs(model, roll, temperature, micro_batch, amp):
 
 def kl_estimate(logprobs, ref_logprobs, estimator):
     """Per-token estimates of KL(pi || pi_ref) from samples of pi (Schulman 2020, "Approximating
-    KL divergence"), with log r = log pi_ref - log pi:
-      k1 = -log r            unbiased, noisy, can be < 0
-      k2 = (log r)^2 / 2     biased, low variance, >= 0
-      k3 = r - 1 - log r     unbiased, >= 0 (DeepSeekMath)
-    These are the VALUES. Placed in a loss, their gradients differ: see grpo.per_token_loss."""
-    log_r = ref_logprobs - logprobs
+    KL divergence"). These are the VALUES; in a loss their gradients differ: grpo.per_token_loss."""
+    log_r = ref_logprobs - logprobs  # log r = log pi_ref - log pi
     if estimator == "k1":
-        return -log_r
+        return -log_r  # k1 = -log r: unbiased, noisy, can be < 0
     if estimator == "k2":
-        return 0.5 * log_r**2
+        return 0.5 * log_r**2  # k2 = (log r)^2 / 2: biased, low variance, >= 0
     log_r = log_r.clamp(-20, 20)  # k3 alone exponentiates: exp() stays finite (TRL issue #3015)
-    return log_r.exp() - 1 - log_r
+    return log_r.exp() - 1 - log_r  # k3 = r - 1 - log r: unbiased, >= 0 (DeepSeekMath)
 
 
 def masked_mean(x, mask, dim=None, total=None):
@@ -424,11 +416,10 @@ def gold(completions, rows):
 @torch.no_grad()
 def evaluate(model, tok, rows, args, amp, weights, rm=None, rm_tok=None, fns=None,
              batch_size=128, env=None):
-    """Held-out scores, {"eval": the mean score of greedy completions} under these reward weights
-    ({"math": 1}: accuracy; the scripts choose by eval_metric, once for all torchrun's shares).
-    args.eval_samples = k > 0: also eval_mean@k and eval_pass@k (the best of k, per prompt) over
-    k samples per prompt at the training temperature; args.eval_sampled: mean@k is the "eval",
-    greedy's "eval_greedy"."""
+    """Held-out scores under these reward weights ({"math": 1}: accuracy; the scripts choose by
+    eval_metric): "eval", the mean score of greedy completions; args.eval_samples = k > 0: also
+    eval_mean@k and eval_pass@k (the best of k, per prompt) of k samples at the training
+    temperature; args.eval_sampled: mean@k is the "eval", greedy's "eval_greedy"."""
     if not rows:  # e.g. a data file too small to hold rows out: no score rather than a made-up 0
         return {"eval": float("nan")}
     k = getattr(args, "eval_samples", 0)
@@ -439,12 +430,11 @@ def evaluate(model, tok, rows, args, amp, weights, rm=None, rm_tok=None, fns=Non
             if batch:
                 _, texts = generate(model, tok, batch, args, amp, env, greedy=key == "eval")
                 scores[key] += compute_rewards(batch, texts, weights, rm, rm_tok, fns)[0].tolist()
-    out = {"eval": sum(scores["eval"]) / len(rows)}
-    if k:
-        per_prompt = torch.tensor(scores["sampled"]).view(-1, k)
-        out[f"eval_mean@{k}"] = float(per_prompt.mean())
-        out[f"eval_pass@{k}"] = float(per_prompt.max(1).values.mean())
+    greedy = sum(scores["eval"]) / len(rows)
+    if not k:
+        return {"eval": greedy}
+    per_prompt = torch.tensor(scores["sampled"]).view(-1, k)
+    mean, best = float(per_prompt.mean()), float(per_prompt.max(1).values.mean())
     if getattr(args, "eval_sampled", False):  # the headline score is mean@k, greedy beside it
-        out = {"eval": out.pop(f"eval_mean@{k}"), "eval_greedy": out["eval"],
-               f"eval_pass@{k}": out[f"eval_pass@{k}"]}
-    return out
+        return {"eval": mean, "eval_greedy": greedy, f"eval_pass@{k}": best}
+    return {"eval": greedy, f"eval_mean@{k}": mean, f"eval_pass@{k}": best}
