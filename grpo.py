@@ -223,7 +223,7 @@ def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, en
     want = args.prompts_per_step * G // R.get_world_size()  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept, seen = [], [], [], [], []
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
-        prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
+        prompts = data.next_batch(rng, args.prompts_per_step)[R.get_rank()::R.get_world_size()]
         rows = [r for r in prompts for _ in range(G)]
         roll, texts = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)

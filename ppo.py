@@ -405,7 +405,7 @@ def main():
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):
                 group["lr"] = lr * (1 - step / args.max_steps)
         # 1. sample one completion per prompt and score it
-        rows = R.my_share(data.next_batch(rng, args.batch_size))  # torchrun: this process's share
+        rows = data.next_batch(rng, args.batch_size)[run.rank::run.world]  # torchrun: a share
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn

@@ -269,7 +269,7 @@ def main():
     for step in bar:
         t0 = time.time()
         # 1. sample k completions per prompt (k contiguous rows each) and score them
-        prompts = R.my_share(data.next_batch(rng, args.prompts_per_step))  # torchrun: a share
+        prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(k)]
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):

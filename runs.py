@@ -56,10 +56,10 @@ import tasks
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
-NEW_FOLDERS = []  # output folders this process made: removed again if the run fails before step 1
+NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to")
-FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # FSDP2: gathered onto the CPU
+FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -350,7 +350,7 @@ def start_run(args, algo):
                    rank=rank, world=world, saved_step=state["step"] if state else 0)
     try:
         if not os.path.exists(folder):
-            NEW_FOLDERS.append(folder)
+            NEW_FOLDERS.add(folder)
         os.makedirs(folder, exist_ok=True)
         _take_lock(folder)
     except OSError as e:
@@ -368,15 +368,15 @@ def start_run(args, algo):
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
     return Run(dir=folder, algo=algo, args=args, state=state, history=history,
-               saved_step=state["step"] if state else 0,
-               metrics=open(metrics_path, "a"), samples=open(samples_path, "a"), world=world,
+               saved_step=state["step"] if state else 0, world=world,  # line-buffered files:
+               metrics=open(metrics_path, "a", buffering=1),  # each line is written at once
+               samples=open(samples_path, "a", buffering=1),
                tracker=open_tracker(args, folder))
 
 
 def open_tracker(args, folder):
-    """--report_to tensorboard | wandb | trackio: the same metrics as metrics.jsonl, and the
-    samples as a table, also go to that tracker (an optional package; one line when missing).
-    none: nothing changes."""
+    """--report_to tensorboard | wandb | trackio: the numbers of metrics.jsonl also go to that
+    tracker (an optional package; one line when missing). none: nothing changes."""
     kind = getattr(args, "report_to", "none")
     if kind == "none":
         return None
@@ -392,21 +392,6 @@ def open_tracker(args, folder):
     tracker.init(project="minrl", name=os.path.basename(os.path.abspath(folder)),
                  config=dataclasses.asdict(args))
     return tracker
-
-
-def _report(tracker, metrics, samples):
-    step = metrics["step"]
-    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
-    if hasattr(tracker, "add_scalar"):  # tensorboard's SummaryWriter
-        for k, v in numbers.items():
-            tracker.add_scalar(k, v, step)
-        if samples:
-            tracker.add_text("samples", json.dumps(samples, indent=1), step)
-        return
-    if samples:  # wandb and trackio both have Table(columns=..., data=...)
-        numbers["samples"] = tracker.Table(columns=list(samples[0]),
-                                           data=[[s[c] for c in samples[0]] for s in samples])
-    tracker.log(numbers, step=step)
 
 
 def _load_state(folder):
@@ -438,7 +423,7 @@ def _on_sigint(signum, frame):
 def seed_everything(seed):
     """Seeds sampling (each torchrun process its own: they must not draw the same completions)
     and returns the data stream's rng: the same in every process, which each takes its share of
-    (see my_share), and saved in checkpoints."""
+    (rows[rank::world], or my_share), and saved in checkpoints."""
     random.seed(seed)
     torch.manual_seed(seed + 100003 * get_rank())  # rank 0: seed itself, as in one process
     return random.Random(seed)
@@ -452,19 +437,22 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
     if not run.state:
         eval_before = evaluate()  # {"eval": greedy score, ...}
         scores = ", ".join(f"{k} {v:.3f}" for k, v in eval_before.items())
-        if run.rank == 0:
+        weights = sum(_local(p).numel() for group in opt.param_groups for p in group["params"])
+        if run.rank == 0:  # AdamW's moments: two fp32 numbers a weight, made at step 1's end
             print(f"held-out {metric} before training: {scores}")
+            print(f"memory: AdamW's moments will add {8 * weights / 2**20:,.0f} MB from step 2")
         return 0, eval_before, {}
     s = run.state
-    if _sharded(trained):
+    if isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
         set_optimizer_state_dict(torch.nn.ModuleList(trained), opt, s["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
     else:
         opt.load_state_dict(s["optimizer"])
-    if len(s["torch_rng"]) == run.world:  # one state per process; another world size reseeds
-        torch.set_rng_state(s["torch_rng"][run.rank])
-        if s["cuda_rng"][run.rank] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(s["cuda_rng"][run.rank])
+    if len(s["rngs"]) == run.world:  # one (CPU, CUDA) state per process; another world reseeds
+        cpu_rng, cuda_rng = s["rngs"][run.rank]
+        torch.set_rng_state(cpu_rng)
+        if cuda_rng is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(cuda_rng)
     rng.setstate(s["data_rng"])
     run.nonfinite = s["nonfinite"]
     if run.rank == 0:
@@ -473,26 +461,22 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 
 
 # ------------------------------------------------------------------------- during the loop
-def skip_update(run, what, max_in_row=10):
-    """Count an update skipped for NaN/inf (the caller resets nonfinite_in_row after a good one)."""
+def skip_update(run, what):
+    """Count an update skipped for NaN/inf; 10 in a row stop the run (a good one resets the row)."""
     run.nonfinite += 1
     run.nonfinite_in_row += 1
     if what not in run.warned:  # said once per kind; summary.json counts them all
         tqdm.write(f"warning: non-finite {what}: update skipped (counted in summary.json)")
         run.warned.add(what)
-    if run.nonfinite_in_row >= max_in_row:
-        hint = "does a reward return NaN/inf?" if "reward" in what else "try a lower --lr"
-        stop_run(run, f"the {what} was NaN or inf in {max_in_row} updates in a row ({hint})")
+    if run.nonfinite_in_row == 10:
+        stop_run(run, f"the {what} was NaN or inf in 10 updates in a row")
 
 
 def stop_run(run, why):
     """End the run in one line (exit 2), keeping its folder, metrics.jsonl and last checkpoint."""
-    if run.dir in NEW_FOLDERS:  # even with no step logged: it is evidence
-        NEW_FOLDERS.remove(run.dir)
-    kept = f"the checkpoint of step {run.saved_step} is kept" if run.saved_step else \
-        "no checkpoint had been saved yet"
-    raise C.UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl of the steps so far, "
-                      f"and {kept}")
+    NEW_FOLDERS.discard(run.dir)  # kept even with no step logged: it is evidence
+    kept = f"the checkpoint of step {run.saved_step}" if run.saved_step else "no checkpoint yet"
+    raise C.UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl and {kept}")
 
 
 @contextlib.contextmanager
@@ -503,8 +487,7 @@ def stop_on_divergence(run, step):
     except RuntimeError as e:
         if "probability tensor contains" not in str(e):  # "... either inf, nan or element < 0"
             raise
-        stop_run(run, f"the policy diverged (its next-token probabilities are NaN or inf), so "
-                      f"step {step + 1} cannot sample; try a lower --lr")
+        stop_run(run, f"the policy diverged (NaN/inf): step {step + 1} cannot sample; lower --lr")
 
 
 def _local(p):  # --fsdp: this process's shard of a sharded parameter (a DTensor)
@@ -517,52 +500,45 @@ def every(step, n):
 
 
 def log_step(run, metrics, bar, samples, opt):
-    """Rank 0: the metrics line (and, every 25 steps, the samples) to the run's files and tracker.
-    After step 1: its peak memory, and what AdamW's moments, made at its end, add."""
+    """Rank 0: metrics.jsonl, the tracker, samples.jsonl (steps 1, 26, 51, ...); step 1's memory."""
     if run.rank > 0:
         return
     step = metrics["step"]
-    samples = samples if (step - 1) % 25 == 0 else None  # steps 1, 26, 51, ...
     run.history.append(metrics)
     run.metrics.write(json.dumps(metrics) + "\n")
-    run.metrics.flush()
-    if samples:
+    if samples and (step - 1) % 25 == 0:
         run.samples.write(json.dumps({"step": step, "samples": samples}) + "\n")
-        run.samples.flush()
     if run.tracker is not None:
-        _report(run.tracker, metrics, samples)
-    shown = ("reward", "kl", "gold", "eval")
-    bar.set_postfix({k: f"{metrics[k]:.3g}" for k in shown if k in metrics})
-    if step == 1:  # where runs that barely fit fail: step 2, with the moments (trl#2972)
-        params = [_local(p) for group in opt.param_groups for p in group["params"]]
-        moments = 8 * sum(p.numel() for p in params) / 2**20  # two fp32 numbers per weight
-        tqdm.write(f"memory: peak {peak_mem_mb(params[0].device):,.0f} MB in the first step; "
-                   f"AdamW's moments, created at its end, add {moments:,.0f} MB from the next "
-                   "step on")
+        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+        if run.args.report_to == "tensorboard":  # a SummaryWriter, one number at a time
+            for k, v in numbers.items():
+                run.tracker.add_scalar(k, v, step)
+        else:  # wandb and trackio
+            run.tracker.log(numbers, step=step)
+    bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
+    if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
+        device = opt.param_groups[0]["params"][0].device
+        tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
 def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
-    """Atomic: written to checkpoint.tmp/, then swapped in by renames (docs/reliability.md).
-    extra: the algorithm's own state for --resume; trained: the modules opt updates (or model)."""
-    trained = trained or [model]
+    """checkpoint/, atomically: written to checkpoint.tmp/, then renamed (docs/reliability.md)."""
+    trained = trained or [model]  # the modules opt updates; extra: the algorithm's own state
     bad = sum(float(not torch.isfinite(_local(p)).all()) for m in trained for p in m.parameters())
     if global_sum(bad):  # NaN/inf weights, in any process: keep the last good checkpoint
         stop_run(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rng_states = [(torch.get_rng_state(), cuda_rng)] * run.world
+    rngs = [(torch.get_rng_state(), cuda_rng)] * run.world
     if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
-        dist.all_gather_object(rng_states, rng_states[0])
-    # --fsdp: every process helps gather full weights and optimizer state for rank 0 to write
-    weights = full_state_dict(model)
+        dist.all_gather_object(rngs, rngs[0])
+    weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state
     opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \
-        if _sharded(trained) else opt.state_dict()
+        if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
     if run.rank > 0:
         return
-    state = {"step": step, "optimizer": opt_state, "data_rng": rng.getstate(),
-             "torch_rng": [t for t, _ in rng_states], "cuda_rng": [c for _, c in rng_states],
+    state = {"step": step, "optimizer": opt_state, "data_rng": rng.getstate(), "rngs": rngs,
              "nonfinite": run.nonfinite, "extra": extra}
-    tmp, final, old = (os.path.join(run.dir, n) for n in ("checkpoint.tmp", "checkpoint",
-                                                          "checkpoint.old"))
+    tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
         tok.save_pretrained(tmp)
@@ -571,8 +547,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
             json.dump({"algo": run.algo, "args": dataclasses.asdict(run.args)}, f, indent=1)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each of them says it
         shutil.rmtree(tmp, ignore_errors=True)
-        stop_run(run, f"could not write the checkpoint to {tmp} ({C._first_line(e)[:80]}): "
-                      "free some space")
+        stop_run(run, f"could not write {tmp} ({C._first_line(e)[:80]}); free some space")
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
@@ -620,28 +595,27 @@ def get_world_size():
 
 
 def my_share(items):
-    """This process's contiguous share of rows that all drew alike (a GRPO group stays whole)."""
+    """This process's contiguous share of the rows, all shares of one size (DDP needs as many
+    micro-batches in every process), for a list that need not divide among the processes."""
     n = len(items) // get_world_size()
     return items[get_rank() * n:(get_rank() + 1) * n]
 
 
 def global_sum(x):
-    """x summed over every process, as a float64 copy (x stays as it was). One process: x."""
-    if get_world_size() == 1:
+    """x summed over every process, in float64 (x stays as it was). One process: x itself."""
+    if not dist.is_initialized():
         return x
-    t = torch.as_tensor(x)
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # nccl reduces CUDA tensors only
-    total = t.to(device, torch.float64, copy=True)
+    t = torch.as_tensor(x)  # reduced on the GPU where there is one: nccl reduces CUDA tensors only
+    total = t.to("cuda" if torch.cuda.is_available() else "cpu", torch.float64, copy=True)
     dist.all_reduce(total)
     return total.to(t.device, t.dtype if t.is_floating_point() else torch.float64)
 
 
 def global_mean(metrics, weight=1.0, weights=None):
-    """Each float averaged over the processes as one process would over all their rows, weighted by
-    `weight` (rows) or per key by weights[key] (a token mean: its tokens); ints stay as they are."""
-    if get_world_size() == 1:
+    """Floats averaged over every process's rows, weighted by weights[key] (tokens) or weight."""
+    if not dist.is_initialized():
         return metrics
-    keys = sorted(k for k, v in metrics.items() if isinstance(v, float))
+    keys = sorted(k for k, v in metrics.items() if isinstance(v, float))  # ints (step) stay
     w = torch.tensor([float((weights or {}).get(k, weight)) for k in keys], dtype=torch.float64)
     x = torch.tensor([metrics[k] for k in keys], dtype=torch.float64)
     n, total = global_sum(torch.stack([w, x * w]))
@@ -651,12 +625,11 @@ def global_mean(metrics, weight=1.0, weights=None):
 
 def global_std(x):
     """The unbiased std of x's entries over every process (torch.std over all of them)."""
-    if get_world_size() == 1:
+    if not dist.is_initialized():
         return x.std()
-    x64 = x.detach().double()
-    n, s = global_sum(torch.stack([x64.new_tensor(x.numel()), x64.sum()]))
-    squares = global_sum(((x64 - s / n) ** 2).sum())  # deviations from the global mean
-    return (squares / (n - 1)).sqrt().to(x.dtype)
+    x64 = x.detach().double()  # float64: the one-pass variance (sum x^2 - (sum x)^2 / n) / (n - 1)
+    n, s, s2 = global_sum(torch.stack([x64.new_tensor(x.numel()), x64.sum(), x64.square().sum()]))
+    return ((s2 - s * s / n) / (n - 1)).sqrt().to(x.dtype)
 
 
 def stop_requested():
@@ -689,27 +662,22 @@ def wrap_model(model, fsdp=False):
 
 
 def sync_gradients(model, now):
-    """DDP averages gradients in the last micro-batch's backward only (now); FSDP2 reduce-scatters
-    them in every one, not to hold a full gradient (docs/scaling.md). One process: nothing."""
-    if isinstance(model, DistributedDataParallel) and not now:
-        return model.no_sync()
-    return contextlib.nullcontext()
+    """DDP: average the gradients in the last micro-batch's backward only (now; docs/scaling.md)."""
+    wait = isinstance(model, DistributedDataParallel) and not now
+    return model.no_sync() if wait else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
 def gathered(model):
-    """--fsdp: sampling and eval on the whole model, all-gathered once in every process, so the
-    decode loop makes no collective (docs/scaling.md); back to 1/N on leaving. Else: nothing."""
+    """--fsdp: the whole model in every process while it samples (docs/scaling.md). Else nothing."""
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # none without --fsdp
     for m in units:
         m.unshard()
         m.set_reshard_after_forward(False, recurse=False)  # forwards keep the weights gathered
-    try:
-        yield
-    finally:  # FSDP2's defaults again: blocks free their weights after forward, the root keeps its
-        for m in units:
-            m.set_reshard_after_forward(m is not model, recurse=False)
-            m.reshard()
+    yield
+    for m in units:  # FSDP2's defaults again: blocks free their weights after forward, root keeps
+        m.set_reshard_after_forward(m is not model, recurse=False)
+        m.reshard()
 
 
 def split_eval(run, model, rows, score):
@@ -719,19 +687,12 @@ def split_eval(run, model, rows, score):
         return global_mean(score(mine), weight=len(mine))
 
 
-def _sharded(modules):
-    return any(isinstance(m, FSDPModule) for module in modules for m in module.modules())
-
-
 def full_state_dict(model):
-    """The full weights; under FSDP2 gathered onto rank 0's CPU ({} elsewhere; all must call it)."""
-    if not _sharded([model]):
-        return model.state_dict()
+    """The full weights, on rank 0's CPU ({} elsewhere; under FSDP2 every process must call it)."""
     full = get_model_state_dict(model, options=FULL)
-    first = {}  # tied weights (an LM head that is the embedding) gather as two copies: one again,
-    for name, p in model.named_parameters(remove_duplicate=False):  # as in model.state_dict(),
-        if full:  # so that save_pretrained writes it once
-            full[name] = full[first.setdefault(id(p), name)]
+    first = {}  # tied weights (an LM head that is the embedding) come back as two copies: one
+    for name, p in model.named_parameters(remove_duplicate=False) if full else ():  # again, as
+        full[name] = full[first.setdefault(id(p), name)]  # in state_dict(), written once
     return full
 
 
@@ -739,10 +700,8 @@ def full_state_dict(model):
 def peak_mem_mb(device):
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated() / 2**20
-    if resource is None:  # Windows has no `resource`: unknown, not a crash
-        return float("nan")
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # kB on Linux, bytes on macOS
-    return rss / 2**20 if sys.platform == "darwin" else rss / 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss if resource else math.nan  # Windows
+    return rss / 2**20 if sys.platform == "darwin" else rss / 1024  # bytes on macOS, kB on Linux
 
 
 def spark(values, width=60):
