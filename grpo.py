@@ -215,15 +215,15 @@ def cat_rollouts(pieces):
     return C.SimpleNamespace(**out)
 
 
-def sample_groups(model, tok, data, rng, args, weights, rm, rm_tok, fns, amp, env=None):
+def sample_groups(model, tok, data, rng, run, args, weights, rm, rm_tok, fns, amp, env=None):
     """G scored completions per prompt. dynamic_sampling (DAPO): groups of equal rewards are dropped
     and more are sampled. Returns the kept rollout, rows, texts, rewards (B,), and every round's
     (rewards, reward parts)."""
     G = args.group_size
-    want = args.prompts_per_step * G // R.get_world_size()  # this process's share
+    want = args.prompts_per_step * G // run.world  # this process's share
     pieces, rows_kept, texts_kept, rewards_kept, seen = [], [], [], [], []
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
-        prompts = data.next_batch(rng, args.prompts_per_step)[R.get_rank()::R.get_world_size()]
+        prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(G)]
         roll, texts = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)
@@ -315,7 +315,7 @@ def main():
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, rows, completions, rewards, seen = sample_groups(
-                model, tok, data, rng, args, weights, rm, rm_tok, fns, sample_amp, env)
+                model, tok, data, rng, run, args, weights, rm, rm_tok, fns, sample_amp, env)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue

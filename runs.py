@@ -448,7 +448,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
                                  options=StateDictOptions(full_state_dict=True))
     else:
         opt.load_state_dict(s["optimizer"])
-    if len(s["rngs"]) == run.world:  # one (CPU, CUDA) state per process; another world reseeds
+    if len(s.get("rngs", ())) == run.world:  # a (CPU, CUDA) state per process; else reseeded
         cpu_rng, cuda_rng = s["rngs"][run.rank]
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None and torch.cuda.is_available():
@@ -629,7 +629,7 @@ def global_std(x):
         return x.std()
     x64 = x.detach().double()  # float64: the one-pass variance (sum x^2 - (sum x)^2 / n) / (n - 1)
     n, s, s2 = global_sum(torch.stack([x64.new_tensor(x.numel()), x64.sum(), x64.square().sum()]))
-    return ((s2 - s * s / n) / (n - 1)).sqrt().to(x.dtype)
+    return ((s2 - s * s / n).clamp(min=0) / (n - 1)).sqrt().to(x.dtype)  # >= 0 despite rounding
 
 
 def stop_requested():
@@ -688,7 +688,9 @@ def split_eval(run, model, rows, score):
 
 
 def full_state_dict(model):
-    """The full weights, on rank 0's CPU ({} elsewhere; under FSDP2 every process must call it)."""
+    """The full weights; under FSDP2 gathered onto rank 0's CPU ({} elsewhere; all must call it)."""
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):  # not --fsdp: no copy
+        return model.state_dict()
     full = get_model_state_dict(model, options=FULL)
     first = {}  # tied weights (an LM head that is the embedding) come back as two copies: one
     for name, p in model.named_parameters(remove_duplicate=False) if full else ():  # again, as

@@ -3718,6 +3718,8 @@ def test_global_statistics_are_those_of_every_processs_rows(monkeypatch):
     assert runs.global_mean(metrics, weights={"kl": 7}) is metrics
     for std in as_two_processes(monkeypatch, runs.global_std, (x[:5], x[5:])):
         assert std.dtype == x.dtype and float(std) == pytest.approx(float(x.std()), rel=1e-6)
+    same = torch.full((61,), 3.563326597213745)  # equal rewards: the one-pass variance rounds < 0
+    assert as_two_processes(monkeypatch, runs.global_std, (same[:30], same[30:])) == [0.0, 0.0]
     kl, reward = torch.rand(12, generator=g), torch.rand(8, generator=g)  # 3 + 9 tokens, 4 + 4 rows
     shares = [(kl[:3], reward[:4]), (kl[3:], reward[4:])]
     merged = as_two_processes(monkeypatch, lambda s: runs.global_mean(
