@@ -146,8 +146,9 @@ def rloo_baseline(rewards, k):
 
 def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=None,
                total=None):
-    """A = G - b (B, T), 0 on padding. ema: the running b (None: this batch's mean); scores (B,):
-    RLOO's b from the others' scores, not returns (OpenRLHF); total: torchrun's sums, to whiten."""
+    """A = G - b for the chosen baseline b, (B, T), 0 on padding. ema: the running b (None: this
+    batch's mean). scores (B,): RLOO's b from the other samples' scores, not their returns
+    (OpenRLHF). total: torchrun's sums, for whitening over the global batch."""
     if baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens
         return C.whiten(returns, mask, total=total)
     whole = returns[:, 0]  # each sequence's whole return (every completion has a token)

@@ -375,8 +375,8 @@ def start_run(args, algo):
 
 
 def open_tracker(args, folder):
-    """--report_to tensorboard | wandb | trackio: the numbers of metrics.jsonl also go to that
-    tracker (an optional package; one line when missing). none: nothing changes."""
+    """--report_to tensorboard | wandb | trackio: the numbers of metrics.jsonl, and the samples as a
+    table, also go to that tracker (an optional package; one line when missing). none: nothing."""
     kind = getattr(args, "report_to", "none")
     if kind == "none":
         return None
@@ -504,16 +504,22 @@ def log_step(run, metrics, bar, samples, opt):
     if run.rank > 0:
         return
     step = metrics["step"]
+    samples = samples if (step - 1) % 25 == 0 else None
     run.history.append(metrics)
     run.metrics.write(json.dumps(metrics) + "\n")
-    if samples and (step - 1) % 25 == 0:
+    if samples:
         run.samples.write(json.dumps({"step": step, "samples": samples}) + "\n")
     if run.tracker is not None:
         numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         if run.args.report_to == "tensorboard":  # a SummaryWriter, one number at a time
             for k, v in numbers.items():
                 run.tracker.add_scalar(k, v, step)
-        else:  # wandb and trackio
+            if samples:
+                run.tracker.add_text("samples", json.dumps(samples, indent=1), step)
+        else:  # wandb and trackio: one call a step, the samples as a Table
+            if samples:
+                numbers["samples"] = run.tracker.Table(
+                    columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
             run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)

@@ -2640,12 +2640,13 @@ def test_chat_messages_rows_train_with_a_chat_template(tmp_path):
 
 
 def test_report_to_sends_the_metrics_and_samples_to_a_tracker(tmp_path, monkeypatch, capsys):
-    """--report_to wandb (a fake module here): every metrics line's numbers reach it (the samples
-    stay in samples.jsonl); a tracker that is not installed is one line."""
+    """--report_to wandb (a fake module here): every metrics line and the samples table reach it;
+    a tracker that is not installed is one line."""
     calls = []
     fake = types.ModuleType("wandb")
     fake.init = lambda **kw: calls.append(("init", kw["project"]))
     fake.log = lambda data, step: calls.append(("log", step, sorted(data)))
+    fake.Table = lambda columns, data: ("table", columns, len(data))
     fake.finish = lambda: calls.append(("finish",))
     monkeypatch.setitem(sys.modules, "wandb", fake)
     out = tmp_path / "run"
@@ -2653,8 +2654,8 @@ def test_report_to_sends_the_metrics_and_samples_to_a_tracker(tmp_path, monkeypa
              "--output_dir", out)
     logged = [c for c in calls if c[0] == "log"]
     assert calls[0] == ("init", "minrl") and calls[-1] == ("finish",)
-    assert [c[1] for c in logged] == [1, 2]  # one call a step
-    assert "reward" in logged[0][2] and "samples" not in logged[0][2]
+    assert [c[1] for c in logged] == [1, 2]  # one call a step; step 1 with the samples table
+    assert "reward" in logged[0][2] and "samples" in logged[0][2]
     assert set(logged[1][2]) == set(read_metrics(out)[1]) - {"step"}
     monkeypatch.setitem(sys.modules, "trackio", None)
     with pytest.raises(SystemExit):
@@ -3777,7 +3778,7 @@ def test_pipeline_scripts_take_the_thread_policy_and_repeat_bit_for_bit(module, 
 
 def test_report_to_tensorboard_writes_what_its_own_reader_reads_back(monkeypatch, tmp_path):
     """--report_to tensorboard, against the real package: tensorboard's EventAccumulator reads
-    every number of every metrics.jsonl line back at its step (as float32), and nothing else."""
+    every number of every metrics.jsonl line back at its step (as float32), and the samples."""
     pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard "
                         "package (.ci/run installs it)")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -3793,7 +3794,11 @@ def test_report_to_tensorboard_writes_what_its_own_reader_reads_back(monkeypatch
         assert [e.step for e in events.Scalars(key)] == [1, 2], key
         assert [e.value for e in events.Scalars(key)] == pytest.approx(
             [m[key] for m in metrics], rel=1e-6, abs=1e-12), key
-    assert not events.Tags()["tensors"]  # the samples stay in samples.jsonl
+    [text] = events.Tags()["tensors"]  # add_text: the first step's samples, as JSON
+    [sample] = events.Tensors(text)
+    logged = json.loads(sample.tensor_proto.string_val[0])
+    assert sample.step == 1 and [s["prompt"] for s in logged] == \
+        [s["prompt"] for s in json.loads((out / "samples.jsonl").read_text())["samples"]]
 
 
 def test_run_processes_tries_again_only_when_the_machine_fails_the_launch(monkeypatch, tmp_path):
@@ -3854,7 +3859,7 @@ def wandb_history(path):
 def test_report_to_wandb_offline_records_the_run(monkeypatch, tmp_path):
     """--report_to wandb against the real package, offline (WANDB_MODE=offline: nothing leaves
     the machine): the run file it writes holds every number of every metrics.jsonl line at its
-    step (the samples stay in samples.jsonl)."""
+    step, and the first step's samples table."""
     wandb = pytest.importorskip("wandb", reason="wandb is not installed (optional: pip install "
                                 "wandb)")
     for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path)),
@@ -3870,7 +3875,9 @@ def test_report_to_wandb_offline_records_the_run(monkeypatch, tmp_path):
     for h, m in zip(history, metrics):
         for key in (k for k, v in m.items() if isinstance(v, (int, float)) and k != "step"):
             assert h[key] == pytest.approx(m[key], rel=1e-12), key
-    assert not any(k.startswith("samples") for h in history for k in h)
+    samples = json.loads((out / "samples.jsonl").read_text())["samples"]
+    assert history[0]["samples/_type"] == "table-file"
+    assert history[0]["samples/nrows"] == len(samples) and "samples/nrows" not in history[1]
 
 
 # ---- reliability: --sanity
