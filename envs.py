@@ -220,9 +220,9 @@ def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
         rows = [tasks.addition_row(a, b) for a, b in pairs for _ in range(k)]
         for mode in ("T=1", "greedy"):
             torch.manual_seed(rng.randrange(2**31))
-            roll = C.rollout(model, tok, tasks.encode_prompts(tok, [r["prompt"] for r in rows],
-                                                          "none"), calc, rows, max_turns,
-                             max_new_tokens, greedy=mode == "greedy", stop=["</calc>"])
+            prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], "none")
+            roll = C.rollout(model, tok, prompt_ids, calc, rows, max_turns, max_new_tokens,
+                             greedy=mode == "greedy", stop=["</calc>"])
             right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
             called = roll.tool_calls > 0
             out[f"{shape[0]}+{shape[1]} {mode}"] = {

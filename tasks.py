@@ -72,7 +72,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
         raise C.UserError(f"{where}: field {p_key or 'prompt'!r} is missing or not a non-empty "
                           "string (or a list of chat messages)")
     if system_prompt:  # a system message before the user's (kept if the row has its own)
-        messages = prompt if is_chat else [{"role": "user", "content": prompt}]
+        messages = as_messages(prompt)
         if messages[0]["role"] != "system":
             prompt = [{"role": "system", "content": system_prompt}, *messages]
     row["prompt"] = prompt
@@ -234,8 +234,8 @@ def collate(examples, pad_id, device):
     completion = torch.tensor([c + [pad_id] * (T - len(c)) for _, c in examples], device=device)
     mask = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for _, c in examples], device=device)
     return SimpleNamespace(ids=torch.cat([prompt, completion], 1), P=prompt.shape[1],
-                             attention_mask=torch.cat([prompt_mask, mask], 1),
-                             completion_mask=mask.float())
+                           attention_mask=torch.cat([prompt_mask, mask], 1),
+                           completion_mask=mask.float())
 
 
 # ------------------------------------------------------------ prompts as token ids the model reads
