@@ -1,17 +1,19 @@
 """common.py: the algorithmic core that every training script shares, and must share identically:
-sampling (one turn, and the multi-turn rollout with a tool) -> log-probs and KL ->
-rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
+sampling (one turn, or a multi-turn episode with a tool: one decode loop) -> log-probs and KL
+-> rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
 algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py.
 
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
   pi_theta's log-probs);  pi_ref  a frozen reference model, usually the starting policy.
-  A rollout `roll` (from sample() or rollout()) holds B rows of prompt + completion: roll.ids and
+  A rollout `roll` (from sample()) holds B rows of prompt + completion: roll.ids and
   roll.attention_mask (B, P + T) are P prompt columns (left-padded), then T completion columns
   (right-padded). roll.completion_mask (B, T) is 1 on every generated token up to AND including the
   EOS and 0 after it. Masks come from lengths, never from token values, so the EOS is in the loss
   even when the pad token is the EOS token. roll.truncated (B,): no EOS (nor stop string) in the
   budget; roll.sample_logprobs (B, T): log pi_sampler of each token, at the sampling temperature.
+  Multi-turn (tool use): observation tokens sit between the model's turns with attention_mask 1,
+  completion_mask 0 and sample_logprobs 0: context, like the prompt.
   Log-probs are log pi(token | earlier tokens), in fp32, on logits / the sampling temperature.
 """
 import functools
@@ -96,12 +98,56 @@ def eos_ids(model, tok):
     return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
 
 
+def text_ids(tok, text, left):
+    """An observation's text as token ids, at most `left` of them, and whether it was cut. Text is
+    data: cut before it is tokenized (a token spans few characters), invalid unicode replaced, and
+    never read as special tokens: '<eos>' in a tool's output is five characters, not the EOS."""
+    short = text[:32 * left + 32].encode("utf-8", "replace").decode("utf-8")
+    ids = tok(short, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    return ids[:left], len(ids) > left or len(short) < len(text)
+
+
+def _observe(tok, env_step, ep, out, rows, t, left, max_turns, eos):
+    """sample()'s multi-turn step for the rows whose model turn ended at column t: record each
+    turn's text, ask env_step for the observations of the rows with turns left (all at once), and
+    queue each observation's tokens, cut to the `left` of the budget, to be fed. An observation is
+    text (text_ids) or token ids (envs.chat_observation's, the chat template's own markers); when
+    the turn ended on an EOS and the ids begin with it (a chat template's end-of-turn tag), the
+    model's own token stands for it. Returns, per row, whether its episode goes on."""
+    for i in rows:
+        ep.turns[i].append(tok.decode(out[i, ep.begun[i]:t + 1], skip_special_tokens=True))
+        ep.begun[i] = t + 1
+    asking = [i for i in rows if len(ep.turns[i]) < max_turns]
+    answers = dict(zip(asking, env_step([(i, list(ep.turns[i])) for i in asking]))) if asking else {}
+    goes_on = []
+    for i in rows:
+        obs = answers.get(i)
+        goes_on.append(obs is not None)
+        if obs is None:  # the episode is over
+            continue
+        if isinstance(obs, str):
+            ids, cut = text_ids(tok, obs, left)
+        else:
+            ids = list(obs)[1:] if obs and obs[0] == out[i, t] and obs[0] in eos else list(obs)
+            ids, cut = ids[:left], len(ids) > left
+        ep.forced[i], ep.obs_cut[i] = ids, ep.obs_cut[i] or cut
+        ep.observations[i].append(tok.decode(ids))  # as the model reads it: cut, its tokens
+        ep.begun[i] = t + 1 + len(ids)  # the model's next turn starts after the observation
+    return torch.tensor(goes_on, device=out.device)
+
+
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
-           amp=None, stop=(), share_prompts=True):
-    """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row ends
-    at its first EOS or at the token that completes a `stop` string, and then leaves the batch and
-    the cache. greedy: the argmax instead of a draw."""
+           amp=None, stop=(), share_prompts=True, env_step=None, max_turns=1):
+    """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
+    turn ends at its first EOS or at the token that completes a `stop` string. greedy: the
+    argmax instead of a draw. Without env_step the row is then done: it leaves the batch and the
+    cache. With env_step (tool use, docs/tool_use.md), env_step([(row, its turns so far), ...])
+    answers the rows whose turn just ended, all at once: None ends that row's episode; an
+    observation's tokens are fed to the row one a step through the same KV cache (forced, not
+    sampled: completion_mask 0, sample_logprobs 0) while the other rows go on sampling, and then
+    the model's next turn follows. No token is forwarded twice. max_new_tokens: the budget of the
+    whole completion, observations included; the env is not called after turn max_turns."""
     B, device = len(prompt_ids), next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # sampled tokens
@@ -110,6 +156,11 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     finished = torch.zeros(B, dtype=torch.bool, device=device)
     window = max(map(len, stop), default=0) + 2  # a stop string spans <= 1 token per character
     live = torch.arange(B, device=device)  # original row index of each row still being sampled
+    is_obs = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # fed, not sampled
+    # each episode's own state (multi-turn): observation tokens still to feed, the model's turns
+    # (texts), the column where its current turn began, the observations, and whether one was cut
+    ep = SimpleNamespace(forced=[[] for _ in range(B)], turns=[[] for _ in range(B)],
+                         begun=[0] * B, observations=[[] for _ in range(B)], obs_cut=[False] * B)
     with amp or torch.autocast(device.type, enabled=False):
         if share_prompts:  # the fast path: each distinct prompt's prefill runs once (same numbers)
             logits, cache, ids, prompt_mask = fastpath.prefill_shared(model, prompt_ids,
@@ -119,7 +170,9 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             cache = DynamicCache()
             logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
             logits = logits.logits[:, -1]
-        mask = prompt_mask  # grows by a column of ones each step
+        P = ids.shape[1]
+        # the attention mask of every column there can be; step t passes its first P + t + 1
+        mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, max_new_tokens)], dim=1)
         pos = positions(prompt_mask)[:, -1:]  # each row's last position; + 1 per new token
         never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
         for t in range(max_new_tokens):  # logits (rows, V): the last position only (keep=1)
@@ -130,14 +183,28 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
                 drop = p_sorted.cumsum(-1) - p_sorted >= top_p
                 probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
             nxt = z.argmax(-1) if greedy else torch.multinomial(probs, 1).squeeze(-1)
-            out[live, t] = nxt
             out_lp[live, t] = z.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
             if top_p < 1.0:  # drawn from the kept tokens, renormalised: their mass is probs.sum()
                 out_lp[live, t] -= probs.sum(-1).log()
-            ended = torch.isin(nxt, eos)
-            if stop:  # decode each row's last few tokens: does a stop string end at this one?
-                tails = tok.batch_decode(out[live, max(0, t + 1 - window):t + 1])
-                ended |= torch.tensor([any(s in x for s in stop) for x in tails], device=device)
+            feeding = [j for j, i in enumerate(live.tolist()) if ep.forced[i]]
+            if feeding:  # rows amid an observation take its next token instead of the draw
+                fed = live[feeding]
+                nxt[feeding] = torch.tensor([ep.forced[i].pop(0) for i in fed.tolist()],
+                                            device=device)
+                out_lp[fed, t], is_obs[fed, t] = 0.0, True
+            out[live, t] = nxt
+            sampled = ~is_obs[live, t]
+            ended = torch.isin(nxt, eos) & sampled  # the model's turn ended on its EOS
+            if stop:  # decode each row's last few tokens of its turn: does a stop string end here?
+                lo = max(0, t + 1 - window)
+                tails = tok.batch_decode([x[max(0, ep.begun[i] - lo):] for i, x in
+                                          zip(live.tolist(), out[live, lo:t + 1].tolist())])
+                ended |= torch.tensor([any(s in x for s in stop) for x in tails],
+                                      device=device) & sampled
+            if env_step is not None and ended.any():  # the env answers; None ends the episode
+                goes_on = _observe(tok, env_step, ep, out, live[ended].tolist(), t,
+                                   max_new_tokens - t - 1, max_turns, eos)
+                ended[ended.clone()] = ~goes_on
             lengths[live[ended]] = t + 1
             finished[live[ended]] = True
             if ended.all() or t == max_new_tokens - 1:
@@ -146,74 +213,30 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
                 keep = (~ended).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
                 live, nxt, mask, pos = live[keep], nxt[keep], mask[keep], pos[keep]
-            mask = torch.cat([mask, mask.new_ones(len(live), 1)], dim=1)
             pos = pos + 1  # the new token's position
-            logits = _forward(model, nxt[:, None], mask, pos, cache, keep=1).logits[:, -1]
+            logits = _forward(model, nxt[:, None], mask[:, :P + t + 1], pos, cache,
+                              keep=1).logits[:, -1]
     T = int(lengths.max())
-    completion_mask = (torch.arange(T, device=device)[None] < lengths[:, None]).float()
-    return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
-                           attention_mask=torch.cat([prompt_mask, completion_mask.long()], 1),
+    real = torch.arange(T, device=device)[None] < lengths[:, None]
+    completion_mask = (real & ~is_obs[:, :T]).float()  # the model's tokens, not observations
+    roll = SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
+                           attention_mask=torch.cat([prompt_mask, real.long()], 1),
                            truncated=~finished, sample_logprobs=out_lp[:, :T] * completion_mask,
-                           P=ids.shape[1])
-
-
-@torch.no_grad()
-def rollout(model, tok, prompt_ids, env, rows, max_turns, max_new_tokens, temperature=1.0,
-            top_p=1.0, greedy=False, amp=None, stop=()):
-    """Multi-turn sampling with a tool (docs/tool_use.md): each turn, sample() continues every
-    live row's transcript, then env(row, turns) (the model's turns so far, texts) returns an
-    observation to append, or None: the episode ends. max_new_tokens: the whole completion's
-    budget, observations included (completion_mask 0 on them). Also returns per row turns,
-    tool_calls, observations, final (the text after the last observation: what rewards read) and
-    transcript (observations marked ⟦...⟧)."""
-    B, device = len(prompt_ids), next(model.parameters()).device
-    comp = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # the completions
-    completion_mask = torch.zeros(B, max_new_tokens, device=device)  # 1: sampled by the model
-    sample_logprobs = torch.zeros(B, max_new_tokens, device=device)
-    length = [0] * B  # each row's completion tokens so far, the model's and the observations'
-    turns, obs = [[] for _ in range(B)], [[] for _ in range(B)]  # texts: the model's, the env's
-    truncated = [True] * B  # until the episode ends within the budget
-    live = list(range(B))  # rows whose episode goes on
-    for turn in range(max_turns):
-        left = [max_new_tokens - length[i] for i in live]  # each row's budget still unspent
-        seqs = [list(prompt_ids[i]) + comp[i, :length[i]].tolist() for i in live]
-        roll = sample(model, tok, seqs, max(left), temperature, top_p, greedy, amp, stop)
-        going = []
-        for j, i in enumerate(live):
-            n = int(roll.completion_mask[j].sum())  # this turn's tokens, its EOS / stop included
-            ended = not roll.truncated[j] and n <= left[j]  # else the budget ran out in the turn
-            n, a = min(n, left[j]), length[i]  # cut at its own budget (another row's was larger)
-            comp[i, a:a + n] = roll.ids[j, roll.P:roll.P + n]  # as sampled, never re-encoded
-            completion_mask[i, a:a + n] = 1
-            sample_logprobs[i, a:a + n] = roll.sample_logprobs[j, :n]
-            turns[i].append(tok.decode(comp[i, a:a + n], skip_special_tokens=True))
-            length[i] += n
-            text = env(rows[i], turns[i]) if ended and turn + 1 < max_turns else None
-            if text is None:  # the episode is over
-                truncated[i] = not ended
-                continue
-            ids = tok(text, add_special_tokens=False)["input_ids"][:max_new_tokens - length[i]]
-            comp[i, length[i]:length[i] + len(ids)] = torch.tensor(ids, dtype=torch.long)
-            length[i] += len(ids)
-            obs[i].append(text)
-            if length[i] < max_new_tokens:  # else no room is left for the model to answer
-                going.append(i)
-        live = going
-        if not live:
-            break
-    T = max(1, max(length))
-    prompt, prompt_mask = left_pad(prompt_ids, tok.pad_token_id, device)
-    real = torch.arange(T, device=device)[None] < torch.tensor(length, device=device)[:, None]
-    final = [t[-1] if len(t) > len(o) else "" for t, o in zip(turns, obs)]
-    transcript = ["".join(t + (f"⟦{o[k]}⟧" if k < len(o) else "") for k, t in enumerate(ts))
-                  for ts, o in zip(turns, obs)]
-    return SimpleNamespace(
-        ids=torch.cat([prompt, comp[:, :T]], 1), P=prompt.shape[1],
-        attention_mask=torch.cat([prompt_mask, real.long()], 1),
-        truncated=torch.tensor(truncated, device=device),
-        completion_mask=completion_mask[:, :T], sample_logprobs=sample_logprobs[:, :T],
-        turns=torch.tensor([len(t) for t in turns]), tool_calls=torch.tensor([len(o) for o in obs]),
-        observations=obs, final=final, transcript=transcript)
+                           P=P)
+    if env_step is None:
+        return roll
+    for i, n in enumerate(lengths.tolist()):  # the turn a row was in when the budget ran out
+        if ep.begun[i] < n:
+            ep.turns[i].append(tok.decode(out[i, ep.begun[i]:n], skip_special_tokens=True))
+    roll.turns = torch.tensor([len(x) for x in ep.turns])  # model turns per row
+    roll.tool_calls = torch.tensor([len(x) for x in ep.observations])  # observations per row
+    roll.obs_truncated = torch.tensor(ep.obs_cut)  # an observation was cut by the budget
+    roll.observations = ep.observations
+    # what rewards read: the text after the last observation ('' if the budget ended inside it)
+    roll.final = [t[-1] if len(t) > len(o) else "" for t, o in zip(ep.turns, ep.observations)]
+    roll.transcript = ["".join(x + (f"⟦{o[k]}⟧" if k < len(o) else "") for k, x in enumerate(ts))
+                       for ts, o in zip(ep.turns, ep.observations)]  # observations in ⟦...⟧
+    return roll
 
 
 def decode_completions(tok, roll):
@@ -223,16 +246,20 @@ def decode_completions(tok, roll):
 
 
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
-    """One completion per row by sample(), or with env by the multi-turn rollout(). Returns the
-    rollout and the texts rewards read. greedy (held-out eval): the argmax, at temperature 1."""
-    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+    """One completion per row by sample(); with env (envs.load_env) one multi-turn episode per row,
+    each with its own copy of its row, so nothing an env does reaches another sample, the reward's
+    target or the held-out rows. Returns the rollout and the texts rewards read: the completions,
+    or with env the text after the last observation. greedy (held-out eval): the argmax, at
+    temperature 1."""
+    tools = env.tools if env else None  # --tools: their JSON schemas, rendered by the template
+    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
+    env_step, episodes = env.start(rows, tok) if env else (None, None)
+    roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy, amp,
+                  args.stop, env_step=env_step, max_turns=args.max_turns if env else 1)
     if env is None:
-        roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy,
-                      amp, args.stop)
         return roll, decode_completions(tok, roll)
-    roll = rollout(model, tok, prompt_ids, env, rows, args.max_turns, args.max_new_tokens,
-                   temperature, top_p, greedy, amp, args.stop)
+    roll.episodes = episodes  # each episode's state (--tools: its calls, for envs.tool_metrics)
     return roll, roll.final  # the text after the last observation
 
 

@@ -1,11 +1,14 @@
-"""envs.py: environments for multi-turn (tool-use) rollouts, and the bundled calculator task.
+"""envs.py: environments for multi-turn (tool-use) episodes, --tools, and the calculator task.
 
-An environment is a plain function env(row, turns) -> str | None. common.rollout() calls it after
-each model turn with the data row and the list of the model's turns so far (decoded texts); it
-returns the observation to append to the transcript (a tool's output, as text: it is tokenized
-without special tokens), or None to end the episode. Pick one with --env FILE.py:FUNCTION (or
-package.module:function), or --env calc for the calculator below. docs/tool_use.md has the
-details, and a recipe for chat models.
+An environment answers the model after each turn. It is a plain function env(row, turns) ->
+str | None, called with its own copy of the data row and the model's turns so far (decoded
+texts); or a class, built once per episode as Class(row), whose step(turns) answers. The answer
+is the observation (a tool's output, as text, which is tokenized as text: never a special
+token), or token ids (chat_observation: a chat template's own markers), or None to end the
+episode. common.sample feeds the observation through the same KV cache and the model goes on.
+Pick one with --env FILE.py:NAME (or package.module:name), or --env calc for the calculator below;
+or give --tools FILE.py:NAME,... : plain Python functions that the model's chat template shows it,
+whose calls are parsed in the model's own format (ToolEpisode). docs/tool_use.md has the details.
 
 The calculator task (--env calc): sums of 3- and 4-digit numbers, which the bundled 1 M-parameter
 model cannot do in its head. A turn that ends in <calc>1234+5678</calc> gets the observation
@@ -14,13 +17,18 @@ after the last observation), so copying the observation is the skill, not a free
 The policy, models/tiny-calc, is tiny-adder warm-started by sft.py on demonstrations of which 30%
 call the tool (tools/build_models.py), so RL has a habit to strengthen.
 """
+import copy
 import functools
+import inspect
+import json
 import os
 import random
 import re
+import threading
 import time
 
 import torch
+from transformers.utils import get_json_schema
 
 import common as C
 import loading
@@ -128,37 +136,99 @@ def calc_data(eval_size=CALC_EVAL_SIZE):
 
 
 # ------------------------------------------------------------------ --env: loading, checking
-ENV_TIMEOUT_S = 10.0  # one call slower than this stops the run: an environment must be quick
+ENV_TIMEOUT_S = 10.0  # --env_timeout's default: a call slower than this stops the run
 
 
-def load_env(spec):
-    """--env calc or FILE.py:FUNCTION (or package.module:function) -> a checked env function, or
-    None for ''. The checked function turns a raise, a result that is not a string or None, or a
-    call slower than ENV_TIMEOUT_S into one line naming the env and the row."""
+def call_all(calls, limit):
+    """Run calls (functions of no argument) at the same time, each in its own thread, and return
+    their results in order; what a call raises, SystemExit and KeyboardInterrupt too, is raised
+    here. A call still running after `limit` seconds stops the run with one line. Threads, not
+    processes: an episode's state (its row, an env object) stays in this process from call to
+    call, with nothing to pickle; a call that never returns cannot be killed, but it runs in a
+    daemon thread, which ends with the run. (A tool running native code that never releases
+    Python's lock would block this too: run such code in a subprocess with its own timeout.)"""
+    results, errors = [None] * len(calls), [None] * len(calls)
+
+    def run(k):
+        try:
+            results[k] = calls[k]()
+        except BaseException as e:  # noqa: B036 -- SystemExit too: shown as one line, exit 2
+            errors[k] = e
+    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(len(calls))]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + limit
+    for k, th in enumerate(threads):
+        th.join(max(0.0, deadline - time.monotonic()))
+        if th.is_alive():
+            raise TimeoutError(k)
+    for e in errors:
+        if e is not None:
+            raise e
+    return results
+
+
+def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
+    """--env (calc, FILE.py:FUNCTION, FILE.py:Class or module:name) or --tools -> the run's
+    environment, or None: a namespace with start(rows, tok) -> (env_step, episodes) for
+    common.sample, and tools, the JSON schemas that the prompts' chat template renders (--tools;
+    else None). Each row gets its own episode, built from its own copy of the row: a function
+    env(row, turns) -> str | None is called with that copy; a class is built as Class(row) and
+    its step(turns) called. Every error is one line naming the env and the row: a raise (even
+    SystemExit), a result that is not a string, token ids or None, or a call slower than
+    `timeout` seconds (--env_timeout)."""
+    if spec and tools:
+        raise C.UserError("give --env or --tools, not both: --tools is an env of its own")
+    if tools:
+        functions, schemas = load_tools(tools)
+        def start(rows, tok):
+            check_tool_format(tok, schemas)  # two renderings of a short chat: cheap
+            return _start(rows, lambda row: ToolEpisode(row, tok, functions, schemas), "--tools",
+                          tools, timeout)
+        return C.SimpleNamespace(tools=schemas, start=start)
     if not spec:
         return None
-    if spec == "calc":
-        fn = calc
-    else:
-        fn = loading.load_function("--env", spec, "write calc, path/to/file.py:function or "
-                                   "package.module:function")
+    fn = calc if spec == "calc" else loading.load_function(
+        "--env", spec, "write calc, path/to/file.py:function (or :Class) or module:function")
+    make = fn if inspect.isclass(fn) else lambda row: functools.partial(fn, row)
+    return C.SimpleNamespace(tools=None,
+                             start=lambda rows, tok: _start(rows, make, "--env", spec, timeout))
 
-    def checked(row, turns):
-        t0 = time.time()
-        where = f"on the row with prompt {str(row['prompt'])[:60]!r}, turn {len(turns)}"
+
+def _start(rows, make, flag, spec, timeout):
+    """One episode per row, each made (on its first call) from a deep copy of its row; returns
+    env_step(requests) for common.sample: the observations for [(row index, turns so far)], the
+    rows' calls run at the same time (call_all), and the episodes."""
+    copies = [copy.deepcopy(r) for r in rows]
+    episodes = [None] * len(rows)
+
+    def call(i, turns):
+        where = f"on the row with prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)}"
         try:
-            out = fn(row, list(turns))
-        except Exception as e:
-            raise C.UserError(f"--env {spec!r} raised {type(e).__name__}: {C._first_line(e)} "
+            if episodes[i] is None:
+                episodes[i] = make(copies[i])
+            step = getattr(episodes[i], "step", episodes[i])  # a class env: its step()
+            out = step(turns)
+        except C.UserError:
+            raise
+        except BaseException as e:  # noqa: B036 -- a SystemExit in an env must not end the run 0
+            raise C.UserError(f"{flag} {spec!r} raised {type(e).__name__}: {C._first_line(e)} "
                               f"({where})") from None
-        if out is not None and not isinstance(out, str):
-            raise C.UserError(f"--env {spec!r} returned {type(out).__name__} {out!r:.40} "
+        ids = isinstance(out, list) and all(type(x) is int for x in out)
+        if out is not None and not isinstance(out, str) and not ids:
+            raise C.UserError(f"{flag} {spec!r} returned {type(out).__name__} {out!r:.40} "
                               f"({where}): return the observation text, or None to end")
-        if time.time() - t0 > ENV_TIMEOUT_S:
-            raise C.UserError(f"--env {spec!r} took {time.time() - t0:.0f} s ({where}); the "
-                              f"limit is {ENV_TIMEOUT_S:.0f} s a call")
         return out
-    return checked
+
+    def env_step(requests):
+        try:
+            return call_all([functools.partial(call, i, turns) for i, turns in requests], timeout)
+        except TimeoutError as e:
+            i, turns = requests[e.args[0]]
+            raise C.UserError(f"{flag} {spec!r} took more than {timeout:g} s on the row with "
+                              f"prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)} "
+                              "(--env_timeout)") from None
+    return env_step, episodes
 
 
 def task_data(args, data):
@@ -166,41 +236,163 @@ def task_data(args, data):
     return calc_data(args.eval_size) if args.env == "calc" and not args.data else data
 
 
-def tool_metrics(roll):
+def tool_metrics(roll, env):
     """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
-    tool_errors (the fraction of observations that start with 'error', as calc's do)."""
+    tool_errors (the fraction of observations that start with 'error', as calc's and --tools'
+    do), obs_truncated (completions with an observation cut by the budget); --tools: calls per
+    completion and the fraction that failed, per tool (tool_calls/NAME, tool_errors/NAME)."""
     n = sum(len(o) for o in roll.observations)
     errors = sum(x.strip().startswith("error") for o in roll.observations for x in o)
-    return {"tool_calls": float(roll.tool_calls.float().mean()),
-            "frac_tool": float((roll.tool_calls > 0).float().mean()),
-            "turns": float(roll.turns.float().mean()), "tool_errors": errors / max(n, 1)}
+    out = {"tool_calls": float(roll.tool_calls.float().mean()),
+           "frac_tool": float((roll.tool_calls > 0).float().mean()),
+           "turns": float(roll.turns.float().mean()), "tool_errors": errors / max(n, 1),
+           "obs_truncated": float(roll.obs_truncated.float().mean())}
+    for schema in env.tools or []:  # every tool's keys at every step (torchrun averages them)
+        name = schema["function"]["name"]
+        calls = [ok for e in roll.episodes if e is not None for tool, ok in e.calls if tool == name]
+        out[f"tool_calls/{name}"] = len(calls) / len(roll.episodes)
+        out[f"tool_errors/{name}"] = calls.count(False) / max(len(calls), 1)
+    return out
 
 
 def from_args(args):
-    """The run's checked environment (None without --env), after checking the tool-use flags
+    """The run's environment (None without --env or --tools), after checking the tool-use flags
     (--max_turns has its range beside its Args field, checked with the others)."""
     if args.eval_sampled and args.eval_samples < 1:
         raise C.UserError("--eval_sampled scores mean@k of --eval_samples k samples: give "
                           "--eval_samples k (k >= 1)")
-    return load_env(args.env)
+    return load_env(args.env, args.tools, args.env_timeout)
 
 
 # ------------------------------------------------------------------------ chat models' format
-def chat_observation(tok, messages, turn, result, role="tool"):
-    """A tool result in a chat model's own format: the chat template rendered for the
-    conversation with the model's turn and the tool message, minus its rendering up to the end
-    of the turn; that difference (the turn's end tag, the tool message, the next assistant
-    header) is the observation. messages: the conversation before this turn (the prompt, and
-    any earlier turns and tool messages). End the call turn on a stop string (e.g.
-    --stop '</tool_call>'), so the turn's end tag comes from the template, not the model."""
-    head = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) + turn
-    whole = tok.apply_chat_template(
-        messages + [{"role": "assistant", "content": turn}, {"role": role, "content": result}],
-        tokenize=False, add_generation_prompt=True)
+RESULT = "minrl0tool0result{}"  # where each tool result goes in the template's rendering
+
+
+def chat_observation(tok, messages, turn, results, tools=None):
+    """Tool results in a chat model's own format, as token ids: the chat template rendered for the
+    conversation with the model's turn and one tool message per result, minus its rendering up
+    to the end of the turn. That difference (the turn's end tag, the tool messages, the next
+    assistant header) is the observation: the template's markers are its own tokens, special
+    ones included, and each result is tokenized as text (common.text_ids: never a special
+    token). messages: the conversation before this turn (the prompt, earlier turns and tool
+    messages); tools: the schemas the prompt was rendered with. A turn that ended on the model's
+    own end-of-turn token keeps it, and common.sample drops the template's copy of it."""
+    results = [results] if isinstance(results, str) else list(results)
+
+    def render(conversation):
+        return tok.apply_chat_template(conversation, tools=tools, tokenize=False,
+                                       add_generation_prompt=True)
+    head = render(messages) + turn
+    whole = render(messages + [{"role": "assistant", "content": turn}]
+                   + [{"role": "tool", "content": RESULT.format(k)} for k in range(len(results))])
     if not whole.startswith(head):
         raise C.UserError("the chat template does not render the conversation as a prefix of "
                           "itself plus a tool message: build the observation by hand")
-    return whole[len(head):]
+    rest, ids = whole[len(head):], []
+    for k, result in enumerate(results):
+        markup, found, rest = rest.partition(RESULT.format(k))
+        if not found:
+            raise C.UserError("the chat template does not show a tool message's content as it "
+                              "is: build the observation by hand")
+        ids += tok(markup, add_special_tokens=False)["input_ids"]
+        ids += C.text_ids(tok, result, len(result) + 1)[0]
+    return ids + tok(rest, add_special_tokens=False)["input_ids"]
+
+
+# ----------------------------------------------------------------------------------- --tools
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes, Qwen2.5 / Qwen3
+
+
+def load_tools(spec):
+    """--tools FILE.py:NAME[,NAME...] (or module:name,...) -> ({name: function}, JSON schemas).
+    Each tool is a plain function with type hints and a Google-style docstring (Args: ...), from
+    which transformers' get_json_schema writes the schema the chat template shows the model."""
+    where, _, names = spec.rpartition(":")
+    functions, schemas = {}, []
+    for name in names.split(","):
+        fn = loading.load_function("--tools", f"{where}:{name.strip()}",
+                                   "write path/to/file.py:name[,name...] or module:name[,name]")
+        try:
+            schemas.append(get_json_schema(fn))
+        except Exception as e:  # no type hints, no docstring, an argument it does not describe
+            raise C.UserError(f"--tools: {name.strip()!r} has no schema: {C._first_line(e)} "
+                              "(give every argument a type hint and a line under Args:)") from None
+        functions[schemas[-1]["function"]["name"]] = fn
+    return functions, schemas
+
+
+def check_tool_format(tok, schemas):
+    """--tools needs a chat template that renders the tools, and calls in a format read here:
+    the tokenizer's response parser (transformers' response_template), or Hermes / Qwen JSON
+    in <tool_call>...</tool_call>. Anything else is refused in one line."""
+    chat = [{"role": "user", "content": "hi"}]
+    template = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
+    if not tok.chat_template or (tok.apply_chat_template(chat, tools=schemas, tokenize=False)
+                                 == tok.apply_chat_template(chat, tokenize=False)):
+        raise C.UserError("--tools needs a model whose chat template renders tools (e.g. Qwen2.5 "
+                          "or Qwen3 instruct); this one shows the model no tools")
+    if not getattr(tok, "response_template", None) and "<tool_call>" not in template:
+        raise C.UserError("--tools reads calls through the tokenizer's response parser, or as "
+                          "Hermes / Qwen <tool_call>{json}</tool_call>; this chat template uses "
+                          "neither: write an --env that parses its calls")
+
+
+def parse_calls(tok, text, schemas):
+    """The tool calls in a model turn, in the model's own format: [(name, arguments)], or
+    (None, why) for a call that cannot be read."""
+    if getattr(tok, "response_template", None):  # the tokenizer's own parser (transformers)
+        try:
+            message = tok.parse_response(text, tools=schemas)
+        except Exception as e:
+            return [(None, f"the call could not be parsed: {C._first_line(e)}")]
+        found = [c.get("function", c) for c in message.get("tool_calls") or []]
+        return [(c.get("name"), c.get("arguments", {})) for c in found]
+    calls = []
+    for body in TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body)
+            calls.append((call["name"], call.get("arguments", {})))
+        except (ValueError, KeyError, TypeError):
+            calls.append((None, f"the call is not JSON with a name and arguments: {body[:80]}"))
+    return calls
+
+
+def run_tool(functions, name, arguments):
+    """One call's result as text; a bad call or a raising tool becomes 'error: ...' (the model
+    sees it: a mistake to learn from, never a crash of the run)."""
+    if name is None:
+        return f"error: {arguments}"
+    if name not in functions:
+        return f"error: no tool {name!r}; the tools are {', '.join(functions)}"
+    if not isinstance(arguments, dict):
+        return f"error: the arguments of {name!r} must be a JSON object"
+    try:
+        result = functions[name](**arguments)
+    except Exception as e:
+        return f"error: {type(e).__name__}: {C._first_line(e)}"
+    return result if isinstance(result, str) else json.dumps(result, default=str)
+
+
+class ToolEpisode:
+    """One episode of --tools: its conversation so far, as chat messages, and its calls. After
+    each model turn, step() runs the turn's calls and returns their results in the chat template's
+    format (chat_observation), or None when the turn made no call: it was the answer."""
+
+    def __init__(self, row, tok, functions, schemas):
+        self.tok, self.functions, self.schemas = tok, functions, schemas
+        self.messages = tasks.as_messages(row["prompt"])  # the prompt, then turns and results
+        self.calls = []  # (tool name, succeeded) of every call: envs.tool_metrics
+
+    def step(self, turns):
+        calls = parse_calls(self.tok, turns[-1], self.schemas)
+        if not calls:
+            return None
+        results = [run_tool(self.functions, name, arguments) for name, arguments in calls]
+        self.calls += [(name, not r.startswith("error:")) for (name, _), r in zip(calls, results)]
+        obs = chat_observation(self.tok, self.messages, turns[-1], results, self.schemas)
+        self.messages = self.messages + [{"role": "assistant", "content": turns[-1]}] + [
+            {"role": "tool", "name": name, "content": r} for (name, _), r in zip(calls, results)]
+        return obs
 
 
 # -------------------------------------------------------------- the calculator's tool-use report
@@ -221,8 +413,9 @@ def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
         for mode in ("T=1", "greedy"):
             torch.manual_seed(rng.randrange(2**31))
             prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], "none")
-            roll = C.rollout(model, tok, prompt_ids, calc, rows, max_turns, max_new_tokens,
-                             greedy=mode == "greedy", stop=["</calc>"])
+            env_step, _ = load_env("calc").start(rows, tok)
+            roll = C.sample(model, tok, prompt_ids, max_new_tokens, greedy=mode == "greedy",
+                            stop=["</calc>"], env_step=env_step, max_turns=max_turns)
             right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
             called = roll.tool_calls > 0
             out[f"{shape[0]}+{shape[1]} {mode}"] = {

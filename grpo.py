@@ -67,6 +67,8 @@ class Args:
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
+    tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
+    env_timeout: float = R.arg(10.0, "> 0")  # seconds an env call may take: slower stops the run
     max_turns: int = R.arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
@@ -263,7 +265,7 @@ def check_args(args):
 def main():
     args = R.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
-    env = E.from_args(args)  # --env: the tool environment (envs.py); None without
+    env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
     data = E.task_data(args, tasks.load_data(args.data, args.eval_size, "math" in weights,
@@ -389,7 +391,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
-                   **(E.tool_metrics(roll) if env else {})}
+                   **(E.tool_metrics(roll, env) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
                    for r, c, x in zip(rows[::G][:4], shown[::G][:4], rewards[::G][:4])]

@@ -81,6 +81,8 @@ class Args:
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
+    tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
+    env_timeout: float = R.arg(10.0, "> 0")  # seconds an env call may take: slower stops the run
     max_turns: int = R.arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
@@ -347,7 +349,7 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
 def main():
     args = R.parse_args(Args, "ppo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
-    env = E.from_args(args)  # --env: the tool environment (envs.py); None without
+    env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
     data = E.task_data(args, tasks.load_data(args.data, args.eval_size, "math" in weights,
@@ -456,7 +458,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()),
                    "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(E.tool_metrics(roll) if env else {})}
+                   **(E.tool_metrics(roll, env) if env else {})}
         if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧

@@ -117,7 +117,7 @@ def _help(f, comment):
     return f"{comment} (default: {shown}{valid})".replace("%", "%%")  # argparse formats with %
 
 
-PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env")
+PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env", "tools")
 
 
 def _resolved(name, value):
@@ -128,7 +128,7 @@ def _resolved(name, value):
         return value
     if isinstance(value, list):
         return [_resolved(name, v) for v in value]
-    if name in ("reward_fn", "env"):
+    if name in ("reward_fn", "env", "tools"):
         specs = [spec.rpartition(":") for spec in value.split(",")]
         return ",".join(f"{_resolved('data', w) if w.endswith('.py') else w}{colon}{fn}"
                         for w, colon, fn in specs)

@@ -249,10 +249,11 @@ def as_text(prompt):
     return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
 
 
-def encode_prompts(tok, prompts, chat_template="auto"):
-    """Token ids per prompt (text or messages), with the tokenizer's chat template unless 'none'."""
+def encode_prompts(tok, prompts, chat_template="auto", tools=None):
+    """Token ids per prompt (text or messages), with the tokenizer's chat template unless 'none';
+    tools: JSON schemas the template renders (--tools)."""
     if chat_template != "none" and tok.chat_template:
-        texts = [tok.apply_chat_template(as_messages(p), tokenize=False, add_generation_prompt=True)
-                 for p in prompts]
+        texts = [tok.apply_chat_template(as_messages(p), tools=tools, tokenize=False,
+                                         add_generation_prompt=True) for p in prompts]
         return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     return [tok(as_text(p))["input_ids"] for p in prompts]

@@ -11,6 +11,7 @@ Run: python -m pytest -q test_algos.py"""
 import ast
 import builtins
 import dataclasses
+import functools
 import importlib
 import inspect
 import io
@@ -1863,7 +1864,7 @@ def test_gradient_checkpointing_reaches_the_ppo_critic(tok):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
-# ---- tool use (#28): common.rollout, envs.py, --env in grpo.py, reinforce.py and ppo.py
+# ---- tool use: the one sampler with env_step (common.sample), envs.py, --env / --tools
 
 
 def always_env(text=" 12 "):
@@ -1878,58 +1879,70 @@ def always_env(text=" 12 "):
     return env
 
 
-def scripted_sample(script, tok):
-    """A stand-in for common.sample that 'samples' the given turns: script maps a prompt (its ids,
-    as a tuple) to the list of its turns (token ids), taken in order. Each turn is cut at the
-    budget given, truncated when it does not fit; its log-probs are -(1 + turn) / 10."""
-    taken = {p: 0 for p in script}
-
-    def sample(model, tok_, prompt_ids, max_new_tokens, *a, **k):
-        pieces = []
-        for seq in prompt_ids:
-            p = next(p for p in script if tuple(seq[:len(p)]) == p)
-            turn = script[p][taken[p]]
-            taken[p] += 1
-            out = turn[:max_new_tokens]
-            ids, mask = C.left_pad([seq], tok.pad_token_id, "cpu")
-            n = len(out)
-            pieces.append(SimpleNamespace(
-                ids=torch.cat([ids, torch.tensor([out])], 1), P=ids.shape[1],
-                attention_mask=torch.cat([mask, torch.ones(1, n, dtype=torch.long)], 1),
-                completion_mask=torch.ones(1, n), truncated=torch.tensor([len(turn) > n]),
-                sample_logprobs=torch.full((1, n), -(1 + taken[p] - 1) / 10)))
-        return grpo.cat_rollouts([(r, torch.tensor([0])) for r in pieces])
-    return sample
+def rollout(model, tok, prompt_ids, env, rows, max_turns, budget, timeout=60, **kw):
+    """The multi-turn sampler with a test env function env(row, turns): common.sample with the
+    env_step that envs builds (one episode per row, its checks and deadline)."""
+    env_step, _ = E._start(rows, lambda row: functools.partial(env, row), "--env", "test",
+                           timeout)
+    return C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns, **kw)
 
 
-def test_rollout_masks_and_ids_on_hand_made_turns(monkeypatch):
-    """Exactly the masks of #28 on scripted turns: an EOS inside the transcript (a turn ends with
-    EOS, the env answers, the model goes on), an observation cut at the budget's edge, a turn cut
-    by the budget, and pad == EOS. Model ids are exactly the sampled ones, observation ids are the
-    observation's tokens (no special tokens), and rewards read the text after the last
+class ScriptedModel(torch.nn.Module):
+    """A stand-in causal LM that writes the turns a test gives it: its next token is
+    table[(last token, its position)] (else the EOS), with logit 5 against 0 for every other
+    token, so greedy sampling follows the script and each log-prob is the same number < 0."""
+
+    def __init__(self, table, vocab, eos):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))  # a device, for the sampler
+        self.table, self.vocab, self.eos = table, vocab, eos
+        self.generation_config = SimpleNamespace(eos_token_id=eos, suppress_tokens=None)
+
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep=0,
+                use_cache=False, output_hidden_states=False, past_key_values=None):
+        logits = torch.zeros(len(input_ids), 1, self.vocab)
+        for j, (x, p) in enumerate(zip(input_ids[:, -1].tolist(), position_ids[:, -1].tolist())):
+            logits[j, 0, self.table.get((x, p), self.eos)] = 5.0
+        return SimpleNamespace(logits=logits)
+
+
+def scripted_model(tok, prompt_ids, completions, kinds):
+    """A ScriptedModel that writes each row's model tokens (kinds 1) of its completion, after its
+    prompt (not left-padded: position = index), whatever comes between them (kinds 0)."""
+    table = {}
+    for p, comp, kind in zip(prompt_ids, completions, kinds):
+        seq = list(p) + comp
+        for k, (x, m) in enumerate(zip(comp, kind)):
+            key = (seq[len(p) + k - 1], len(p) + k - 1)
+            if m:
+                assert table.setdefault(key, x) == x, "two rows' scripts collide"
+    return ScriptedModel(table, len(tok), tok.eos_token_id)
+
+
+def test_multi_turn_masks_and_ids_on_scripted_turns():
+    """Exactly the masks of a multi-turn rollout on scripted turns: an EOS inside the transcript
+    (a turn ends with EOS, the env answers, the model goes on), an observation cut at the
+    budget's edge, a turn cut by the budget, and pad == EOS. Model ids are exactly the sampled
+    ones, observation ids the observation's tokens, and rewards read the text after the last
     observation."""
     t = loading.load_tokenizer(loading.DEFAULT_POLICY)
     t.pad_token = t.eos_token  # pad == EOS: masks must come from positions
     eos = t.eos_token_id
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    p1, p2, p3 = (tasks.encode_prompts(t, [s], "none")[0] for s in ("3+4=", "33+44=", "5+5="))
-    script = {tuple(p1): [enc("ab") + [eos], enc("7") + [eos]],  # EOS, obs, answer, EOS
-              tuple(p2): [enc("<calc>33+44</calc>")],  # its observation hits the budget
-              tuple(p3): [enc("xyzxyzxyzxyzxyzxyzxyzxyz")]}  # longer than the budget
-    monkeypatch.setattr(C, "sample", scripted_sample(script, t))
-    rows = [{"prompt": "3+4=", "answer": "7"}, {"prompt": "33+44=", "answer": "77"},
-            {"prompt": "5+5=", "answer": "10"}]
-
-    def env(row, turns):
-        return " 77 " if row["prompt"] != "5+5=" and len(turns) == 1 else None
-    model = tiny_model("llama")
+    prompts = ["3+4=", "33+44=", "5+55="]  # three lengths: the scripts cannot collide
+    p = [tasks.encode_prompts(t, [s], "none")[0] for s in prompts]
     budget = 20  # row 2: 18 call tokens + 2 of its 4 observation tokens
-    roll = C.rollout(model, t, [p1, p2, p3], env, rows, 3, budget)
-    comp = roll.ids[:, roll.P:]
     want = [enc("ab") + [eos] + enc(" 77 ") + enc("7") + [eos],
             enc("<calc>33+44</calc>") + enc(" 7"),
-            enc("xyzxyzxyzxyzxyzxyzxyz")[:budget]]
+            enc("xyzxyzxyzxyzxyzxyzxyzxyz")[:budget]]
     kinds = [[1] * 3 + [0] * 4 + [1] * 2, [1] * 18 + [0] * 2, [1] * budget]
+    model = scripted_model(t, p, want, kinds)
+    rows = [{"prompt": s, "answer": str(eval(s[:-1]))} for s in prompts]
+
+    def env(row, turns):
+        return " 77 " if row["prompt"] != "5+55=" and len(turns) == 1 else None
+    roll = rollout(model, t, p, env, rows, 3, budget, greedy=True, stop=["</calc>"])
+    comp = roll.ids[:, roll.P:]
     for i in range(3):
         n = len(want[i])
         assert comp[i, :n].tolist() == want[i]
@@ -1938,57 +1951,47 @@ def test_rollout_masks_and_ids_on_hand_made_turns(monkeypatch):
         lp = roll.sample_logprobs[i, :n]
         assert (lp[torch.tensor(kinds[i]) == 0] == 0).all()
         assert (lp[torch.tensor(kinds[i]) == 1] < 0).all()
-    assert roll.sample_logprobs[0, 7:9].tolist() == pytest.approx([-0.2, -0.2])  # second turn
     assert roll.truncated.tolist() == [False, True, True]
     assert roll.turns.tolist() == [2, 1, 1] and roll.tool_calls.tolist() == [1, 1, 0]
+    assert roll.obs_truncated.tolist() == [False, True, False]
     assert roll.final == ["7", "", "xyzxyzxyzxyzxyzxyzxy"]  # row 1: nothing after its observation
     assert roll.transcript[0] == "ab⟦ 77 ⟧7"
-    assert roll.transcript[1] == "<calc>33+44</calc>⟦ 77 ⟧"
-    # the reward reads the final turn: the observation copied out of row 1's transcript (its last
-    # number, 77) does not score
+    assert roll.transcript[1] == "<calc>33+44</calc>⟦ 7⟧"
     assert [C.math_reward(c, r) for c, r in zip(roll.final, rows)] == [1.0, 0.0, 0.0]
-    assert C.math_reward(roll.transcript[1], rows[1]) == 1.0
 
 
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_rollout_logprobs_equal_a_plain_forward_and_ids_are_the_sampled_ones(arch, tok,
-                                                                              monkeypatch):
-    """On a tiny random model (EOS frequent, observations after every turn): the log-probs of
-    the whole multi-turn sequence by a plain HF forward, at the model's positions, equal the
-    sampler's own and the training forward's; the ids at those positions are exactly what each
-    turn's sample() returned; observation positions hold the observation's tokens."""
+def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_once(arch, tok):
+    """On a tiny random model (EOS frequent, observations after every turn): the log-probs of the
+    whole multi-turn sequence by one plain HF forward, at the model's positions, equal the
+    sampler's own and the training forward's; observation positions hold the observation's
+    tokens; and the positions the model forwards are the ideal: each distinct prompt once, and
+    each completion token once (but each row's last, which nothing reads)."""
     model = tiny_model(arch, seed=2)
-    model.generation_config.eos_token_id = [2, 43, 72]
-    sampled, real = [], C.sample
-
-    def spy(*a, **k):
-        r = real(*a, **k)
-        sampled.append([r.ids[j, r.P:r.P + int(r.completion_mask[j].sum())].tolist()
-                        for j in range(len(r.ids))])
-        return r
-    monkeypatch.setattr(C, "sample", spy)
+    model.generation_config.eos_token_id = list(range(2, 99, 9))  # turns of ~9 tokens
+    forwarded = []
+    hook = model.register_forward_pre_hook(
+        lambda m, a, kw: forwarded.append(kw["input_ids"].numel()), with_kwargs=True)
     torch.manual_seed(0)
     prompts = tasks.encode_prompts(tok, PROMPTS * 2)
     env = always_env(" 12 ")
-    roll = C.rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS * 2], 3, 24)
+    roll = rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS * 2], 16, 40)
+    hook.remove()
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
-    assert (roll.tool_calls > 0).any() and (mask[:, :-1] < mask[:, 1:]).any()  # 0 -> 1: obs
+    assert (roll.tool_calls >= 3).any() and (mask[:, :-1] < mask[:, 1:]).any()  # 0 -> 1: obs
+    lengths = roll.attention_mask[:, roll.P:].sum(-1)
+    assert sum(forwarded) == len(PROMPTS) * roll.P + int((lengths - 1).sum())
     obs = tok(" 12 ", add_special_tokens=False)["input_ids"]
-    for i in range(len(prompts)):  # row i: its turns, each one sample() call's row, in order
-        n = int(roll.attention_mask[i, roll.P:].sum())
-        comp, kinds = roll.ids[i, roll.P:roll.P + n].tolist(), mask[i, :n].tolist()
-        assert n <= 24
-        runs_, k = [], 0  # contiguous runs of (kind, ids)
-        for x, m in zip(comp, kinds):
+    for i in range(len(prompts)):  # row i: runs of model tokens and observation tokens
+        n = int(lengths[i])
+        runs_ = []
+        for x, m in zip(roll.ids[i, roll.P:roll.P + n].tolist(), mask[i, :n].tolist()):
             if not runs_ or runs_[-1][0] != m:
                 runs_.append((m, []))
             runs_[-1][1].append(x)
-        turns = [ids for m, ids in runs_ if m == 1]
         assert all(ids == obs[:len(ids)] for m, ids in runs_ if m == 0)  # the last may be cut
-        assert len(turns) == int(roll.turns[i]) and len(runs_) - len(turns) == roll.tool_calls[i]
-        for k, ids in enumerate(turns):  # turn k is one of the k-th call's rows (cut at budget)
-            assert any(t[:len(ids)] == ids and (len(t) == len(ids) or n == 24)
-                       for t in sampled[k]), (i, k)
+        assert sum(m for m, _ in runs_) == int(roll.turns[i])
+        assert len(runs_) - int(roll.turns[i]) == int(roll.tool_calls[i])
     ids, am = roll.ids, roll.attention_mask
     logits = model(input_ids=ids, attention_mask=am, position_ids=C.positions(am)).logits
     plain = logits[:, -T - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -T:, None])[..., 0]
@@ -1997,7 +2000,7 @@ def test_rollout_logprobs_equal_a_plain_forward_and_ids_are_the_sampled_ones(arc
     torch.testing.assert_close(train, roll.sample_logprobs, atol=2e-5, rtol=0)
 
 
-def test_rollout_respects_max_turns_and_the_budget(tok):
+def test_multi_turn_respects_max_turns_and_the_budget(tok):
     model = tiny_model("llama", seed=4)
     model.generation_config.eos_token_id = [2, 43, 72]
     prompts = tasks.encode_prompts(tok, PROMPTS * 4)
@@ -2005,7 +2008,7 @@ def test_rollout_respects_max_turns_and_the_budget(tok):
     for max_turns, budget in ((1, 30), (2, 30), (4, 40), (4, 9)):
         env = always_env(" 1 ")
         torch.manual_seed(0)
-        roll = C.rollout(model, tok, prompts, env, rows, max_turns, budget)
+        roll = rollout(model, tok, prompts, env, rows, max_turns, budget)
         assert roll.turns.max() <= max_turns and roll.tool_calls.max() <= max_turns - 1
         assert (roll.attention_mask[:, roll.P:].sum(-1) <= budget).all()
         n_model = roll.completion_mask.sum(-1)
@@ -2018,19 +2021,108 @@ def test_rollout_respects_max_turns_and_the_budget(tok):
     assert roll.truncated.any()  # budget 9: some rows hit it
 
 
-def test_env_gets_the_row_and_the_turns_so_far(tok):
+def test_env_gets_its_row_and_the_turns_so_far(tok):
     model = tiny_model("llama", seed=4)
     model.generation_config.eos_token_id = [2, 43, 72]
     env = always_env(" 1 ")
     torch.manual_seed(0)
     prompts = tasks.encode_prompts(tok, PROMPTS)
-    roll = C.rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS], 3, 40)
+    roll = rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS], 3, 40)
     for i, p in enumerate(PROMPTS):
         mine = [turns for q, turns in env.calls if q == p]
         assert [len(t) for t in mine] == list(range(1, len(mine) + 1))  # one more each call
         if mine:
-            pieces = [t for t in roll.transcript[i].split("⟦ 1 ⟧") if t]
+            pieces = [t for t in re.split("⟦[^⟧]*⟧", roll.transcript[i]) if t]  # (cut: ⟦⟧)
             assert mine[-1] == pieces[:len(mine[-1])]
+
+
+def test_each_episode_owns_its_row_and_a_class_env_gets_one_object_per_episode(tok):
+    """Every sample gets its own deep copy of its row: an env that counts its calls in the row
+    sees 1, 2, ... within its own episode, whatever its group's other samples do, and the rows
+    the caller holds (the reward's targets, the held-out rows) are untouched. --env
+    FILE.py:Class builds one object per episode from its row and calls its step(turns)."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    rows = [{"prompt": "1+2=", "answer": "3", "seen": []}] * 6  # one dict, six samples
+    counts = []
+
+    def env(row, turns):
+        row["seen"].append(len(turns))
+        row["answer"] = "999"  # must not reach the reward's target
+        counts.append(list(row["seen"]))
+        return " 1 "
+    torch.manual_seed(0)
+    prompts = tasks.encode_prompts(tok, [r["prompt"] for r in rows])
+    roll = rollout(model, tok, prompts, env, rows, 4, 40)
+    assert roll.tool_calls.max() >= 2 and rows[0] == {"prompt": "1+2=", "answer": "3", "seen": []}
+    assert all(c == list(range(1, len(c) + 1)) for c in counts), counts
+
+    class Episode:
+        made = []
+
+        def __init__(self, row):
+            self.row, self.calls = row, 0
+            Episode.made.append(self)
+
+        def step(self, turns):
+            self.calls += 1
+            return f" {self.calls} "
+    env_step, episodes = E._start(rows, Episode, "--env", "x.py:Episode", 60)
+    torch.manual_seed(0)
+    roll = C.sample(model, tok, prompts, 40, env_step=env_step, max_turns=4)
+    made = [e for e in episodes if e is not None]
+    assert len(made) == len(Episode.made) == int((roll.tool_calls > 0).sum())
+    assert [e.calls for e in made] == [int(n) for n in roll.tool_calls if n > 0]
+    assert all(e.row is not rows[0] and e.row == rows[0] for e in made)
+
+
+def test_env_calls_of_one_decode_step_run_at_once_and_a_slow_one_stops_in_time(tok):
+    """The rows whose turn ends at the same step call their envs concurrently: 8 calls that each
+    wait for all 8 to have started (a barrier) pass, as they could not one after another. A
+    call that hangs stops the rollout with one line within its limit (one that spins:
+    test_a_spinning_env_or_one_that_exits_stops_the_run_in_one_line)."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
+    barrier = threading.Barrier(8, timeout=20)
+
+    def env(row, turns):
+        barrier.wait()
+        return None
+    prompts = tasks.encode_prompts(tok, ["1+2="] * 8)
+    roll = rollout(model, tok, prompts, env, [{"prompt": "1+2="}] * 8, 2, 10)
+    assert roll.turns.tolist() == [1] * 8
+    t0 = time.time()
+    with pytest.raises(C.UserError, match=r"--env 'test' took more than 0.5 s on the row with "
+                                          r"prompt '1\+2=', turn 1 \(--env_timeout\)"):
+        rollout(model, tok, prompts[:2], lambda row, turns: time.sleep(3600),
+                [{"prompt": "1+2="}] * 2, 2, 10, timeout=0.5)
+    assert time.time() - t0 < 5  # (the sleeping thread is a daemon: it ends with the process)
+
+
+@pytest.mark.parametrize("obs", ["<eos></s><pad><bos><unk> x", "\ud800 lone \udfff surrogates",
+                                 "9" * 1_000_000])
+def test_an_observation_is_text_never_special_tokens_and_is_cut_before_it_is_tokenized(
+        obs, tok, monkeypatch):
+    """What a tool returns is data: '<eos>' in it is five characters, never the EOS id (which
+    would end the row, or let a tool write the model's turn markers); invalid unicode is
+    replaced; a 1 MB observation is cut to the budget before it is tokenized, and counted."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    tokenized = []
+    real = type(tok).__call__
+    monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: (
+        tokenized.append(len(text)), real(self, text, *a, **k))[1])
+    torch.manual_seed(0)
+    prompts = tasks.encode_prompts(tok, PROMPTS)
+    roll = rollout(model, tok, prompts, always_env(obs), [{"prompt": p} for p in PROMPTS], 2, 40)
+    assert (roll.tool_calls > 0).any()
+    observed = set(roll.ids[:, roll.P:][(roll.attention_mask[:, roll.P:] == 1)
+                                        & (roll.completion_mask == 0)].tolist())
+    assert not observed & {tok.bos_token_id, tok.eos_token_id, tok.pad_token_id}
+    assert obs[0] != "<" or tok.unk_token_id not in observed  # (unk: a character not in vocab)
+    assert max(tokenized) < 32 * 40 + 40  # never the whole megabyte
+    if len(obs) > 40:
+        assert roll.obs_truncated[roll.tool_calls > 0].all()
 
 
 def test_calc_env_reads_calls_and_ends_on_an_answer():
@@ -2075,7 +2167,7 @@ def test_env_errors_are_one_line(body, message, tmp_path, monkeypatch, capsys):
 
 def test_env_too_slow_or_failing_mid_run_loses_nothing(tmp_path, monkeypatch, capsys):
     """An env that fails at step 3 stops the run with one line; the steps before are logged and
-    the checkpoint of step 2 is there. A slow env is refused the same way."""
+    the checkpoint of step 2 is there."""
     spec = write_env(tmp_path, "N = [0]\ndef env(row, turns):\n    N[0] += 1\n"
                                "    if N[0] > 60:\n        raise KeyError('late')\n"
                                "    return ' 1 '\n")
@@ -2087,11 +2179,27 @@ def test_env_too_slow_or_failing_mid_run_loses_nothing(tmp_path, monkeypatch, ca
     assert "raised KeyError: 'late'" in capsys.readouterr().err
     steps = [m["step"] for m in read_metrics(out)]
     assert steps and (out / "checkpoint").is_dir()
-    monkeypatch.setattr(E, "ENV_TIMEOUT_S", -1.0)
-    env = E.load_env("calc")
-    with pytest.raises(C.UserError, match=r"--env 'calc' took 0 s \(on the row with prompt "
-                                          r"'1\+2=', turn 1\); the limit is -1 s a call"):
-        env({"prompt": "1+2="}, ["<calc>1+2</calc>"])
+
+
+@pytest.mark.parametrize("body,message", [
+    ("while True:\n            pass", r"took more than 2 s on the row with prompt '.*', turn \d"),
+    ("raise SystemExit(0)", r"raised SystemExit: 0 \(on the row with prompt '.*', turn \d\)"),
+    ("raise KeyboardInterrupt", r"raised KeyboardInterrupt:")])
+def test_a_spinning_env_or_one_that_exits_stops_the_run_in_one_line(body, message, tmp_path):
+    """An env that spins for ever, or raises SystemExit(0) or KeyboardInterrupt, from its 40th
+    call (mid-run): `python grpo.py` exits 2 with one line within about twice --env_timeout,
+    and the steps logged and the last checkpoint stay."""
+    spec = write_env(tmp_path, "N = [0]\ndef env(row, turns):\n    N[0] += 1\n"
+                               f"    if N[0] > 40:\n        {body}\n    return ' 1 '\n")
+    out = tmp_path / "run"
+    t0 = time.time()
+    r = run_script("grpo.py", *FAST_GRPO, "--env", spec, "--env_timeout", "2",
+                   "--max_new_tokens", "12", "--max_steps", "50", "--save_every", "1",
+                   "--output_dir", str(out), timeout=300)
+    assert r.returncode == 2 and time.time() - t0 < 120, r.stderr[-2000:]
+    err = r.stderr.strip().splitlines()[-1]
+    assert err.startswith("error: --env") and re.search(message, err), err
+    assert read_metrics(out) and (out / "checkpoint").is_dir()
 
 
 def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
@@ -2120,8 +2228,8 @@ def test_micro_batching_does_not_change_the_gradient_with_observations(tok):
     model.generation_config.eos_token_id = [2, 43, 72]
     torch.manual_seed(1)
     prompts = tasks.encode_prompts(tok, PROMPTS + PROMPTS[:3])
-    roll = C.rollout(model, tok, prompts, always_env(" 5 "), [{"prompt": p} for p in
-                                                              PROMPTS + PROMPTS[:3]], 3, 20)
+    roll = rollout(model, tok, prompts, always_env(" 5 "), [{"prompt": p} for p in
+                                                            PROMPTS + PROMPTS[:3]], 3, 20)
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
     assert (roll.tool_calls > 0).sum() >= 3 and len(set(mask.sum(-1).tolist())) > 1
     adv = torch.randn(len(mask))
@@ -2185,8 +2293,8 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
     model.generation_config.eos_token_id = [2, 43, 72]
     torch.manual_seed(0)
     rows = [{"prompt": p} for p in PROMPTS]
-    a = C.rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
-    b = C.rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
+    a = rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
+    b = rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
     both = grpo.cat_rollouts([(a, torch.tensor([0, 2])), (b, torch.tensor([1]))])
     assert both.final == [a.final[0], a.final[2], b.final[1]]
     assert both.tool_calls.tolist() == [a.tool_calls[0], a.tool_calls[2], b.tool_calls[1]]
@@ -2198,43 +2306,68 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
     torch.testing.assert_close(lp, both.sample_logprobs, atol=2e-5, rtol=0)
 
 
+QWEN_STYLE_TEMPLATE = (  # Qwen2.5's tool-use layout, in short
+    "{%- if tools %}<|im_start|>system\n# Tools\n<tools>{% for t in tools %}\n{{ t | tojson }}"
+    "{% endfor %}\n</tools>\nCall a tool as <tool_call>{\"name\": ..., \"arguments\": ...}"
+    "</tool_call><|im_end|>\n{%- endif %}"
+    "{% for m in messages %}{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user"
+    "{% endif %}{{ '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>\n{% endif %}"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
 def chat_tokenizer():
-    """A tokenizer with a Qwen-style chat template (role tags, a tool role), built here."""
+    """The bundled tokenizer with a Qwen-style chat template (role tags, tools, tool messages)
+    whose turns end on <|im_end|>, a special token and the EOS, as Qwen2.5-Instruct's do."""
     t = loading.load_tokenizer(loading.DEFAULT_POLICY)
-    t.chat_template = (
-        "{% for m in messages %}"
-        "{% if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n"
-        "</tool_response><|im_end|>\n"
-        "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    t.add_tokens(["<|im_start|>", "<|im_end|>"], special_tokens=True)
+    t.add_tokens(["\n"])  # (the bundled vocabulary has no newline)
+    t.eos_token = "<|im_end|>"
+    t.chat_template = QWEN_STYLE_TEMPLATE
     return t
 
 
-def test_chat_tool_observation_is_the_templates_difference(monkeypatch):
+@pytest.mark.parametrize("ends_on", ["eos", "stop"])
+def test_chat_tool_observation_is_the_templates_difference(ends_on):
     """envs.chat_observation: the chat template rendered with and without the tool message, the
-    difference. Appended after the model's turn, the transcript is the template's rendering of
-    the whole conversation, token for token, the model's own ids untouched."""
+    difference, as token ids. Fed after the model's call turn, the transcript is the template's
+    rendering of the whole conversation, token for token, the model's own ids untouched,
+    whether the call turn ended on the model's own <|im_end|> (the EOS) or on a stop string; the
+    tool's result is text, its '<|im_end|>' five-and-more characters, not the special token."""
     t = chat_tokenizer()
     messages = [{"role": "user", "content": "1234+5678="}]
     call = '<tool_call>{"a": 1234, "b": 5678}</tool_call>'
-    obs = E.chat_observation(t, messages, call, "6912")
-    assert obs == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912\n</tool_response>"
-                   "<|im_end|>\n<|im_start|>assistant\n")
+    result = "6912 <|im_end|>"
+    obs = E.chat_observation(t, messages, call, result)
+    im_end = t.convert_tokens_to_ids("<|im_end|>")
+    assert obs[0] == im_end and obs.count(im_end) == 2  # the turn's end tag and the message's
+    assert t.decode(obs) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912 <|im_end|>\n"
+                             "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompt = tasks.encode_prompts(t, [messages])[0]
-    script = {tuple(prompt): [enc(call), enc("6912")]}
-    monkeypatch.setattr(C, "sample", scripted_sample(script, t))
+    turn1 = enc(call) + ([im_end] if ends_on == "eos" else [])
+    obs_ids = obs[1:] if ends_on == "eos" else obs
+    completion = turn1 + obs_ids + enc("6912") + [im_end]
+    kinds = [1] * len(turn1) + [0] * len(obs_ids) + [1] * 5
+    model = scripted_model(t, [prompt], [completion], [kinds])
 
     def env(row, turns):
-        return E.chat_observation(t, row["prompt"], turns[-1], "6912") if len(turns) == 1 \
+        return E.chat_observation(t, row["prompt"], turns[-1], result) if len(turns) == 1 \
             else None
-    roll = C.rollout(tiny_model("llama"), t, [prompt], env, [{"prompt": messages}], 3, 200)
-    n = int(roll.attention_mask[0].sum())
+    stop = ["</tool_call>"] if ends_on == "stop" else []
+    roll = rollout(model, t, [prompt], env, [{"prompt": messages}], 3, 200, greedy=True,
+                   stop=stop)
     whole = messages + [{"role": "assistant", "content": call},
-                        {"role": "tool", "content": "6912"}]
-    rendered = t.apply_chat_template(whole, tokenize=False, add_generation_prompt=True) + "6912"
-    assert roll.ids[0, -n:].tolist() == t(rendered, add_special_tokens=False)["input_ids"]
-    assert roll.final == ["6912"]
+                        {"role": "tool", "content": result}]
+    rendered = t.apply_chat_template(whole, tokenize=False, add_generation_prompt=True)
+    head, tail = rendered.split(result)
+    want = enc(head) + t(result, add_special_tokens=False, split_special_tokens=True)[
+        "input_ids"] + enc(tail) + enc("6912") + [im_end]
+    n = int(roll.attention_mask[0].sum())
+    assert roll.ids[0, -n:].tolist() == want
+    assert roll.final == ["6912"] and roll.completion_mask[0].sum() == len(turn1) + 5
 
 
 def test_env_calc_runs_every_script_with_its_metrics(tmp_path, monkeypatch):
