@@ -98,42 +98,25 @@ def eos_ids(model, tok):
     return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
 
 
-def text_ids(tok, text, left):
-    """An observation's text as token ids, at most `left` of them, and whether it was cut. Text is
-    data: cut before it is tokenized (a token spans few characters), invalid unicode replaced, and
-    never read as special tokens: '<eos>' in a tool's output is five characters, not the EOS."""
-    short = text[:32 * left + 32].encode("utf-8", "replace").decode("utf-8")
-    ids = tok(short, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-    return ids[:left], len(ids) > left or len(short) < len(text)
-
-
 def _observe(tok, env_step, ep, out, rows, t, left, max_turns, eos):
     """sample()'s multi-turn step for the rows whose model turn ended at column t: record each
-    turn's text, ask env_step for the observations of the rows with turns left (all at once), and
-    queue each observation's tokens, cut to the `left` of the budget, to be fed. An observation is
-    text (text_ids) or token ids (envs.chat_observation's, the chat template's own markers); when
-    the turn ended on an EOS and the ids begin with it (a chat template's end-of-turn tag), the
-    model's own token stands for it. Returns, per row, whether its episode goes on."""
+    turn's text, ask env_step for the observations of the rows with turns left (all at once:
+    each request is the row, its turns, the budget left and the EOS its turn ended on, if any),
+    and queue each observation's token ids to be fed. Returns, per row, whether it goes on."""
     for i in rows:
         ep.turns[i].append(tok.decode(out[i, ep.begun[i]:t + 1], skip_special_tokens=True))
         ep.begun[i] = t + 1
     asking = [i for i in rows if len(ep.turns[i]) < max_turns]
-    answers = dict(zip(asking, env_step([(i, list(ep.turns[i])) for i in asking]))) if asking else {}
-    goes_on = []
-    for i in rows:
-        obs = answers.get(i)
-        goes_on.append(obs is not None)
-        if obs is None:  # the episode is over
-            continue
-        if isinstance(obs, str):
-            ids, cut = text_ids(tok, obs, left)
-        else:
-            ids = list(obs)[1:] if obs and obs[0] == out[i, t] and obs[0] in eos else list(obs)
-            ids, cut = ids[:left], len(ids) > left
-        ep.forced[i], ep.obs_cut[i] = ids, ep.obs_cut[i] or cut
-        ep.observations[i].append(tok.decode(ids))  # as the model reads it: cut, its tokens
-        ep.begun[i] = t + 1 + len(ids)  # the model's next turn starts after the observation
-    return torch.tensor(goes_on, device=out.device)
+    ends = [int(out[i, t]) if out[i, t] in eos else None for i in asking]
+    answers = dict(zip(asking, env_step([(i, list(ep.turns[i]), left, end)
+                                         for i, end in zip(asking, ends)])))
+    for i, answer in answers.items():
+        if answer is not None:  # (ids cut to the budget, whether they were cut); None: it ended
+            ep.forced[i], cut = answer
+            ep.obs_cut[i] |= cut
+            ep.observations[i].append(tok.decode(ep.forced[i]))  # as the model reads it
+            ep.begun[i] = t + 1 + len(ep.forced[i])  # the model's next turn starts after it
+    return torch.tensor([answers.get(i) is not None for i in rows], device=out.device)
 
 
 @torch.no_grad()
@@ -142,12 +125,12 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
     turn ends at its first EOS or at the token that completes a `stop` string. greedy: the
     argmax instead of a draw. Without env_step the row is then done: it leaves the batch and the
-    cache. With env_step (tool use, docs/tool_use.md), env_step([(row, its turns so far), ...])
-    answers the rows whose turn just ended, all at once: None ends that row's episode; an
-    observation's tokens are fed to the row one a step through the same KV cache (forced, not
-    sampled: completion_mask 0, sample_logprobs 0) while the other rows go on sampling, and then
-    the model's next turn follows. No token is forwarded twice. max_new_tokens: the budget of the
-    whole completion, observations included; the env is not called after turn max_turns."""
+    cache. With env_step (tool use, envs.start_episodes) the rows whose turn just ended are
+    answered, all at once: None ends that row's episode; an observation's tokens are fed to the
+    row one a step through the same KV cache (forced, not sampled: completion_mask 0,
+    sample_logprobs 0) while the other rows go on sampling, and then the model's next turn
+    follows. No token is forwarded twice. max_new_tokens: the budget of the whole completion,
+    observations included; the env is not called after turn max_turns."""
     B, device = len(prompt_ids), next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # sampled tokens

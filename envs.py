@@ -181,24 +181,26 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
         raise C.UserError("give --env or --tools, not both: --tools is an env of its own")
     if tools:
         functions, schemas = load_tools(tools)
+
         def start(rows, tok):
             check_tool_format(tok, schemas)  # two renderings of a short chat: cheap
-            return _start(rows, lambda row: ToolEpisode(row, tok, functions, schemas), "--tools",
-                          tools, timeout)
+            return start_episodes(rows, lambda row: ToolEpisode(row, tok, functions, schemas),
+                                  "--tools", tools, timeout, tok)
         return C.SimpleNamespace(tools=schemas, start=start)
     if not spec:
         return None
     fn = calc if spec == "calc" else loading.load_function(
         "--env", spec, "write calc, path/to/file.py:function (or :Class) or module:function")
     make = fn if inspect.isclass(fn) else lambda row: functools.partial(fn, row)
-    return C.SimpleNamespace(tools=None,
-                             start=lambda rows, tok: _start(rows, make, "--env", spec, timeout))
+    return C.SimpleNamespace(tools=None, start=lambda rows, tok: start_episodes(
+        rows, make, "--env", spec, timeout, tok))
 
 
-def _start(rows, make, flag, spec, timeout):
+def start_episodes(rows, make, flag, spec, timeout, tok):
     """One episode per row, each made (on its first call) from a deep copy of its row; returns
-    env_step(requests) for common.sample: the observations for [(row index, turns so far)], the
-    rows' calls run at the same time (call_all), and the episodes."""
+    env_step(requests) for common.sample, which answers [(row index, turns so far, budget left,
+    the EOS the turn ended on)] with each row's observation ids (observation_ids) or None, the
+    rows' calls run at the same time (call_all); and the episodes."""
     copies = [copy.deepcopy(r) for r in rows]
     episodes = [None] * len(rows)
 
@@ -220,15 +222,33 @@ def _start(rows, make, flag, spec, timeout):
                               f"({where}): return the observation text, or None to end")
         return out
 
-    def env_step(requests):
+    def env_step(requests):  # [(row, turns, budget left, EOS the turn ended on)] -> observations
         try:
-            return call_all([functools.partial(call, i, turns) for i, turns in requests], timeout)
+            outs = call_all([functools.partial(call, i, turns) for i, turns, _, _ in requests],
+                            timeout)
         except TimeoutError as e:
-            i, turns = requests[e.args[0]]
+            i, turns, _, _ = requests[e.args[0]]
             raise C.UserError(f"{flag} {spec!r} took more than {timeout:g} s on the row with "
                               f"prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)} "
                               "(--env_timeout)") from None
+        return [None if out is None else observation_ids(tok, out, left, end)
+                for out, (_, _, left, end) in zip(outs, requests)]
     return env_step, episodes
+
+
+def observation_ids(tok, obs, left, end=None):
+    """An observation as the token ids fed to the model, cut to the `left` of the budget, and
+    whether it was cut. Text is data: cut before it is tokenized (a token spans few characters),
+    invalid unicode replaced, and never read as special tokens: '<eos>' in a tool's output is
+    five characters, not the EOS. Token ids (chat_observation's: the chat template's own markers)
+    are fed as they are; when the turn ended on the model's own EOS `end` and the ids begin with
+    it (the template's end-of-turn tag), the model's token stands for the template's."""
+    if isinstance(obs, str):
+        short = obs[:32 * left + 32].encode("utf-8", "replace").decode("utf-8")
+        ids = tok(short, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        return ids[:left], len(ids) > left or len(short) < len(obs)
+    ids = obs[1:] if end is not None and obs[:1] == [end] else obs
+    return ids[:left], len(ids) > left
 
 
 def task_data(args, data):
@@ -273,10 +293,10 @@ def chat_observation(tok, messages, turn, results, tools=None):
     conversation with the model's turn and one tool message per result, minus its rendering up
     to the end of the turn. That difference (the turn's end tag, the tool messages, the next
     assistant header) is the observation: the template's markers are its own tokens, special
-    ones included, and each result is tokenized as text (common.text_ids: never a special
+    ones included, and each result is tokenized as text (observation_ids: never a special
     token). messages: the conversation before this turn (the prompt, earlier turns and tool
     messages); tools: the schemas the prompt was rendered with. A turn that ended on the model's
-    own end-of-turn token keeps it, and common.sample drops the template's copy of it."""
+    own end-of-turn token keeps it, and observation_ids drops the template's copy of it."""
     results = [results] if isinstance(results, str) else list(results)
 
     def render(conversation):
@@ -295,7 +315,7 @@ def chat_observation(tok, messages, turn, results, tools=None):
             raise C.UserError("the chat template does not show a tool message's content as it "
                               "is: build the observation by hand")
         ids += tok(markup, add_special_tokens=False)["input_ids"]
-        ids += C.text_ids(tok, result, len(result) + 1)[0]
+        ids += observation_ids(tok, result, len(result) + 1)[0]
     return ids + tok(rest, add_special_tokens=False)["input_ids"]
 
 

@@ -286,7 +286,8 @@ def main():
             compile=args.compile)
     rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
     if args.sanity:
-        raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
+        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, amp, env)
+        raise SystemExit(2 if failed else 0)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
@@ -393,8 +394,9 @@ def main():
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
                    **(E.tool_metrics(roll, env) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": r["prompt"], "completion": c, "reward": float(x)}
-                   for r, c, x in zip(rows[::G][:4], shown[::G][:4], rewards[::G][:4])]
+        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": tasks.prompt_text(tok, roll, i),
+                    "completion": shown[i], "reward": float(rewards[i])}
+                   for i in range(0, len(rows), G)[:4]]  # one of each of the first 4 groups
         # under torchrun: the mean over the processes, token means weighted by their tokens
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:

@@ -368,7 +368,8 @@ def main():
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
     if args.sanity:
-        raise SystemExit(2 if R.sanity_check(model, ref, tok, data.eval_rows, args, amp) else 0)
+        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, amp, env)
+        raise SystemExit(2 if failed else 0)
     rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
     norm = (0.0, 1.0)  # the score's (mu, sigma): from the checkpoint on resume, else measured
     if run.state:
@@ -462,8 +463,9 @@ def main():
         if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": r["prompt"], "completion": c, "score": float(s)}
-                   for r, c, s in zip(rows[:4], shown[:4], scores[:4])]
+        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": tasks.prompt_text(tok, roll, i),
+                    "completion": shown[i], "score": float(scores[i])}
+                   for i in range(len(rows))[:4]]
         # under torchrun: the mean over the processes, token means weighted by their tokens
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:

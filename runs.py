@@ -808,15 +808,16 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
 
 
 # ---------------------------------------------------------------------------------- --sanity
-def sanity_check(model, ref, tok, rows, args, amp):
+def sanity_check(model, ref, tok, rows, args, amp, env=None):
     """--sanity, on the real model and data, before any update: the sampler's log-probs equal the
-    training forward's; the ratio pi / pi_old is exactly 1; KL(pi || pi_ref) is 0; every finished
-    row's mask ends on an EOS. Prints each check and a peak-memory estimate; returns failures."""
+    training forward's (with --env / --tools: over whole multi-turn transcripts, observations
+    between the model's turns); the ratio pi / pi_old is exactly 1; KL(pi || pi_ref) is 0; every
+    finished row's mask ends on an EOS or a stop string. Prints each check and a peak-memory
+    estimate; returns the failures."""
     device = next(model.parameters()).device
-    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows[:16]], args.chat_template)
     # top_p 1: below 1 the sampler's log-probs are over the kept tokens (by design, not a bug)
-    roll = C.sample(model, tok, prompt_ids, args.max_new_tokens, args.temperature, 1.0, amp=amp,
-                    stop=args.stop)
+    at_top_p_1 = C.SimpleNamespace(**{**vars(args), "top_p": 1.0})
+    roll, texts = C.generate(model, tok, rows[:16], at_top_p_1, amp, env)
     lp = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
     # fp32 on the CPU: equal up to float noise. bf16 autocast (and on a GPU a bf16 reference
     # against fp32 master weights: 3e-5 KL on the bundled model) rounds each forward differently
@@ -835,10 +836,10 @@ def sanity_check(model, ref, tok, rows, args, amp):
         checks["KL(policy || reference) is 0 before any update"] = (kl <= kl_tol, f"{kl:.3g}")
     # every finished row's mask ends on its EOS or on the last token of a stop string; with no
     # finished row there is nothing to check, and that fails too (raise --max_new_tokens)
-    last = roll.completion_mask.sum(-1).long() - 1
+    T = roll.completion_mask.shape[1]  # each row's last model token (multi-turn: its last turn's)
+    last = (roll.completion_mask * torch.arange(1, T + 1, device=device)).argmax(-1)
     ends = roll.ids[:, roll.P:].gather(1, last[:, None])[:, 0]
     on_eos = torch.isin(ends, torch.tensor(C.eos_ids(model, tok), device=device)).tolist()
-    texts = C.decode_completions(tok, roll)
     ends_ok = [e or any(s in t for s in args.stop) for e, t in zip(on_eos, texts)]
     done = (~roll.truncated).tolist()
     checks["completion_mask ends on the EOS or a stop string"] = (

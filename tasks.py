@@ -257,3 +257,8 @@ def encode_prompts(tok, prompts, chat_template="auto", tools=None):
                                          add_generation_prompt=True) for p in prompts]
         return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     return [tok(as_text(p))["input_ids"] for p in prompts]
+
+
+def prompt_text(tok, roll, i):
+    """Row i's prompt as the model read it (its chat template, --tools' schemas): decoded ids."""
+    return tok.decode(roll.ids[i, :roll.P][roll.attention_mask[i, :roll.P] == 1])

@@ -1882,8 +1882,8 @@ def always_env(text=" 12 "):
 def rollout(model, tok, prompt_ids, env, rows, max_turns, budget, timeout=60, **kw):
     """The multi-turn sampler with a test env function env(row, turns): common.sample with the
     env_step that envs builds (one episode per row, its checks and deadline)."""
-    env_step, _ = E._start(rows, lambda row: functools.partial(env, row), "--env", "test",
-                           timeout)
+    env_step, _ = E.start_episodes(rows, lambda row: functools.partial(env, row), "--env",
+                                   "test", timeout, tok)
     return C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns, **kw)
 
 
@@ -2067,7 +2067,7 @@ def test_each_episode_owns_its_row_and_a_class_env_gets_one_object_per_episode(t
         def step(self, turns):
             self.calls += 1
             return f" {self.calls} "
-    env_step, episodes = E._start(rows, Episode, "--env", "x.py:Episode", 60)
+    env_step, episodes = E.start_episodes(rows, Episode, "--env", "x.py:Episode", 60, tok)
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 40, env_step=env_step, max_turns=4)
     made = [e for e in episodes if e is not None]
@@ -2368,6 +2368,113 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     n = int(roll.attention_mask[0].sum())
     assert roll.ids[0, -n:].tolist() == want
     assert roll.final == ["6912"] and roll.completion_mask[0].sum() == len(turn1) + 5
+
+
+TOOLS_FILE = '''
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def shout(text: str) -> str:
+    """Refuse loudly.
+
+    Args:
+        text: what to refuse
+    """
+    raise ValueError("no " + text)
+'''
+
+
+def test_tools_are_shown_by_the_template_parsed_run_and_answered_as_tool_messages(tmp_path):
+    """--tools: the functions' schemas (get_json_schema: type hints and docstring) are rendered
+    into every prompt by the chat template; a model turn's calls are parsed in Qwen's
+    <tool_call> JSON, several in one turn; a bad call, an unknown tool or a raising tool is an
+    'error: ...' tool message, never a crash; the results go back as tool messages through the
+    template, so the whole transcript is the template's rendering of the conversation; calls
+    and errors are counted per tool."""
+    (tmp_path / "tools.py").write_text(TOOLS_FILE)
+    env = E.load_env("", f"{tmp_path / 'tools.py'}:add,shout")
+    assert [s["function"]["name"] for s in env.tools] == ["add", "shout"]
+    t = chat_tokenizer()
+    messages = [{"role": "user", "content": "2+3="}]
+    prompt = tasks.encode_prompts(t, [messages], tools=env.tools)[0]
+    shown = t.decode(prompt)
+    assert '"name": "add"' in shown and "Add two whole numbers." in shown and "the first" in shown
+    call = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+            '<tool_call>{"name": "shout", "arguments": {"text": "x"}}</tool_call>'
+            '<tool_call>{"name": "mul", "arguments": {}}</tool_call><tool_call>{oops</tool_call>')
+    enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    im_end = t.eos_token_id
+    functions, schemas = E.load_tools(f"{tmp_path}/tools.py:add,shout")
+    episode = E.ToolEpisode({"prompt": messages}, t, functions, schemas)
+    obs = episode.step([call])
+    results = ["5", "error: ValueError: no x", "error: no tool 'mul'; the tools are add, shout",
+               "error: the call is not JSON with a name and arguments: {oops"]
+    assert [m["content"] for m in episode.messages[2:]] == results
+    assert episode.calls == [("add", True), ("shout", False), ("mul", False), (None, False)]
+    assert episode.step(["5"]) is None  # no call: that turn was the answer
+    # the same turns through the sampler: a scripted model writes the call, then the answer
+    completion = enc(call) + [im_end] + obs[1:] + enc("5") + [im_end]
+    kinds = [1] * (len(enc(call)) + 1) + [0] * (len(obs) - 1) + [1, 1]
+    model = scripted_model(t, [prompt], [completion], [kinds])
+    args = SimpleNamespace(max_new_tokens=900, temperature=1.0, top_p=1.0, stop=[], max_turns=3,
+                           chat_template="auto", system_prompt="")
+    roll, texts = C.generate(model, t, [{"prompt": messages, "answer": "5"}], args, OFF, env,
+                             greedy=True)
+    whole = t.apply_chat_template(
+        messages + [{"role": "assistant", "content": call}]
+        + [{"role": "tool", "content": r} for r in results], tools=env.tools, tokenize=False,
+        add_generation_prompt=True) + "5<|im_end|>"
+    n = int(roll.attention_mask[0].sum())
+    assert t.decode(roll.ids[0, -n:]) == whole and texts == ["5"]
+    m = E.tool_metrics(roll, env)
+    assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
+    assert m["tool_calls/shout"] == 1 and m["tool_errors/shout"] == 1 and m["tool_calls"] == 1
+
+
+def test_tools_need_a_template_that_renders_them_and_a_schema_per_function(tmp_path):
+    (tmp_path / "tools.py").write_text(TOOLS_FILE + "\ndef bare(x):\n    return x\n")
+    env = E.load_env("", f"{tmp_path / 'tools.py'}:add")
+    plain = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    with pytest.raises(C.UserError, match="--tools needs a model whose chat template renders"):
+        env.start([{"prompt": "1+2="}], plain)
+    with pytest.raises(C.UserError, match=r"--tools: 'bare' has no schema: .* type hint"):
+        E.load_env("", f"{tmp_path / 'tools.py'}:add,bare")
+    with pytest.raises(C.UserError, match="give --env or --tools, not both"):
+        E.load_env("calc", f"{tmp_path / 'tools.py'}:add")
+    t = chat_tokenizer()
+    t.chat_template = t.chat_template.replace("<tool_call>", "[CALL]")
+    with pytest.raises(C.UserError, match="--tools reads calls through the tokenizer's response"):
+        env.start([{"prompt": "1+2="}], t)
+
+
+def test_grpo_with_tools_runs_and_samples_show_the_rendered_prompt(tmp_path, monkeypatch):
+    """`grpo.py --tools FILE.py:add` on a chat model whose template renders tools: it runs, logs
+    calls and errors per tool, and samples.jsonl shows each prompt as the model saw it, the tool's
+    name and docstring included, beside the raw prompt."""
+    (tmp_path / "tools.py").write_text(TOOLS_FILE)
+    t = chat_tokenizer()
+    cfg = tiny_config("qwen2", vocab=len(t))
+    cfg.architectures = ["Qwen2ForCausalLM"]
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
+    t.save_pretrained(tmp_path / "model")
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--model", tmp_path / "model", "--tools",
+             f"{tmp_path / 'tools.py'}:add,shout", "--max_new_tokens", "8", "--max_steps", "2",
+             "--rewards", "length", "--output_dir", out)
+    m = read_metrics(out)
+    assert {"tool_calls", "tool_calls/add", "tool_errors/add", "tool_calls/shout"} <= set(m[0])
+    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])["samples"][0]
+    shown = sample["rendered_prompt"].replace(" ", "")  # (this saved tokenizer drops spaces)
+    assert sample["prompt"].endswith("=") and '"name":"add"' in shown
+    assert "Addtwowholenumbers." in shown and shown.endswith("<|im_start|>assistant\n")
 
 
 def test_env_calc_runs_every_script_with_its_metrics(tmp_path, monkeypatch):
@@ -4027,6 +4134,18 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, t
                            micro_batch_size=8, dtype="fp32", stop=[])
     failed = runs.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args, OFF)
     assert any("ratio" in f for f in failed)
+
+
+def test_sanity_checks_multi_turn_transcripts(tmp_path, monkeypatch, capsys):
+    """--sanity with --env calc samples multi-turn episodes (observations between the model's
+    turns) and checks the model tokens' log-probs against one training forward over each whole
+    transcript: it passes on the bundled calculator model."""
+    seen, real = [], C.generate
+    monkeypatch.setattr(C, "generate", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--env", "calc", "--sanity", "--output_dir", tmp_path / "r")
+    assert e.value.code == 0 and "sanity: all checks passed" in capsys.readouterr().out
+    assert (seen[0][0].tool_calls > 0).any() and (seen[0][0].completion_mask == 0).any()
 
 
 # ---- docs/ (#30)
