@@ -169,7 +169,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             out_lp[live, t] = z.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
             if top_p < 1.0:  # drawn from the kept tokens, renormalised: their mass is probs.sum()
                 out_lp[live, t] -= probs.sum(-1).log()
-            feeding = [j for j, i in enumerate(live.tolist()) if ep.forced[i]]
+            feeding = [j for j, i in enumerate(live.tolist()) if ep.forced[i]] if env_step else []
             if feeding:  # rows amid an observation take its next token instead of the draw
                 fed = live[feeding]
                 nxt[feeding] = torch.tensor([ep.forced[i].pop(0) for i in fed.tolist()],
