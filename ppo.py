@@ -131,6 +131,7 @@ class Args:
     eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = R.arg(40, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    samples_every: int = R.arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/ppo-<time>
     resume: str = ""  # a previous output_dir: continue its run (policy, critic, kl_coef, RNG)

@@ -6,7 +6,7 @@ Nothing here is part of an algorithm: read grpo.py, reinforce.py or ppo.py first
 
 A run folder holds:
   metrics.jsonl   one JSON line per step (appended and flushed: a crash loses at most that step)
-  samples.jsonl   a few decoded completions every 25 steps
+  samples.jsonl   a few decoded completions every --samples_every steps (25), from step 1
   checkpoint/     the policy and tokenizer (from_pretrained loads it), args.json, trainer_state.pt;
                   replaced atomically, so a kill at any moment leaves the previous one loadable
   summary.json    args, held-out score before and after, wall time, peak memory
@@ -500,11 +500,12 @@ def every(step, n):
 
 
 def log_step(run, metrics, bar, samples, opt):
-    """Rank 0: metrics.jsonl, the tracker, samples.jsonl (steps 1, 26, 51, ...); step 1's memory."""
+    """Rank 0: metrics.jsonl, the tracker, samples.jsonl (steps 1, 1 + n, 1 + 2n, ... for
+    n = --samples_every); step 1's memory."""
     if run.rank > 0:
         return
-    step = metrics["step"]
-    samples = samples if (step - 1) % 25 == 0 else None
+    step, n = metrics["step"], getattr(run.args, "samples_every", 0)  # (the RL scripts' flag)
+    samples = samples if n and (step - 1) % n == 0 else None
     run.history.append(metrics)
     run.metrics.write(json.dumps(metrics) + "\n")
     if samples:
@@ -522,6 +523,9 @@ def log_step(run, metrics, bar, samples, opt):
                     columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
             run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
+    if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
+        tqdm.write(f"note: step {step}: a tool's observation was cut by --max_new_tokens "
+                   "(obs_truncated counts them): the model did not see its end")
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
         device = opt.param_groups[0]["params"][0].device
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")

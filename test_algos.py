@@ -2202,6 +2202,16 @@ def test_a_spinning_env_or_one_that_exits_stops_the_run_in_one_line(body, messag
     assert read_metrics(out) and (out / "checkpoint").is_dir()
 
 
+def test_an_observation_cut_by_the_budget_is_counted_and_said_once(tmp_path, monkeypatch,
+                                                                    capsys):
+    spec = write_env(tmp_path, "def env(row, turns):\n    return ' 1' * 40\n")
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--env", spec, "--max_new_tokens", "12",
+             "--max_steps", "3", "--output_dir", out)
+    assert capsys.readouterr().out.count("observation was cut by --max_new_tokens") == 1
+    assert all(m["obs_truncated"] > 0 for m in read_metrics(out))
+
+
 def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
     for flags, message in ((["--max_turns", "0"], "--max_turns must be >= 1"),
                            (["--eval_sampled"], "--eval_sampled scores mean@k"),
@@ -2468,10 +2478,12 @@ def test_grpo_with_tools_runs_and_samples_show_the_rendered_prompt(tmp_path, mon
     out = tmp_path / "run"
     run_main(monkeypatch, grpo, *FAST_GRPO, "--model", tmp_path / "model", "--tools",
              f"{tmp_path / 'tools.py'}:add,shout", "--max_new_tokens", "8", "--max_steps", "2",
-             "--rewards", "length", "--output_dir", out)
+             "--rewards", "length", "--samples_every", "1", "--output_dir", out)
     m = read_metrics(out)
     assert {"tool_calls", "tool_calls/add", "tool_errors/add", "tool_calls/shout"} <= set(m[0])
-    sample = json.loads((out / "samples.jsonl").read_text().splitlines()[0])["samples"][0]
+    lines = (out / "samples.jsonl").read_text().splitlines()  # --samples_every 1: each step
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    sample = json.loads(lines[0])["samples"][0]
     shown = sample["rendered_prompt"].replace(" ", "")  # (this saved tokenizer drops spaces)
     assert sample["prompt"].endswith("=") and '"name":"add"' in shown
     assert "Addtwowholenumbers." in shown and shown.endswith("<|im_start|>assistant\n")
