@@ -303,13 +303,15 @@ def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
 
 # --------------------------------------------------------------------------------------- rewards
 def math_reward(completion, row):
-    """1 when the completion states the answer's number (the built-in task's checker). When the
-    optional package math-verify is installed, its symbolic check is used instead."""
+    """1 when the completion states the answer: its number, or its expression written alike (\\pi;
+    answer_format.final_answer). With the optional package math-verify, its symbolic check."""
     if math_verify is not None:
         return float(math_verify.verify(math_verify.parse(row.get("answer", "")),
                                         math_verify.parse(completion)))
-    want = answer_format.final_number(row.get("answer", ""))
-    got = answer_format.final_number(completion)
+    want = answer_format.final_answer(row.get("answer", ""), reference=True)
+    got = answer_format.final_answer(completion)
+    if isinstance(want, str) or isinstance(got, str):  # an expression (\pi, (1,2)): as written
+        return float(want == got)
     return float(want is not None and got is not None and math.isclose(got, want, rel_tol=1e-9))
 
 
@@ -394,7 +396,8 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
 
 # ------------------------------------------------------------------------------------------ eval
 def has_numbers(rows):
-    return all(answer_format.final_number(r.get("answer", "")) is not None for r in rows)
+    """Whether every row's answer can be scored by math_reward (a number, or maths: \\pi, (1,2))."""
+    return all(answer_format.final_answer(r.get("answer", ""), True) is not None for r in rows)
 
 
 def eval_metric(rows, choice="auto"):

@@ -989,12 +989,37 @@ def test_answers_in_boxes_fractions_and_math_verify(monkeypatch):
     assert answer_format.final_number("so \\boxed{\\frac{1}{2}} and 7") == 0.5
     assert answer_format.final_number("#### 1,234") == 1234.0
     assert answer_format.final_number("3/4 of it") == 0.75
-    assert answer_format.final_number("\\boxed{x^{2}}") == 2.0
+    assert answer_format.final_number("\\boxed{x^{2}}") is None  # not read by its last digit
     assert C.math_reward("\\boxed{\\dfrac{3}{4}}", {"answer": "0.75"}) == 1.0
     calls = []
     fake = SimpleNamespace(parse=lambda s: calls.append(s) or s, verify=lambda a, b: a == b)
     monkeypatch.setattr(C, "math_verify", fake)
     assert C.math_reward("x", {"answer": "x"}) == 1.0 and calls == ["x", "x"]
+
+
+def test_math_answers_that_are_not_numbers_are_compared_as_written(monkeypatch, tmp_path):
+    """Without math-verify a MATH answer that is no plain number is not read by its last digits:
+    it is compared as an expression; the bundled task's and GSM8K's numbers score as before."""
+    monkeypatch.setattr(C, "math_verify", None)
+
+    def score(completion, answer):
+        return C.math_reward(completion, {"answer": answer})
+    for answer in ("\\boxed{(1,2)}", "(1,2)", "(1, 2)"):
+        assert score("\\boxed{12}", answer) == 0 and score("so \\boxed{(1,\\!2)}", answer) == 1
+    assert score("\\boxed{2}", "\\frac{\\sqrt{3}}{2}") == 0
+    assert score("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "$\\frac{\\sqrt{3}}{2}$") == 1
+    assert score("\\boxed{\\pi}", "\\pi") == 1 and score("\\boxed{3}", "\\pi") == 0
+    assert score("\\boxed{1,234}", "1234") == 1 and score("\\boxed{\\frac{1}{2}}", "0.5") == 1
+    assert score("46", "46") == 1 and score("46a", "46") == 1 and score("4a", "46") == 0
+    assert score("so 1,234 in all.\n#### 1,234", "1,000 + 234 = 1,234\n#### 1234") == 1
+    assert score("The answer is 42.", "The answer is 42") == 1  # a sentence: its last number
+    assert answer_format.final_answer("A", reference=True) is None  # a letter is not maths
+    path = tmp_path / "math.jsonl"  # the data check reads \pi too, so the file is not refused
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
+                            for i, a in enumerate(["\\pi", "\\boxed{(1,2)}", "#### 7"])))
+    rows = tasks.read_jsonl(str(path), need_answer=True)
+    assert C.has_numbers(rows) and C.eval_metric(rows) == "accuracy"
+    assert C.gold(["\\boxed{\\pi}", "\\boxed{(1, 2)}", "#### 8"], rows) == {"gold": 2 / 3}
 
 
 def test_eval_reward_math_on_text_answers_is_refused_and_auto_uses_the_rewards():
