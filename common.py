@@ -332,11 +332,18 @@ RULES = {"math": math_reward, "format": format_reward, "length": length_reward}
 
 def call_reward_fn(name, fn, completions, rows):
     """Your reward on the batch, checked: one number per completion, (B,). NaN/inf pass through:
-    the training step is then skipped."""
+    the training step is then skipped. An error names the first row that fails alone."""
     try:
         values = list(fn(completions, rows))
-    except Exception as e:
-        raise UserError(f"reward {name!r} raised {type(e).__name__}: {_first_line(e)}") from None
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in it: one line too
+        what = f"reward {name!r} raised {type(e).__name__}: {_first_line(e)}"
+        for i in range(len(rows)) if isinstance(e, Exception) else ():  # which row? each alone
+            try:
+                fn(completions[i:i + 1], rows[i:i + 1])
+            except Exception:
+                prompt = tasks.as_text(rows[i]["prompt"])[:40]
+                raise UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
+        raise UserError(what) from None
     if len(values) != len(rows):
         raise UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
                         "completions: return one number per completion")
@@ -395,8 +402,7 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
 
 
 # ------------------------------------------------------------------------------------------ eval
-def has_numbers(rows):
-    """Whether every row's answer can be scored by math_reward (a number, or maths: \\pi, (1,2))."""
+def has_numbers(rows):  # can math_reward score every row? (a number, or maths: \pi, (1,2))
     return all(answer_format.final_answer(r.get("answer", ""), True) is not None for r in rows)
 
 
