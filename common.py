@@ -313,13 +313,15 @@ def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
 
 # --------------------------------------------------------------------------------------- rewards
 def math_reward(completion, row):
-    """1 when the completion states the answer's number (the built-in task's checker). When the
-    optional package math-verify is installed, its symbolic check is used instead."""
+    """1 when the completion states the answer: its number, or its expression written alike (\\pi;
+    answer_format.final_answer). With the optional package math-verify, its symbolic check."""
     if math_verify is not None:
         return float(math_verify.verify(math_verify.parse(row.get("answer", "")),
                                         math_verify.parse(completion)))
-    want = answer_format.final_number(row.get("answer", ""))
-    got = answer_format.final_number(completion)
+    want = answer_format.final_answer(row.get("answer", ""), reference=True)
+    got = answer_format.final_answer(completion)
+    if isinstance(want, str) or isinstance(got, str):  # an expression (\pi, (1,2)): as written
+        return float(want == got)
     return float(want is not None and got is not None and math.isclose(got, want, rel_tol=1e-9))
 
 
@@ -340,11 +342,18 @@ RULES = {"math": math_reward, "format": format_reward, "length": length_reward}
 
 def call_reward_fn(name, fn, completions, rows):
     """Your reward on the batch, checked: one number per completion, (B,). NaN/inf pass through:
-    the training step is then skipped."""
+    the training step is then skipped. An error names the first row that fails alone."""
     try:
         values = list(fn(completions, rows))
-    except Exception as e:
-        raise UserError(f"reward {name!r} raised {type(e).__name__}: {_first_line(e)}") from None
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in it: one line too
+        what = f"reward {name!r} raised {type(e).__name__}: {_first_line(e)}"
+        for i in range(len(rows)) if isinstance(e, Exception) else ():  # which row? each alone
+            try:
+                fn(completions[i:i + 1], rows[i:i + 1])
+            except Exception:
+                prompt = tasks.as_text(rows[i]["prompt"])[:40]
+                raise UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
+        raise UserError(what) from None
     if len(values) != len(rows):
         raise UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
                         "completions: return one number per completion")
@@ -403,8 +412,8 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
 
 
 # ------------------------------------------------------------------------------------------ eval
-def has_numbers(rows):
-    return all(answer_format.final_number(r.get("answer", "")) is not None for r in rows)
+def has_numbers(rows):  # can math_reward score every row? (a number, or maths: \pi, (1,2))
+    return all(answer_format.final_answer(r.get("answer", ""), True) is not None for r in rows)
 
 
 def eval_metric(rows, choice="auto"):

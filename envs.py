@@ -452,10 +452,19 @@ def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
 def main():
     """python envs.py MODEL [K]: the calculator report (calc_report) of a model or checkpoint."""
     import sys
-    model = loading.load_model(sys.argv[1], "lm", torch.device("cpu"), frozen=True)
-    tok = loading.load_tokenizer(sys.argv[1])
+    k = sys.argv[2] if len(sys.argv) == 3 else "1"
+    if len(sys.argv) not in (2, 3) or not (k.isdigit() and 1 <= int(k) <= 1000):
+        print("error: usage: python envs.py MODEL [K]: a model or checkpoint folder, or a hub id; "
+              "K: 1 to 1000 samples per prompt", file=sys.stderr)
+        sys.exit(2)
+    try:
+        model = loading.load_model(sys.argv[1], "lm", torch.device("cpu"), frozen=True)
+        tok = loading.load_tokenizer(sys.argv[1])
+    except C.UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
     torch.set_num_threads(1)
-    rep = calc_report(model, tok, k=int(sys.argv[2]) if len(sys.argv) > 2 else 1)
+    rep = calc_report(model, tok, k=int(k))
     cols = ["calls", "right when calling", "right when not", "overall", "says nothing after"]
     print(f"{'':12}" + "".join(f"{c:>19}" for c in cols))
     for name, r in rep.items():

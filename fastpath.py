@@ -126,8 +126,10 @@ class LinearHeadLogprobs(torch.autograd.Function):
         x, weight, bias, targets = ctx.saved_tensors
         temperature, never, blocks = ctx.args
         (amp, dtype), dev = ctx.amp, x.device.type
-        grad_x, grad_w = torch.zeros_like(x), torch.zeros_like(weight)
-        grad_b = None if bias is None else torch.zeros_like(bias)
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # LoRA: the head is frozen, so W and
+        grad_x = torch.zeros_like(x) if need_x else None  # b need none (a V x H buffer saved)
+        grad_w = torch.zeros_like(weight) if need_w else None
+        grad_b = torch.zeros_like(bias) if need_b else None  # bias None: need_b is False
         for rows, cols in blocks:
             xc, t = x[rows, cols], targets[rows, cols]
             with torch.autocast(dev, dtype=dtype, enabled=amp):  # as in forward
@@ -146,11 +148,12 @@ class LinearHeadLogprobs(torch.autograd.Function):
             del p, logp
             gz = (gz / temperature).flatten(0, 1)  # (n, V): dL/dlogits
             low = dtype if amp else weight.dtype  # the matmuls' precision, as autograd's
-            grad_x[rows, cols] = (gz.to(low) @ weight.to(low)).view(xc.shape)
+            if grad_x is not None:
+                grad_x[rows, cols] = (gz.to(low) @ weight.to(low)).view(xc.shape)
             xf = xc.flatten(0, 1)
-            if low == grad_w.dtype:
+            if grad_w is not None and low == grad_w.dtype:
                 grad_w.addmm_(gz.T, xf.to(low))  # in place: no V x H temporary
-            else:
+            elif grad_w is not None:
                 grad_w += (gz.to(low).T @ xf.to(low)).to(grad_w.dtype)
             if grad_b is not None:
                 grad_b += gz.sum(0).to(grad_b.dtype)

@@ -62,8 +62,10 @@ class Args:
     group_size: int = R.arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
     prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (G samples each)
     max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
-    temperature: float = R.arg(1.0, "> 0")  # sampling temperature; log-probs use it too (N details)
-    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); below 1: mismatch_weights()
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = R.arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
+    top_p: float = R.arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
@@ -92,8 +94,10 @@ class Args:
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO [same name]
     seq_clip_eps: float = R.arg(3e-4, "> 0")  # sequence level: s_i >= 1 - this (GSPO paper: 3e-4)
     seq_clip_eps_high: float = R.arg(4e-4, "> 0")  # sequence level: s_i <= 1 + this (GSPO: 4e-4)
-    sapo_tau_pos: float = R.arg(1.0, "> 0")  # SAPO gate temperature where A > 0 (SAPO, TRL: 1.0)
-    sapo_tau_neg: float = R.arg(1.05, "> 0")  # the same where A <= 0 (SAPO, TRL: 1.05) [sapo_*]
+    # SAPO's gate sigmoid(tau (rho - 1)) 4 / tau in fp32 (max 3.4e38): at tau >= 1e-30, 4 / tau
+    # times a step's advantages stays finite (1e-40: NaN losses); at tau <= 1e30, tau (rho - 1) too
+    sapo_tau_pos: float = R.arg(1.0, "[1e-30, 1e30]")  # gate temperature, A > 0 (SAPO, TRL: 1.0)
+    sapo_tau_neg: float = R.arg(1.05, "[1e-30, 1e30]")  # the same, A <= 0 (TRL: 1.05) [sapo_*]
     tis_cap: float = R.arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
@@ -109,7 +113,7 @@ class Args:
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
+    compile: bool = False  # torch.compile policy and reference: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     sample_dtype: Literal["same", "bf16", "fp32"] = "same"  # bf16: sample in bf16, a mismatch
     threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all

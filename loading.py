@@ -1,5 +1,4 @@
-"""loading.py: models, tokenizers, LoRA and your reward functions (plumbing: an algorithm reader
-can skip it).
+"""loading.py: models, tokenizers, LoRA and your reward functions (plumbing: a reader may skip it).
 
 Any AutoModelForCausalLM (policy, reference) and AutoModelForSequenceClassification (reward model)
 from a hub id or a local folder, with one-line errors for what cannot load; trained weights in
@@ -11,6 +10,7 @@ import importlib
 import importlib.util
 import math
 import os
+import pickle
 import re
 import warnings
 
@@ -24,13 +24,8 @@ import common as C
 import fastpath
 import tasks
 
-
 ROOT = os.path.dirname(os.path.abspath(__file__))
-
-
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
-
-
 DEFAULT_REWARD_MODEL = os.path.join(ROOT, "models", "tiny-adder-rm")
 
 
@@ -54,8 +49,12 @@ def load_tokenizer(name, trust_remote_code=False):
     _check_source(name)
     try:
         tok = AutoTokenizer.from_pretrained(name, trust_remote_code=trust_remote_code)
+        if len(tok) <= len(tok.all_special_tokens):  # transformers 5 builds one from no files
+            raise ValueError("Couldn't instantiate the backend tokenizer")
     except (OSError, ValueError) as e:
-        raise C.UserError(f"tokenizer {name!r} could not be loaded: {C._first_line(e)}") from None
+        why = ("it has no tokenizer files: save them beside the model (tokenizer.save_pretrained)"
+               if "backend tokenizer" in str(e) else C._first_line(e))
+        raise C.UserError(f"tokenizer {name!r} could not be loaded: {why}") from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
@@ -89,9 +88,11 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
     try:
         model, info = auto.from_pretrained(name, dtype=dtype, trust_remote_code=trust_remote_code,
                                            output_loading_info=True)
-    except (OSError, ValueError, RuntimeError, SafetensorError) as e:
-        raise C.UserError(f"model {name!r} could not be loaded as {auto.__name__}: "
-                          f"{C._first_line(e)} (re-download or rebuild it)") from None
+    except (OSError, ValueError, RuntimeError, SafetensorError, pickle.UnpicklingError) as e:
+        found = re.search(r"GLOBAL (\S+)", str(e))  # a .bin file's pickle holds other objects
+        why = (f"{C._first_line(e)} (re-download or rebuild it)" if not found else
+               f"its weights file holds {found[1]}: unpickling it could run code, so it is refused")
+        raise C.UserError(f"model {name!r} could not be loaded as {auto.__name__}: {why}") from None
     if kind == "rm" and any(k.startswith("score.") for k in info["missing_keys"]):
         raise C.UserError(f"reward model {name!r} has no trained score head in its checkpoint: "
                           "it would score with random weights")
@@ -261,13 +262,19 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
         if name not in C.RULES and name != "rm" and name not in fns:
             known = ", ".join([*C.RULES, "rm", *fns])
             raise C.UserError(f"--rewards: unknown reward {name!r} (known: {known})")
+        if name in weights:  # math=1,math=2: one would silently win
+            raise C.UserError(f"--rewards names {name!r} twice: give each reward one weight")
         try:
             weights[name] = float(w or 1.0)
         except ValueError:
             raise C.UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") \
                 from None
-        if not math.isfinite(weights[name]):  # every reward would be NaN: nothing would train
-            raise C.UserError(f"--rewards: the weight of {name!r} must be finite, not {w}")
+        if not math.isfinite(weights[name]) or not weights[name]:  # NaN: nothing would train
+            raise C.UserError(f"--rewards: the weight of {name!r} must be finite and not 0 (a "
+                              f"reward that counts for nothing: leave it out), not {w}")
     if "rm" in weights and not reward_model:
         raise C.UserError("--rewards names 'rm' but no --reward_model is given")
+    for name in (n for n in fns if n not in weights):  # imported, and never called
+        raise C.UserError(f"--reward_fn {name!r} is loaded but --rewards {spec!r} does not use "
+                          f"it: add {name}=W to --rewards, or drop that --reward_fn")
     return weights

@@ -76,8 +76,10 @@ class Args:
     # --- sampling
     batch_size: int = R.arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
     max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
-    temperature: float = R.arg(1.0, "> 0")  # sampling temperature (N, TRL 0.7; 1.0 explores more)
-    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (N details: 1.0, the full distribution)
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = R.arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
+    top_p: float = R.arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
@@ -120,7 +122,7 @@ class Args:
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward (policy and critic)
     fsdp: bool = False  # torchrun: shard policy and critic across processes with FSDP2 (README)
-    compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
+    compile: bool = False  # torch.compile policy and reference: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run

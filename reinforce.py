@@ -72,8 +72,10 @@ class Args:
     samples_per_prompt: int = R.arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
     prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (k samples each)
     max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (the built-in task needs 4)
-    temperature: float = R.arg(1.0, "> 0")  # sampling temperature; log-probs use it too (N details)
-    top_p: float = R.arg(1.0, "(0, 1]")  # nucleus sampling (TRL 1.0); below 1: mismatch_weights()
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = R.arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
+    top_p: float = R.arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
@@ -110,7 +112,7 @@ class Args:
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    compile: bool = False  # torch.compile policy and reference: faster steps after a slow first
+    compile: bool = False  # torch.compile policy and reference: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run

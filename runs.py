@@ -83,11 +83,16 @@ def main_guard(main):
         if os.environ.get("RANK", "0") == "0":  # under torchrun every process says the same
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    except torch.OutOfMemoryError as e:  # the commonest complaint of big-trainer users (trl#2972)
+    except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
+        if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
+            raise  # a CPU allocation that fails is a RuntimeError (DefaultCPUAllocator)
         print(f"error: out of memory ({C._first_line(e)[:100]}): lower --micro_batch_size "
               "(activations and logits grow with it) or add --gradient_checkpointing; the last "
               "checkpoint is intact", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # a second Ctrl-C, maybe inside a save (atomic: see save_checkpoint)
+        print("\ninterrupted: the last complete checkpoint is intact", file=sys.stderr)
+        sys.exit(130)
 
 
 def _saved_args(resume_dir, algo):
@@ -168,7 +173,13 @@ def parse_args(args_cls, algo, doc=""):
     if "env" in names:  # --env calc brings its own defaults (envs.preset); given flags still win
         parser.set_defaults(**E.preset(known.env, algo))
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
-    args, unknown = parser.parse_args_into_dataclasses(return_remaining_strings=True)
+    argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
+    for a in sys.argv[1:]:
+        if argv and re.fullmatch(r"--\w+", argv[-1]) and re.fullmatch(r"-(inf|[\d.][\w.+-]*)", a):
+            argv[-1] += f"={a}"
+        else:
+            argv.append(a)
+    args, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
     for name in PATH_FLAGS:
         if hasattr(args, name):
             setattr(args, name, _resolved(name, getattr(args, name)))
@@ -247,6 +258,29 @@ def check_args(args):
                           "would keep different numbers of rows")
     if "" in getattr(args, "stop", []):
         raise C.UserError("--stop: an empty stop string would end every completion at once")
+    lr = max(("lr", "critic_lr"), key=lambda name: getattr(args, name, 0))  # ppo: two models
+    shrink = getattr(args, lr) * getattr(args, "weight_decay", 0)  # AdamW: w <- w (1 - lr wd) ...
+    if shrink >= 1:
+        raise C.UserError(f"--weight_decay {args.weight_decay} with --{lr} {getattr(args, lr)}: "
+                          f"AdamW multiplies every weight by 1 - lr * weight_decay "
+                          f"({1 - shrink:.3g}) at each step, so lr * weight_decay must be < 1")
+    if 0 < getattr(args, "tis_cap", 0) < 1:  # min(w, C) with C < 1 shrinks every token's weight
+        raise C.UserError(f"--tis_cap {args.tis_cap}: the cap C on pi_old / pi_sampler (1 where "
+                          "they agree) must be >= 1, or 0 (off); below 1 it scales the whole "
+                          "gradient down (1e-30: none at all)")
+    # a step's rows (the product of its sizes; times --max_new_tokens where it samples) as int64
+    # token ids must fit in this machine's memory: 10**30 would allocate until it is killed
+    sizes = [n for n in ("group_size", "samples_per_prompt", "prompts_per_step", "batch_size")
+             if hasattr(args, n)] + (["max_new_tokens"] if hasattr(args, "temperature") else [])
+    n = math.prod(getattr(args, name) for name in sizes)
+    try:  # where the OS does not say (Windows): 1 TB
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        memory = 2**40
+    if 8 * n > memory:
+        raise C.UserError(f"--{' * --'.join(sizes)} = {n:.3g} token ids a step: {8 * n / 2**30:.3g}"
+                          f" GB before any model runs, more than this machine's "
+                          f"{memory / 2**30:.0f} GB; lower them")
 
 
 # ----------------------------------------------------------------- the output folder and its files
@@ -344,7 +378,7 @@ def start_run(args, algo):
         dist.broadcast_object_list(names, src=0)  # the timestamp of rank 0's clock
         folder = names[0]
     if rank > 0:
-        state = _load_state(folder) if args.resume else None
+        state = _load_state(folder, args.max_steps) if args.resume else None
         signal.signal(signal.SIGINT, _on_sigint)
         return Run(dir=folder, algo=algo, args=args, state=state, metrics=None, samples=None,
                    rank=rank, world=world, saved_step=state["step"] if state else 0)
@@ -357,7 +391,7 @@ def start_run(args, algo):
         raise C.UserError(f"--output_dir {folder!r}: {e.strerror or e}") from None
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
-    state = _load_state(folder) if args.resume else None
+    state = _load_state(folder, args.max_steps) if args.resume else None
     if not state and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
         raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl): continue "
                           f"it with --resume {folder}, or choose another --output_dir")
@@ -394,13 +428,13 @@ def open_tracker(args, folder):
     return tracker
 
 
-def _load_state(folder):
+def _load_state(folder, max_steps):
     """trainer_state.pt, read with weights_only=True: tensors, numbers, strings, lists, tuples and
     dicts only (save_checkpoint writes nothing else). Unpickling any other object can run code,
     so a state that needs it (a run folder from someone else) is refused, not loaded."""
     path = os.path.join(folder, "checkpoint", "trainer_state.pt")
     try:
-        return torch.load(path, weights_only=True)
+        state = torch.load(path, weights_only=True)
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         if not found:  # damaged bytes, not a foreign object
@@ -410,6 +444,11 @@ def _load_state(folder):
             from None
     except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
         raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
+    if state["step"] > max_steps:  # the loop would do nothing and report the run as finished
+        raise C.UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
+                          f"({state['step']}): a resumed run goes on from there; give "
+                          f"--max_steps {state['step']} or more")
+    return state
 
 
 def _on_sigint(signum, frame):

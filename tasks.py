@@ -82,7 +82,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
         raise C.UserError(f"{where}: field {a_key!r} must be a string or a number")
     if answer is not None:  # a missing or null answer stays missing (not the text 'None')
         row["answer"] = str(answer)
-    if need_answer and answer_format.final_number(row.get("answer", "")) is None:
+    if need_answer and answer_format.final_answer(row.get("answer", ""), reference=True) is None:
         raise C.UserError(f"{where}: field {a_key!r} is missing or has no number, which the math "
                           "reward compares with each completion (or change --rewards)")
     return row

@@ -458,6 +458,34 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
         chunks.clear()
 
 
+def test_chunked_head_backward_skips_the_frozen_heads_weight_gradient(monkeypatch):
+    """Under LoRA the LM head is frozen: LinearHeadLogprobs.backward builds no V x H weight
+    gradient (nor a bias one) for autograd to throw away, and x's gradient is the same."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 11)
+    targets = torch.randint(0, 11, (4, 3))
+    blocks = [(slice(0, 2), slice(None)), (slice(2, 4), slice(None))]
+    made = []  # the shapes of the gradient buffers backward allocates
+    real = torch.zeros_like
+    monkeypatch.setattr(fastpath.torch, "zeros_like", lambda t, **kw: made.append(t.shape)
+                        or real(t, **kw))
+
+    def grad_x(frozen):
+        head.requires_grad_(not frozen)
+        head.zero_grad(set_to_none=True)
+        x.grad, made[:] = None, []
+        lp, _ = fastpath.LinearHeadLogprobs.apply(x, head.weight, head.bias, targets, 0.7, None,
+                                                  blocks, False)
+        lp.sum().backward()
+        return x.grad, list(made)
+    trained, frozen = grad_x(False), grad_x(True)
+    torch.testing.assert_close(trained[0], frozen[0], rtol=0, atol=0)
+    assert head.weight.shape in trained[1] and head.bias.shape in trained[1]
+    assert head.weight.shape not in frozen[1] and head.bias.shape not in frozen[1]
+    assert head.weight.grad is None
+
+
 def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
     """With gradients on, the entropy is differentiable (PPO's bonus needs no second flag): its
     value and parameter gradient equal -sum p log p of a plain forward's (logits / temperature),
@@ -899,6 +927,9 @@ def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path
 
 # ---- common.py: your own task (data fields, reward functions, what eval measures)
 REWARD_FILE = '''
+import sys
+
+
 def exact(completions, rows):
     return [float(c.strip() == row["target"]) for c, row in zip(completions, rows)]
 
@@ -913,7 +944,39 @@ def short(completions, rows):
 
 def words(completions, rows):
     return ["good" for _ in completions]
+
+
+def quits(completions, rows):
+    sys.exit(0)
+
+
+def ctrl_c(completions, rows):
+    raise KeyboardInterrupt
+
+
+def one_row(completions, rows):
+    return [1 / (row["target"] != "4") for row in rows]
+
+
+def exits_later(completions, rows):  # sys.exit(0) at its second call, after step 1 is logged
+    exits_later.calls = getattr(exits_later, "calls", 0) + 1
+    return [0.0] * len(completions) if exits_later.calls == 1 else sys.exit(0)
 '''
+
+
+def test_a_reward_that_calls_sys_exit_stops_in_one_line_and_keeps_the_run(tmp_path, monkeypatch,
+                                                                          capsys):
+    """sys.exit(0) inside a reward function used to end the run with exit 0, silently, and
+    remove its folder: now one line, exit 2, and the folder keeps step 1 and its checkpoint."""
+    (tmp_path / "mine.py").write_text(REWARD_FILE)
+    out, spec = tmp_path / "run", f"{tmp_path / 'mine.py'}:exits_later"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--reward_fn", spec, "--max_steps", "3",
+                 "--save_every", "1", "--output_dir", out, guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and line == "error: reward 'exits_later' raised SystemExit: 0", line
+    assert [m["step"] for m in read_metrics(out)] == [1]
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)["step"] == 1
 
 
 def test_a_user_reward_file_is_weighted_logged_and_learned(tmp_path, monkeypatch):
@@ -944,9 +1007,15 @@ def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
                              f"{tmp_path / 'mine.py'}:short", f"{tmp_path / 'mine.py'}:words"])
     rows = [{"prompt": "1+1=", "target": "2"}, {"prompt": "2+2=", "target": "4"}]
     assert C.call_reward_fn("exact", fns["exact"], ["2", "5"], rows).tolist() == [1.0, 0.0]
+    fns.update(loading.load_reward_fns([f"{tmp_path / 'mine.py'}:{n}"
+                                        for n in ("quits", "ctrl_c", "one_row")]))
     for name, message in (("shout", "reward 'shout' raised ValueError: no"),
                           ("short", "returned 1 values for 2 completions"),
-                          ("words", "returned 'good' for row 0: not a number")):
+                          ("words", "returned 'good' for row 0: not a number"),
+                          ("quits", "reward 'quits' raised SystemExit: 0"),
+                          ("ctrl_c", "reward 'ctrl_c' raised KeyboardInterrupt"),
+                          ("one_row", "raised ZeroDivisionError: division by zero (first on row "
+                                      "1, prompt '2+2=')")):
         with pytest.raises(C.UserError, match=re.escape(message)):
             C.call_reward_fn(name, fns[name], ["2", "5"], rows)
     for spec, message in (("nofile.py:f", "file 'nofile.py' not found"),
@@ -990,12 +1059,37 @@ def test_answers_in_boxes_fractions_and_math_verify(monkeypatch):
     assert answer_format.final_number("so \\boxed{\\frac{1}{2}} and 7") == 0.5
     assert answer_format.final_number("#### 1,234") == 1234.0
     assert answer_format.final_number("3/4 of it") == 0.75
-    assert answer_format.final_number("\\boxed{x^{2}}") == 2.0
+    assert answer_format.final_number("\\boxed{x^{2}}") is None  # not read by its last digit
     assert C.math_reward("\\boxed{\\dfrac{3}{4}}", {"answer": "0.75"}) == 1.0
     calls = []
     fake = SimpleNamespace(parse=lambda s: calls.append(s) or s, verify=lambda a, b: a == b)
     monkeypatch.setattr(C, "math_verify", fake)
     assert C.math_reward("x", {"answer": "x"}) == 1.0 and calls == ["x", "x"]
+
+
+def test_math_answers_that_are_not_numbers_are_compared_as_written(monkeypatch, tmp_path):
+    """Without math-verify a MATH answer that is no plain number is not read by its last digits:
+    it is compared as an expression; the bundled task's and GSM8K's numbers score as before."""
+    monkeypatch.setattr(C, "math_verify", None)
+
+    def score(completion, answer):
+        return C.math_reward(completion, {"answer": answer})
+    for answer in ("\\boxed{(1,2)}", "(1,2)", "(1, 2)"):
+        assert score("\\boxed{12}", answer) == 0 and score("so \\boxed{(1,\\!2)}", answer) == 1
+    assert score("\\boxed{2}", "\\frac{\\sqrt{3}}{2}") == 0
+    assert score("\\boxed{\\dfrac{\\sqrt{3}}{2}}", "$\\frac{\\sqrt{3}}{2}$") == 1
+    assert score("\\boxed{\\pi}", "\\pi") == 1 and score("\\boxed{3}", "\\pi") == 0
+    assert score("\\boxed{1,234}", "1234") == 1 and score("\\boxed{\\frac{1}{2}}", "0.5") == 1
+    assert score("46", "46") == 1 and score("46a", "46") == 1 and score("4a", "46") == 0
+    assert score("so 1,234 in all.\n#### 1,234", "1,000 + 234 = 1,234\n#### 1234") == 1
+    assert score("The answer is 42.", "The answer is 42") == 1  # a sentence: its last number
+    assert answer_format.final_answer("A", reference=True) is None  # a letter is not maths
+    path = tmp_path / "math.jsonl"  # the data check reads \pi too, so the file is not refused
+    path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
+                            for i, a in enumerate(["\\pi", "\\boxed{(1,2)}", "#### 7"])))
+    rows = tasks.read_jsonl(str(path), need_answer=True)
+    assert C.has_numbers(rows) and C.eval_metric(rows) == "accuracy"
+    assert C.gold(["\\boxed{\\pi}", "\\boxed{(1, 2)}", "#### 8"], rows) == {"gold": 2 / 3}
 
 
 def test_eval_reward_math_on_text_answers_is_refused_and_auto_uses_the_rewards():
@@ -1419,7 +1513,10 @@ def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
     _, raw = grpo.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
-    assert 0 < float((raw - 1).abs().max()) < 1e-4  # float rounding (1e-6 measured), not 0
+    # 1 up to float rounding (1e-6 on one CPU, exactly 1 on another: either may hold), and
+    # exactly 1 outside the completion, where the mask zeroes log pi_old - log pi_sampler
+    assert float((raw - 1).abs().max()) < 1e-4
+    assert bool((raw[roll.completion_mask == 0] == 1).all())
     # top_p 0.8: the sampler's log-prob is over the kept tokens, renormalised, the trainer's over
     # all: the raw ratio is each step's kept mass, which a plain forward recomputes
     roll = C.sample(model, tok, prompts, 8, temperature=0.7, top_p=0.8)
@@ -3256,7 +3353,17 @@ def bad_inputs(tmp_path_factory):
     cfg.num_labels = 2
     LlamaForSequenceClassification(cfg).save_pretrained(d / "rm2")
     loading.load_tokenizer(loading.DEFAULT_POLICY).save_pretrained(d / "rm2")
+    (d / "mine.py").write_text(REWARD_FILE)
+    tiny_model("qwen2").save_pretrained(d / "notok")  # transformers 5 makes an empty tokenizer
+    hostile = d / "hostile"  # a bin-only model whose pickle would run a command when loaded
+    shutil.copytree(loading.DEFAULT_POLICY, hostile, ignore=shutil.ignore_patterns("*.safetensors"))
+    torch.save({"w": RunsCommand()}, hostile / "pytorch_model.bin")
     return d
+
+
+class RunsCommand:
+    def __reduce__(self):  # unpickling calls os.system: torch.load(weights_only=True) refuses it
+        return (os.system, ("touch /tmp/minrl-hostile-pickle-ran",))
 
 
 BAD = [(["--model", "/no/such/folder"], "no such local folder"),
@@ -3271,8 +3378,24 @@ BAD = [(["--model", "/no/such/folder"], "no such local folder"),
        (["--data", "{d}/noanswer.jsonl"], "noanswer.jsonl, line 2: field 'answer' is missing"),
        (["--data", "{d}/long.jsonl"], "10 of 10 prompts are too long"),
        (["--group_size", "1"], "--group_size must be >= 2"),
-       (["--temperature", "0"], "--temperature must be > 0, not 0.0"),
-       (["--top_p", "0"], "--top_p must be in (0, 1]"),
+       (["--temperature", "0"], "--temperature must be >= 1e-30, not 0.0"),
+       (["--temperature", "1e-300"], "--temperature must be >= 1e-30, not 1e-300"),
+       (["--top_p", "0"], "--top_p must be in [1.2e-38, 1], not 0.0"),
+       (["--top_p", "1e-300"], "--top_p must be in [1.2e-38, 1], not 1e-300"),
+       (["--group_size", str(10**30)], "--group_size * --prompts_per_step * --max_new_tokens = "
+        "4.8e+31 token ids a step"),
+       (["--prompts_per_step", str(2**62)], "= 2.21e+20 token ids a step"),
+       (["--weight_decay", "1e30"], "AdamW multiplies every weight by 1 - lr * weight_decay "
+        "(-1e+26) at each step, so lr * weight_decay must be < 1"),
+       (["--tis_cap", "1e-30"], "--tis_cap 1e-30: the cap C on pi_old / pi_sampler"),
+       (["--policy_loss", "sapo", "--sapo_tau_neg", "1e-40"], "--sapo_tau_neg must be in"),
+       (["--lr", "-1e-4"], "--lr must be > 0, not -0.0001"),  # argparse alone: a flag
+       (["--rewards", "math=1,math=2"], "--rewards names 'math' twice"),
+       (["--rewards", "math=1,format=0"], "the weight of 'format' must be finite and not 0"),
+       (["--reward_fn", "{d}/mine.py:exact", "--rewards", "math=1"],
+        "--reward_fn 'exact' is loaded but --rewards 'math=1' does not use it: add exact=W"),
+       (["--model", "{d}/notok"], "it has no tokenizer files: save them beside the model"),
+       (["--model", "{d}/hostile"], "holds posix.system: unpickling it could run code"),
        (["--micro_batch_size", "0"], "--micro_batch_size must be > 0"),
        (["--lrr", "1e-5"], "unknown argument '--lrr' (did you mean --lr?)"),
        (["--rewards", "math=abc"], "the weight of 'math' must be a number, not 'abc'"),
@@ -3434,6 +3557,37 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert (out / "metrics.jsonl").read_text() == before
 
 
+def test_a_second_ctrl_c_in_a_save_and_a_backwards_resume_get_one_line(tmp_path, monkeypatch,
+                                                                      capsys):
+    """A second Ctrl-C quits at once (runs._on_sigint raises KeyboardInterrupt), also inside a
+    save: one line, no traceback, exit 130, the last complete checkpoint intact, and --resume
+    goes on. A --max_steps below the checkpoint's step is refused: the loop would do nothing and
+    report the run as finished."""
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+             "--output_dir", out)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "1", guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "--max_steps 1 is below the step of" in line, line
+    assert "checkpoint (2)" in line and "--max_steps 2 or more" in line
+    real_save = torch.save
+
+    def second_ctrl_c(*a, **kw):  # trainer_state.pt is written after the weights: mid-save
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runs.torch, "save", second_ctrl_c)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "3", guard=True)
+    err = capsys.readouterr().err
+    assert e.value.code == 130 and "Traceback" not in err, err[-2000:]
+    assert err.strip().splitlines()[-1] == "interrupted: the last complete checkpoint is intact"
+    monkeypatch.setattr(runs.torch, "save", real_save)
+    assert torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)["step"] == 2
+    run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "3")
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+
+
 # ---- reliability: out of memory, a full disk, non-finite updates
 def test_out_of_memory_exits_1_with_advice_and_keeps_the_checkpoint(monkeypatch, tmp_path, capsys):
     """An OOM at step 3 (faked: no GPU here) ends with one line saying what to change; steps 1-2
@@ -3458,6 +3612,19 @@ def test_out_of_memory_exits_1_with_advice_and_keeps_the_checkpoint(monkeypatch,
     assert "--micro_batch_size" in err and "--gradient_checkpointing" in err
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
     assert loading.load_model(str(out / "checkpoint"), "lm", torch.device("cpu")) is not None
+
+
+def test_a_cpu_allocation_that_fails_is_out_of_memory_too(capsys):
+    """On a CPU torch says so with a RuntimeError (DefaultCPUAllocator), not OutOfMemoryError:
+    the same one line, exit 1; any other RuntimeError keeps its traceback."""
+    def alloc():
+        torch.empty(2**62, dtype=torch.uint8)  # 4 EiB: refused at once, on every machine
+    with pytest.raises(SystemExit) as e:
+        runs.main_guard(alloc)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 1 and len(err) == 1 and "error: out of memory (" in err[0], err
+    with pytest.raises(RuntimeError, match="not memory"):
+        runs.main_guard(lambda: (_ for _ in ()).throw(RuntimeError("not memory")))
 
 
 def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
@@ -3665,6 +3832,21 @@ def test_every_numeric_flag_declares_its_range_and_help_shows_it(monkeypatch, ca
 
 @pytest.mark.parametrize("script,argv,message", [
     (grpo, ["--threads", "100000"], f"--threads must be <= {4 * (os.cpu_count() or 1)}, not"),
+    # sizes whose step cannot be allocated (each would allocate until the machine kills it)
+    (ppo, ["--batch_size", str(2**62)], "--batch_size * --max_new_tokens = 2.77e+19 token ids"),
+    (R, ["--samples_per_prompt", str(2**62)], "--samples_per_prompt * --prompts_per_step * "),
+    (sft, ["--batch_size", str(2**62)], "--batch_size = 4.61e+18 token ids a step: 3.44e+10 GB"),
+    (reward_model, ["--batch_size", str(10**30)], "--batch_size = 1e+30 token ids a step"),
+    (dpo, ["--batch_size", str(2**62)], "--batch_size = 4.61e+18 token ids a step"),
+    # ranges from the maths: fp32 sampling, AdamW's decay, the TIS cap; and "-1e-4" as a number
+    (ppo, ["--top_p", "1e-300"], "--top_p must be in [1.2e-38, 1], not 1e-300"),
+    (R, ["--temperature", "1e-300"], "--temperature must be >= 1e-30, not 1e-300"),
+    (ppo, ["--weight_decay", "2000"], "--weight_decay 2000.0 with --critic_lr 0.001: AdamW"),
+    (sft, ["--weight_decay", "1e4"], "--weight_decay 10000.0 with --lr 0.0003: AdamW"),
+    (R, ["--tis_cap", "0.5"], "must be >= 1, or 0 (off)"),
+    (dpo, ["--lr", "-1e-4"], "--lr must be > 0, not -0.0001"),
+    (ppo, ["--critic_lr", "-2e-5"], "--critic_lr must be > 0, not -2e-05"),
+    (ppo, ["--rewards", "rm=1,rm=1"], "--rewards names 'rm' twice"),
     (grpo, ["--seed", str(2**63)], f"--seed must be < {2**63}, not {2**63}"),
     (grpo, ["--seed", "-1"], "--seed must be >= 0, not -1"),
     (grpo, ["--num_iterations", "101"], "--num_iterations must be <= 100, not 101"),
@@ -3698,14 +3880,36 @@ def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
         merge_lora(str(tmp_path / "run"), str(tmp_path / "file"))
     with pytest.raises(C.UserError, match="no checkpoint/args.json there"):
         merge_lora(str(tmp_path / "nothing"))
+    with pytest.raises(C.UserError, match="that is the run folder or its checkpoint"):
+        merge_lora(str(tmp_path / "run"), str(tmp_path / "run" / "checkpoint" / "sub"))
+    (tmp_path / "run" / "checkpoint" / "args.json").write_text('{"algo": "grpo", "args": {')
+    with pytest.raises(C.UserError, match="checkpoint/args.json is damaged .JSONDecodeError"):
+        merge_lora(str(tmp_path / "run"))
     for argv, message in ((["--seeds", "0"], "--seeds must be >= 1, not 0"),
                           (["--samples", "-5"], "--samples must be >= 1, not -5"),
+                          (["--algos", ""], "--algos names no algorithm; known: ['reinforce'"),
+                          (["--task", "calc", "--algos", "ppo-math"], "leaves out ppo-math"),
+                          (["--threads", "100000"], "--threads must be <= "),
                           (["--output_dir", str(tmp_path / "file")], "that is a file"),
                           (["--out", str(tmp_path / "file")], "that is a file")):
         with pytest.raises(SystemExit) as e:
             compare.main(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "usage: python envs.py MODEL [K]"), (["a", "b", "c"], "usage:"),
+    ([loading.DEFAULT_POLICY, "0"], "K: 1 to 1000"), (["/no/such/model"], "no such local folder"),
+    ([loading.DEFAULT_REWARD_MODEL], "has no causal-LM head")])
+def test_envs_report_refuses_a_bad_model_in_one_line(argv, message, monkeypatch, capsys):
+    """python envs.py MODEL [K] (the calculator report): no model, a bad one, a bad K: exit 2."""
+    monkeypatch.setattr(sys, "argv", ["envs.py", *argv])
+    with pytest.raises(SystemExit) as e:
+        E.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") \
+        and message in err[0], err
 
 
 def test_merge_lora_prints_no_future_warning(tmp_path, tok):
@@ -3720,6 +3924,12 @@ def test_merge_lora_prints_no_future_warning(tmp_path, tok):
         warnings.simplefilter("always")
         merge_lora(str(run))
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
+    for out in (run, run / "checkpoint", run / "checkpoint.tmp"):  # what it reads or a save uses
+        with pytest.raises(C.UserError, match="that is the run folder or its checkpoint"):
+            merge_lora(str(run), str(out))
+    (run / "checkpoint" / "adapter_model.safetensors").write_bytes(b"damaged")
+    with pytest.raises(C.UserError, match="its LoRA adapter could not be loaded .SafetensorError"):
+        merge_lora(str(run), str(tmp_path / "merged"))
 
 
 def test_a_run_with_relative_paths_resumes_from_another_folder(tmp_path, monkeypatch):
@@ -4232,6 +4442,9 @@ def test_readme_test_command_is_the_one_ci_runs():
     assert tests.replace("python ", "python3 ", 1) in ci
     assert any("pip install" in line and line.endswith(install[len("pip install"):])
                for line in ci), (install, ci)
+    # plain PyPI's torch is the CUDA build: the set-up note gives a user PyTorch's CPU index
+    note = readme[readme.index("Run the tests:"):readme.index("## The scripts")]
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in note
 
 
 def anchor(heading):

@@ -208,11 +208,16 @@ def main(argv=None):
                         ("kl_samples", 0), ("threads", 1)):
         if getattr(a, name) < least:
             p.error(f"--{name} must be >= {least}, not {getattr(a, name)}")
+    if a.threads > 4 * (os.cpu_count() or 1):  # the scripts' own --threads range
+        p.error(f"--threads must be <= {4 * (os.cpu_count() or 1)} (4 per core), not {a.threads}")
     if a.out and os.path.exists(a.out) and not os.path.isdir(a.out):
         p.error(f"--output_dir {a.out}: that is a file, not a folder")
     a.algos = [n for n in a.algos.split(",") if n and not (a.task == "calc" and n == "ppo-math")]
     if not set(a.algos) <= set(ALGOS):
         p.error(f"--algos: unknown {sorted(set(a.algos) - set(ALGOS))}; known: {list(ALGOS)}")
+    if not a.algos:  # nothing would run, and the table would be empty
+        calc = " (--task calc leaves out ppo-math)" if a.task == "calc" else ""
+        p.error(f"--algos names no algorithm{calc}; known: {list(ALGOS)}")
     os.environ["OMP_NUM_THREADS"] = str(a.threads)  # the runs' torch threads, and final_kl's
     task = "-calc" if a.task == "calc" else ""  # (calc: ppo already scores math, see run_all)
     a.out = a.out or os.path.join(ROOT, "runs", f"compare{task}-{time.strftime('%Y%m%d-%H%M%S')}")

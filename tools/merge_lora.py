@@ -15,7 +15,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
-import loading
+import loading  # noqa: E402
+from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 
@@ -26,9 +27,18 @@ def merge(run_dir, out=""):
     out = out or os.path.join(run_dir, "checkpoint-merged")
     if os.path.exists(out) and not os.path.isdir(out):  # save_pretrained would only log this
         raise C.UserError(f"--out {out}: that is a file; give a folder to write the model into")
-    with open(os.path.join(ckpt, "args.json")) as f:
-        saved = json.load(f)
-    args = saved["args"]
+    real, own = os.path.realpath(out), os.path.realpath(ckpt)  # own.tmp, own.old: a save's
+    if real in (os.path.realpath(run_dir), own) or real.startswith((own + os.sep, own + ".")):
+        raise C.UserError(f"--out {out}: that is the run folder or its checkpoint, which this "
+                          "reads (and --resume replaces); write elsewhere, e.g. the default")
+    try:
+        with open(os.path.join(ckpt, "args.json")) as f:
+            saved = json.load(f)
+        algo, args = saved["algo"], saved["args"]
+        base_name, remote = args["model"], args.get("trust_remote_code", False)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise C.UserError(f"{ckpt}/args.json is damaged ({type(e).__name__}: "
+                          f"{C._first_line(e)}); is {run_dir} a run folder?") from None
     if not args.get("lora_r"):
         raise C.UserError(f"{run_dir} is not a LoRA run: its checkpoint/ is a full model already")
     try:
@@ -36,19 +46,22 @@ def merge(run_dir, out=""):
     except ImportError:
         raise C.UserError("merging LoRA adapters needs peft (pip install peft)") from None
     tok = loading.load_tokenizer(ckpt)
-    if saved["algo"] == "reward_model":  # the base with a head; the trained head comes from ckpt
+    if algo == "reward_model":  # the base with a head; the trained head comes from ckpt
         base = AutoModelForSequenceClassification.from_pretrained(
-            args["model"], num_labels=1, trust_remote_code=args["trust_remote_code"])
+            base_name, num_labels=1, trust_remote_code=remote)
         base.config.pad_token_id = tok.pad_token_id
     else:
-        base = loading.load_model(args["model"], "lm", C.torch.device("cpu"),
-                            trust_remote_code=args["trust_remote_code"])
-    with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_...
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
-        merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
+        base = loading.load_model(base_name, "lm", C.torch.device("cpu"), trust_remote_code=remote)
+    try:
+        with warnings.catch_warnings():  # peft reads transformers' deprecated is_gradient_...
+            warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
+            merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
+    except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # a damaged file
+        raise C.UserError(f"{ckpt}: its LoRA adapter could not be loaded ({type(e).__name__}: "
+                          f"{C._first_line(e)[:120]}); the run's checkpoint is damaged") from None
     merged.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    print(f"merged {ckpt} into {args['model']} -> {out}")
+    print(f"merged {ckpt} into {base_name} -> {out}")
     return out
 
 
