@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 import answer_format  # the number a text's answer states: \boxed{}, '####', fractions
+from errors import UserError, first_line as _first_line  # bad input: one line (runs.main_guard)
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 import tasks  # the data: encode_prompts() turns a row's prompt into token ids (chat template)
 
@@ -34,14 +35,6 @@ try:  # optional: a symbolic answer checker (pip install math-verify), used when
     import math_verify
 except ImportError:
     math_verify = None
-
-
-class UserError(Exception):
-    """Bad input: shown as one line on stderr, exit code 2, no traceback (see runs.main_guard)."""
-
-
-def _first_line(e):
-    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 def left_pad(seqs, pad_id, device):
@@ -99,10 +92,9 @@ def eos_ids(model, tok):
 
 
 def _observe(tok, env_step, ep, out, rows, t, left, max_turns, eos):
-    """sample()'s multi-turn step for the rows whose model turn ended at column t: record each
-    turn's text, ask env_step for the observations of the rows with turns left (all at once:
-    each request is the row, its turns, the budget left and the EOS its turn ended on, if any),
-    and queue each observation's token ids to be fed. Returns, per row, whether it goes on."""
+    """sample()'s multi-turn step for the rows whose turn ended at column t: record each turn's
+    text, ask env_step for the observations of those with turns left, all at once (a request:
+    row, turns, budget left, the EOS the turn ended on or None), and queue their token ids."""
     for i in rows:
         ep.turns[i].append(tok.decode(out[i, ep.begun[i]:t + 1], skip_special_tokens=True))
         ep.begun[i] = t + 1
@@ -123,14 +115,13 @@ def _observe(tok, env_step, ep, out, rows, t, left, max_turns, eos):
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
            amp=None, stop=(), share_prompts=True, env_step=None, max_turns=1):
     """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
-    turn ends at its first EOS or at the token that completes a `stop` string. greedy: the
-    argmax instead of a draw. Without env_step the row is then done: it leaves the batch and the
-    cache. With env_step (tool use, envs.start_episodes) the rows whose turn just ended are
-    answered, all at once: None ends that row's episode; an observation's tokens are fed to the
-    row one a step through the same KV cache (forced, not sampled: completion_mask 0,
-    sample_logprobs 0) while the other rows go on sampling, and then the model's next turn
-    follows. No token is forwarded twice. max_new_tokens: the budget of the whole completion,
-    observations included; the env is not called after turn max_turns."""
+    turn ends at its first EOS or at the token that completes a `stop` string; greedy: the argmax
+    instead of a draw. Without env_step the row is then done and leaves the batch and the cache.
+    With env_step (tool use: envs.start_episodes) its env answers: None ends the episode; an
+    observation's tokens are fed to the row one a step through the same KV cache (forced, not
+    sampled: completion_mask 0, sample_logprobs 0) while the other rows go on sampling, and then
+    the model's next turn follows: no token is forwarded twice. max_new_tokens: the budget of the
+    whole completion, observations included; no env call after turn max_turns."""
     B, device = len(prompt_ids), next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # sampled tokens
@@ -230,10 +221,8 @@ def decode_completions(tok, roll):
 
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
     """One completion per row by sample(); with env (envs.load_env) one multi-turn episode per row,
-    each with its own copy of its row, so nothing an env does reaches another sample, the reward's
-    target or the held-out rows. Returns the rollout and the texts rewards read: the completions,
-    or with env the text after the last observation. greedy (held-out eval): the argmax, at
-    temperature 1."""
+    each on its own copy of the row. Returns the rollout and the texts rewards read (with env, the
+    text after the last observation). greedy (held-out eval): the argmax, at temperature 1."""
     tools = env.tools if env else None  # --tools: their JSON schemas, rendered by the template
     prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)

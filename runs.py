@@ -563,8 +563,7 @@ def log_step(run, metrics, bar, samples, opt):
             run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
     if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
-        tqdm.write(f"note: step {step}: a tool's observation was cut by --max_new_tokens "
-                   "(obs_truncated counts them): the model did not see its end")
+        tqdm.write(f"note: step {step}: an observation was cut by --max_new_tokens (obs_truncated)")
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
         device = opt.param_groups[0]["params"][0].device
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")

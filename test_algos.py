@@ -2305,7 +2305,7 @@ def test_an_observation_cut_by_the_budget_is_counted_and_said_once(tmp_path, mon
     out = tmp_path / "run"
     run_main(monkeypatch, grpo, *FAST_GRPO, "--env", spec, "--max_new_tokens", "12",
              "--max_steps", "3", "--output_dir", out)
-    assert capsys.readouterr().out.count("observation was cut by --max_new_tokens") == 1
+    assert capsys.readouterr().out.count("an observation was cut by --max_new_tokens") == 1
     assert all(m["obs_truncated"] > 0 for m in read_metrics(out))
 
 
