@@ -75,18 +75,13 @@ def calc_train_pairs(rng, k, shapes=CALC_SHAPES):
 
 
 def calc_demo(a, b, rng, column_sum, tool=0.3, drop=0.8):
-    """A warm-start demonstration for a + b, as chat messages (sft.py trains the assistant's):
-    with probability `tool` the tool transcript, the call '<calc>a+b</calc>', the tool's
-    observation ' S ' and the answer 'S' (the rollout's turns: the observation carries no loss),
-    else a direct answer: right for 2-digit sums, column addition forgetting each carry with
+    """A warm-start demonstration for a + b: with probability `tool` the tool transcript
+    '<calc>a+b</calc> S S' (the observation ' S ' then the answer; sft.py adds the EOS), else a
+    direct answer: right for 2-digit sums, column addition forgetting each carry with
     probability `drop` for longer ones (column_sum: tools/build_models.py)."""
-    user = {"role": "user", "content": f"{a}+{b}="}
     if rng.random() < tool:
-        return [user, {"role": "assistant", "content": f"<calc>{a}+{b}</calc>"},
-                {"role": "tool", "content": f" {a + b} "},
-                {"role": "assistant", "content": str(a + b)}]
-    answer = column_sum(a, b, rng, 0.0 if max(a, b) < 100 else drop)
-    return [user, {"role": "assistant", "content": str(answer)}]
+        return f"<calc>{a}+{b}</calc> {a + b} {a + b}"
+    return str(column_sum(a, b, rng, 0.0 if max(a, b) < 100 else drop))
 
 
 def calc_demo_pairs(rng, k):

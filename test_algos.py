@@ -2883,12 +2883,13 @@ def test_sft_trains_every_assistant_turn_of_a_tool_conversation_and_nothing_else
 
 
 def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcript(monkeypatch):
-    """Without a chat template a calculator conversation (envs.calc_demo) is exactly what
-    common.rollout builds when the model writes those turns with --env calc: the same ids, and
-    the loss mask is the rollout's completion_mask (the observation ' 46 ' masked, the EOS in)."""
+    """Without a chat template a calculator conversation is exactly what common.rollout builds
+    when the model writes those turns with --env calc: the same ids, and the loss mask is the
+    rollout's completion_mask (the observation ' 46 ' masked, the EOS in). The same text as one
+    completion (envs.calc_demo's) has the same ids, every one of them trained."""
     t = loading.load_tokenizer(loading.DEFAULT_POLICY)
-    conversation = E.calc_demo(12, 34, random.Random(0), column_sum, tool=1.0)
-    assert [m["role"] for m in conversation] == ["user", "assistant", "tool", "assistant"]
+    conversation = chat(("user", "12+34="), ("assistant", "<calc>12+34</calc>"), ("tool", " 46 "),
+                        ("assistant", "46"))
     prompt, ids, mask = tasks.encode_demonstration(t, tasks.demonstration(
         {"messages": conversation}, "row"))
     assert prompt == tasks.encode_prompts(t, ["12+34="], "none")[0]
@@ -2900,11 +2901,9 @@ def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcri
     assert roll.observations == [[" 46 "]] and roll.final == ["46"]
     assert roll.ids[0, roll.P:].tolist() == ids
     assert roll.completion_mask[0].long().tolist() == mask == [1] * 18 + [0] * 4 + [1] * 3
-    # a direct answer is the plain prompt-completion row it was before
-    direct = tasks.demonstration({"messages": E.calc_demo(12, 34, random.Random(0), column_sum,
-                                                          tool=0.0)}, "row")
-    assert tasks.encode_demonstration(t, direct) == (prompt, enc("46") + [t.eos_token_id],
-                                                     [1] * 3)
+    flat = E.calc_demo(12, 34, random.Random(0), column_sum, tool=1.0)
+    assert tasks.encode_demonstration(t, tasks.demonstration(
+        {"prompt": "12+34=", "completion": flat}, "row")) == (prompt, ids, [1] * len(ids))
 
 
 SFT_FORMATS = {  # TRL's SFT formats, each: (row, the prompt's text, the completion's pieces)

@@ -163,8 +163,8 @@ def build_calc(dest, tok):
     shutil.rmtree(build, ignore_errors=True)
     os.makedirs(build)
     rng = random.Random(28)  # its own stream: the other models' data stay as they were
-    write_jsonl(f"{build}/demos.jsonl", [  # conversations: sft.py masks the tool's message
-        {"messages": envs.calc_demo(a, b, rng, column_sum)}
+    write_jsonl(f"{build}/demos.jsonl", [
+        {"prompt": f"{a}+{b}=", "completion": envs.calc_demo(a, b, rng, column_sum)}
         for a, b in envs.calc_demo_pairs(rng, steps * BATCH)])
     pipeline_script("sft.py", model=f"{dest}/tiny-adder", data=f"{build}/demos.jsonl",
                     output_dir=f"{build}/sft", lr=1e-3, warmup_steps=steps // 20,
