@@ -2,7 +2,8 @@
 Ouyang et al. 2022): imitate demonstrations by maximum likelihood on the completion tokens only.
 
 Each row is a prompt x and a demonstrated completion y = y_1..y_n, which ends with the EOS (the
-model must learn where to stop). The prompt is context, not a target: its tokens carry no loss.
+model must learn where to stop). The prompt is context, not a target: its tokens carry no loss
+(nor, in a conversation, the tokens of the user, system and tool messages after it).
 
     log pi_theta(y_t | x, y_<t)   for every completion token, EOS included      C.token_logprobs()
     loss = -(1/N) sum over the step's rows and completion tokens of log pi_theta(y_t | x, y_<t)

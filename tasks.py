@@ -394,7 +394,8 @@ def template_turns(tok, messages, k, tools, where):
         end = max(start, len(text.rstrip()) if train else len(text))
         pieces.append((whole[start:end], train))
         start = end
-        names = [c.get("function", c).get("name") for c in messages[i].get("tool_calls") or []]
+        names = [f.get("name") for c in messages[i].get("tool_calls") or []
+                 for f in [c.get("function", c)] if isinstance(f, dict)]
         if train and not all(str(name) in pieces[-1][0] for name in names):
             raise C.UserError(f"{where}: message {i}: the chat template does not render its "
                               "tool_calls")
