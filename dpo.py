@@ -25,10 +25,11 @@ policy and the reference, and nothing is sampled during training: DPO learns fro
 preference data alone (off-policy), where PPO and GRPO score fresh samples every step.
 
 Data: the format of reward_model.py (tasks.read_preferences()): pairs {"prompt", "chosen",
-"rejected"} or rankings {"prompt", "ranking"}, expanded into all pairs, one row's pairs weighted
-to count as one row (a pair's "margin" is not used by DPO). Held out: a fixed fifth of the
-prompts, for the implicit-reward accuracy, and the task score, held-out greedy accuracy
-(C.evaluate) on the built-in addition task (or --eval_data), before and after.
+"rejected"} (TRL's: text or messages, the prompt explicit or implicit) or rankings {"prompt",
+"ranking"}, expanded into all pairs, one row's pairs weighted to count as one row (a pair's
+"margin" is not used by DPO). Held out: a fixed fifth of the prompts, for the implicit-reward
+accuracy, and the task score, held-out greedy accuracy (C.evaluate) on the built-in addition task
+(or --eval_data), before and after.
 
 Run:  python dpo.py                      # bundled: data/rankings.jsonl, 2-core CPU, ~1 min
       python dpo.py --loss_type ipo                  # IPO (same beta: target h = 1/(2 beta))
@@ -55,8 +56,8 @@ import tasks
 class Args:
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # the starting (SFT) model: policy and frozen reference
-    data: str = tasks.PIPELINE_RANKINGS  # JSONL: pairs {"prompt", "chosen", "rejected"} or rankings
-    eval_data: str = ""  # task score: '' = built-in addition task; a JSONL of {"prompt", "answer"}
+    data: str = tasks.PIPELINE_RANKINGS  # pairs or rankings, a data file or hf:... (tasks.py)
+    eval_data: str = ""  # task score: '' = built-in addition task; a file of {"prompt", "answer"}
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
@@ -183,7 +184,7 @@ def main():
                                                  trust_remote_code=args.trust_remote_code)
     train, held = [encode_rows(tok, rows, args.chat_template) for rows in (train, held)]
     task = tasks.load_data("", args.eval_size).eval_rows if not args.eval_data else \
-        tasks.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
+        tasks.read_rows(args.eval_data, need_answer=True)[:args.eval_size]
     loading.check_prompts(tok, model, task, args)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters

@@ -399,7 +399,7 @@ def main():
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
                    **(E.tool_metrics(roll, env) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": tasks.prompt_text(tok, roll, i),
+        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(rewards[i])}
                    for i in range(0, len(rows), G)[:4]]  # one of each of the first 4 groups
         # under torchrun: the mean over the processes, token means weighted by their tokens

@@ -466,7 +466,7 @@ def main():
         if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": tasks.prompt_text(tok, roll, i),
+        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "score": float(scores[i])}
                    for i in range(len(rows))[:4]]
         # under torchrun: the mean over the processes, token means weighted by their tokens

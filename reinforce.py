@@ -372,7 +372,7 @@ def main():
                    "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
                    **(E.tool_metrics(roll, env) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": tasks.prompt_text(tok, roll, i),
+        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(scores[i])}
                    for i in range(0, len(rows), k)[:4]]  # one sample of each of 4 prompts
         # under torchrun: the mean over the processes, token means weighted by their tokens

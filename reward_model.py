@@ -10,10 +10,10 @@ and maximum likelihood on preference pairs gives
     w       = 1 / (pairs of the row);  N = rows in the optimizer step
 
 A row is one prompt's annotation: a pair {"prompt", "chosen", "rejected"} (optional "margin", as
-Llama 2) or a ranking {"prompt", "ranking": [best, ..., worst]} of K completions, expanded into
-all K(K-1)/2 pairs in one batch, each weighted 1/(K(K-1)/2) so that a long ranking counts as one
-prompt (InstructGPT; tasks.ranking_pairs()). Each completion is scored once: K forwards, K(K-1)/2
-pairs.
+Llama 2; TRL's formats: text or messages, the prompt explicit or implicit) or a ranking
+{"prompt", "ranking": [best, ..., worst]} of K completions, expanded into all K(K-1)/2 pairs in
+one batch, each weighted 1/(K(K-1)/2) so that a long ranking counts as one prompt (InstructGPT;
+tasks.ranking_pairs()). Each completion is scored once: K forwards, K(K-1)/2 pairs.
 
 Scoring is common.rm_scores' exactly (prompt + completion re-tokenised, then EOS; or the chat
 template), so the checkpoint is a reward model as it is for `ppo.py --reward_model OUT/checkpoint`
@@ -48,7 +48,7 @@ import tasks
 class Args:
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # a causal LM (new score head), or a reward model to go on
-    data: str = tasks.PIPELINE_RANKINGS  # JSONL: pairs {"prompt", "chosen", "rejected"} or rankings
+    data: str = tasks.PIPELINE_RANKINGS  # pairs or rankings, a data file or hf:... (tasks.py)
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- optimisation

@@ -569,6 +569,11 @@ def log_step(run, metrics, bar, samples, opt):
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
+def prompt_text(tok, roll, i):
+    """Row i's prompt as the model read it (its chat template, --tools' schemas): decoded ids."""
+    return tok.decode(roll.ids[i, :roll.P][roll.attention_mask[i, :roll.P] == 1])
+
+
 def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     """checkpoint/, atomically: written to checkpoint.tmp/, then renamed (docs/reliability.md)."""
     trained = trained or [model]  # the modules opt updates; extra: the algorithm's own state

@@ -2,7 +2,8 @@
 Ouyang et al. 2022): imitate demonstrations by maximum likelihood on the completion tokens only.
 
 Each row is a prompt x and a demonstrated completion y = y_1..y_n, which ends with the EOS (the
-model must learn where to stop). The prompt is context, not a target: its tokens carry no loss.
+model must learn where to stop). The prompt is context, not a target: its tokens carry no loss
+(nor, in a conversation, the tokens of the user, system and tool messages after it).
 
     log pi_theta(y_t | x, y_<t)   for every completion token, EOS included      C.token_logprobs()
     loss = -(1/N) sum over the step's rows and completion tokens of log pi_theta(y_t | x, y_<t)
@@ -14,9 +15,13 @@ never from token values, so the EOS is in the loss even when the pad token is th
 Batches are random draws; with --group_by_length, length-sorted (rows of similar length together:
 less padding, but batches less random; length_batches()).
 
-Rows: {"prompt": "37+48=", "completion": "85"} (the prompt is encoded exactly as the RL scripts
-encode it, chat template and all), or {"messages": [..., {"role": "assistant", "content": ...}]}:
-the last message is the completion, the ones before it the prompt.
+Rows (TRL's formats, docs/pipeline.md): {"prompt": "37+48=", "completion": "85"} (the prompt is
+encoded exactly as the RL scripts encode it, chat template and all); {"text"} (every token
+trained); or a conversation, {"messages": [...]} or a prompt and a completion that are lists of
+messages: every assistant message is trained (its tool calls and end tag too, as the chat template
+renders them), the user, system and tool messages are context (--last_turn_only: the last
+assistant message only). Without a chat template the messages follow each other with nothing
+between, the transcript of a multi-turn rollout (tasks.encode_demonstration()).
 Reported before and after: the held-out loss on a fixed fifth of the rows (at most eval_size),
 and the task score, held-out greedy accuracy (C.evaluate) on the built-in addition task (or on
 --eval_data). The checkpoint loads with from_pretrained: pass it to grpo.py or ppo.py as --model.
@@ -50,8 +55,9 @@ DEMOS = os.path.join(loading.ROOT, "data", "demonstrations.jsonl")  # tools/make
 class Args:
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    data: str = DEMOS  # JSONL of {"prompt", "completion"} or {"messages"}; '' = the bundled one
-    eval_data: str = ""  # task score: '' = built-in addition task; a JSONL of {"prompt", "answer"}
+    data: str = DEMOS  # a data file or hf:... (docs/pipeline.md); '' = the bundled one
+    eval_data: str = ""  # task score: '' = built-in addition task; a file of {"prompt", "answer"}
+    last_turn_only: bool = False  # a conversation's loss on its last assistant message only
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
@@ -123,34 +129,19 @@ def heldout_loss(model, examples, pad_id, micro_batch_size, amp):
     return total / n if n else float("nan")
 
 
-def read_demonstrations(path, tok, chat_template, limit):
-    """(prompt ids, completion ids + EOS) per row, the prompt encoded as the RL scripts encode it
-    (tasks.encode_prompts: chat template and all). Errors name the file, the line and the field."""
-    prompts, completions, lines = [], [], []
-    for where, row in tasks.jsonl_objects(path):  # (errors name the file and the line)
-        if isinstance(row, dict) and "messages" in row:  # chat: the last message is the reply
-            m = row["messages"]
-            if not (isinstance(m, list) and len(m) >= 2
-                    and all(isinstance(x, dict) and isinstance(x.get("content"), str)
-                            for x in m) and m[-1].get("role") == "assistant"):
-                raise C.UserError(f"{where}: field 'messages' must be a list of "
-                                  "{role, content}, the last from the assistant")
-            row = {"prompt": m[:-1], "completion": m[-1]["content"]}
-        for key in ("prompt", "completion"):
-            if not isinstance(row, dict) or not row.get(key) \
-                    or not isinstance(row[key], str if key == "completion" else (str, list)):
-                raise C.UserError(f"{where}: field {key!r} is missing or not a non-empty "
-                                  "string (or give 'messages')")
-        prompts.append(row["prompt"])
-        completions.append(row["completion"])
-        lines.append(where)
+def read_demonstrations(path, tok, chat_template, limit, last_turn_only=False):
+    """(prompt ids, completion ids + EOS, loss mask) per row, in any of TRL's SFT formats
+    (tasks.demonstration), the mask 1 on what the model learns to write: a text completion, or
+    every assistant message of a conversation (tasks.encode_demonstration). Errors name the
+    file, the row and the field."""
     examples = []
-    for p, c, where in zip(tasks.encode_prompts(tok, prompts, chat_template), completions, lines):
-        ids = tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    for where, row in tasks.read_records(path):  # JSON lines, JSON, CSV, parquet, hf:...
+        demo = tasks.demonstration(row, where)
+        p, ids, mask = tasks.encode_demonstration(tok, demo, chat_template, last_turn_only, where)
         if limit and len(p) + len(ids) > limit:
             raise C.UserError(f"{where}: {len(p) + len(ids)} tokens, more than the model's "
                               f"context of {limit}")
-        examples.append((p, ids))
+        examples.append((p, ids, mask))
     return examples
 
 
@@ -166,12 +157,13 @@ def main():
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
     limit = getattr(model.config, "max_position_embeddings", 0)
-    examples = read_demonstrations(args.data or DEMOS, tok, args.chat_template, limit)
+    examples = read_demonstrations(args.data or DEMOS, tok, args.chat_template, limit,
+                                   args.last_turn_only)
     random.Random(0).shuffle(examples)  # a fixed split, the same for every run and seed
     n_eval = min(args.eval_size, len(examples) // 5)
     held, train = examples[:n_eval], examples[n_eval:]
     task = tasks.load_data("", args.eval_size).eval_rows if not args.eval_data else \
-        tasks.read_jsonl(args.eval_data, need_answer=True)[:args.eval_size]
+        tasks.read_rows(args.eval_data, need_answer=True)[:args.eval_size]
     loading.check_prompts(tok, model, task, args)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
@@ -186,7 +178,7 @@ def main():
                                                                        {"math": 1.0}))
         return {**score, "eval_loss": loss}
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy", [model])
-    lengths = [len(p) + len(c) for p, c in train]
+    lengths = [len(p) + len(c) for p, c, _ in train]
     per_epoch = math.ceil(len(train) / args.batch_size)
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="sft",
                disable=run.rank > 0)

@@ -1,14 +1,18 @@
 """tasks.py: the data a run trains and evaluates on (plumbing: an algorithm reader can skip it).
 
-The built-in addition task (seeded, with a fixed held-out split), your JSONL files, hub datasets
-(`--data hf:NAME`, optional package `datasets`), and the preference files of reward_model.py and
-dpo.py; and encode_prompts(), a prompt as the token ids the model reads (its chat template). Every
-error names the file, the line and the field. The calculator tool task is envs.py.
+The built-in addition task (seeded, with a fixed held-out split); your data files (JSON lines, a
+JSON array, CSV, parquet) and hub datasets or dataset folders (`--data hf:NAME`, `hf:DIR`,
+optional package `datasets`), in TRL's dataset formats: prompts for the RL scripts, demonstrations
+for sft.py (and their loss masks), preferences for reward_model.py and dpo.py; and
+encode_prompts(), a prompt as the token ids the model reads (its chat template). Every error names
+the file, the row and the field. The calculator tool task is envs.py.
 """
+import csv
 import json
 import math
 import os
 import random
+import re
 from types import SimpleNamespace
 
 import torch
@@ -55,22 +59,55 @@ def task_train_pairs(rng, k):
     return out
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def fields_found(raw):
+    return f"fields found: {', '.join(map(str, raw)) or 'none'}" if isinstance(raw, dict) else \
+        f"found {type(raw).__name__}"
+
+
+def check_messages(messages, where, field):
+    """Chat messages [{"role", "content"}, ...], each role one of CHAT_ROLES and each content a
+    string; an assistant message with "tool_calls" may have none (then it is ""). Errors name the
+    row, the field and the message."""
+    if not (isinstance(messages, list) and messages):
+        raise C.UserError(f"{where}: field {field!r} must be a non-empty list of chat messages "
+                          "{role, content}")
+    out = []
+    for n, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in CHAT_ROLES:
+            raise C.UserError(f"{where}: field {field!r}, message {n}: role {role!r} is not one "
+                              f"of {', '.join(CHAT_ROLES)}")
+        calls = m.get("tool_calls") or []
+        if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
+            raise C.UserError(f"{where}: field {field!r}, message {n}: 'tool_calls' must be a "
+                              "list of calls {type, function: {name, arguments}}")
+        if m.get("content") is None and calls:
+            m = {**m, "content": ""}  # a call without text (the OpenAI format)
+        if not isinstance(m.get("content"), str):
+            raise C.UserError(f"{where}: field {field!r}, message {n}: 'content' must be a string")
+        out.append(m)
+    return out
+
+
 def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", system_prompt=""):
     """One data row: every field of the source kept (reward functions see them all), plus
     "prompt" (text, or a list of chat messages {"role", "content"}) and "answer" (text, optional).
     prompt_field / answer_field name the source's fields ('' = the usual names). need_answer:
     the answer must hold a number (the math reward compares each completion with it)."""
     if not isinstance(raw, dict):
-        raise C.UserError(f"{where}: not a JSON object")
+        raise C.UserError(f"{where}: not a JSON object ({fields_found(raw)})")
     p_key = prompt_field or next((k for k in ("prompt", "question", "problem") if k in raw), "")
     a_key = answer_field or next((k for k in ("answer", "solution") if k in raw), "answer")
     row = dict(raw)
     prompt = raw.get(p_key)
-    is_chat = isinstance(prompt, list) and prompt and all(
-        isinstance(m, dict) and isinstance(m.get("content"), str) and "role" in m for m in prompt)
-    if not (isinstance(prompt, str) and prompt) and not is_chat:
+    if isinstance(prompt, list):
+        prompt = check_messages(prompt, where, p_key)
+    elif not (isinstance(prompt, str) and prompt):
         raise C.UserError(f"{where}: field {p_key or 'prompt'!r} is missing or not a non-empty "
-                          "string (or a list of chat messages)")
+                          f"string (or a list of chat messages); {fields_found(raw)}")
     if system_prompt:  # a system message before the user's (kept if the row has its own)
         messages = as_messages(prompt)
         if messages[0]["role"] != "system":
@@ -88,13 +125,9 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
     return row
 
 
+# ------------------------------------------------------------------------------- data files
 def jsonl_objects(path):
-    """(where, object) for each non-blank line of a JSONL file, where = "FILE, line N". Errors
-    name the file and the line."""
-    if not os.path.isfile(path):
-        what = "is a directory, not a file" if os.path.isdir(path) else "not found"
-        raise C.UserError(f"data file {path!r} {what}")
-    found = False
+    """(where, object) for each non-blank line of a JSON lines file, where = "FILE, line N"."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             where = f"{path}, line {n}"
@@ -107,34 +140,103 @@ def jsonl_objects(path):
                 raise C.UserError(f"{where}: not UTF-8 text") from None
             except json.JSONDecodeError as e:
                 raise C.UserError(f"{where}: not valid JSON ({e.msg})") from None
-            found = True
             yield where, obj
-    if not found:
-        raise C.UserError(f"data file {path!r} is empty")
 
 
-def read_jsonl(path, need_answer=False, **fields):
-    """Rows of a JSONL file, one JSON object a line (see make_row). Errors name the file, the line
-    and the field."""
-    return [make_row(obj, where, need_answer, **fields) for where, obj in jsonl_objects(path)]
+def file_records(path):
+    """(where, object) per row of a data file, by its name: .parquet (pyarrow), .csv (a header
+    line of field names; every value is text), .json (one JSON array of objects, or JSON lines),
+    anything else JSON lines. where names the file and the line ("line N"), or for a parquet file
+    or a JSON array the row ("row N", from 0)."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext == ".parquet":
+        try:
+            import pyarrow.parquet
+        except ImportError:
+            raise C.UserError(f"data file {path!r}: reading parquet needs the optional package "
+                              "`pyarrow` (pip install pyarrow)") from None
+        try:
+            rows = pyarrow.parquet.read_table(path).to_pylist()
+        except Exception as e:  # pyarrow's own errors: not a parquet file, damaged
+            raise C.UserError(f"data file {path!r}: pyarrow cannot read it as parquet "
+                              f"({type(e).__name__}: {C._first_line(e)})") from None
+        return [(f"{path}, row {i}", r) for i, r in enumerate(rows)]
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is fine
+            if ext == ".csv":
+                reader = csv.DictReader(f)
+                out = [(f"{path}, line {reader.line_num}", r) for r in reader]
+                bad = next((w for w, r in out if None in r or None in r.values()), None)
+                if bad:
+                    raise C.UserError(f"{bad}: not as many values as the header line has fields")
+                return out
+            whole = json.load(f) if ext == ".json" else None
+    except UnicodeDecodeError:
+        raise C.UserError(f"data file {path!r}: not UTF-8 text") from None
+    except json.JSONDecodeError:  # JSON lines in a .json file: read a line at a time below
+        whole = None
+    if isinstance(whole, dict):  # one object alone: one row
+        whole = [whole]
+    if isinstance(whole, list):
+        return [(f"{path}, row {i}", r) for i, r in enumerate(whole)]
+    return list(jsonl_objects(path))
 
 
-def read_hub_dataset(spec, split="train", need_answer=False, **fields):
-    """'hf:NAME[:CONFIG]', e.g. hf:openai/gsm8k:main (question/answer columns), every column kept.
-    Needs the optional package `datasets`."""
+def hub_records(spec, split="train"):
+    """(where, row) per row of 'hf:NAME[:CONFIG]' (a hub dataset, e.g. hf:openai/gsm8k:main; the
+    local cache when offline) or 'hf:DIR' (a folder written by Dataset.save_to_disk, or a folder
+    of data files), every column kept. Needs the optional package `datasets`."""
     try:
         import datasets
     except ImportError:
         raise C.UserError("--data hf:... needs the optional package `datasets` "
                           "(pip install datasets)") from None
-    table = datasets.load_dataset(*spec[3:].split(":"), split=split)
-    return [make_row(dict(r), f"--data {spec}, row {i}", need_answer, **fields)
-            for i, r in enumerate(table)]
+    name = spec[3:]
+    try:
+        if any(os.path.isfile(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
+            table = datasets.load_from_disk(name)  # save_to_disk's folder: a Dataset or a dict
+            if isinstance(table, datasets.DatasetDict):
+                if split not in table:
+                    raise C.UserError(f"--data {spec}: no split {split!r}; it has "
+                                      f"{', '.join(table)} (pick one with --data_split)")
+                table = table[split]
+        else:
+            table = datasets.load_dataset(*([name] if os.path.isdir(name) else name.split(":")),
+                                          split=split)
+    except ConnectionError:  # not cached, and the hub out of reach (or HF_HUB_OFFLINE=1)
+        raise C.UserError(f"--data {spec}: not in the local cache, and this machine cannot reach "
+                          "the hub (offline): load it once online, or give a file") from None
+    except C.UserError:
+        raise
+    except Exception as e:  # datasets' own errors: no such dataset, config or split
+        raise C.UserError(f"--data {spec}: datasets cannot load it ({type(e).__name__}: "
+                          f"{C._first_line(e)})") from None
+    return [(f"--data {spec}, row {i}", dict(r)) for i, r in enumerate(table)]
+
+
+def read_records(spec, split="train"):
+    """(where, object) per row of --data: 'hf:...' (hub_records) or a file (file_records)."""
+    if spec.startswith("hf:"):
+        records = hub_records(spec, split)
+    elif not os.path.isfile(spec):
+        raise C.UserError(f"data file {spec!r} " + (
+            "is a directory (a save_to_disk folder or a folder of data files: --data hf:DIR)"
+            if os.path.isdir(spec) else "not found"))
+    else:
+        records = file_records(spec)
+    if not records:
+        raise C.UserError(f"data {spec!r} is empty")
+    return records
+
+
+def read_rows(spec, need_answer=False, split="train", **fields):
+    """Rows of --data (read_records; see make_row). Errors name the file, the row and the field."""
+    return [make_row(obj, where, need_answer, **fields) for where, obj in read_records(spec, split)]
 
 
 def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", prompt_field="",
               answer_field="", system_prompt=""):
-    """'' -> the built-in task; 'file.jsonl' -> its rows; 'hf:NAME[:CONFIG]' -> a hub dataset.
+    """'' -> the built-in task; a file or 'hf:...' -> its rows (read_rows).
     need_answer: every row must have an answer with a number (the math reward checks it).
     Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch
     keeps no state but the rng it is given, so saving that rng resumes the data stream exactly."""
@@ -146,10 +248,7 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
         def next_task_batch(rng, k):
             return [make_row(addition_row(a, b), "", **fields) for a, b in task_train_pairs(rng, k)]
         return SimpleNamespace(next_batch=next_task_batch, eval_rows=eval_rows, rows=eval_rows)
-    if spec.startswith("hf:"):
-        rows = read_hub_dataset(spec, split, need_answer, **fields)
-    else:
-        rows = read_jsonl(spec, need_answer, **fields)
+    rows = read_rows(spec, need_answer, split, **fields)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
     n_eval = min(eval_size, len(rows) // 5)
     if not n_eval:
@@ -161,31 +260,66 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
     return SimpleNamespace(next_batch=next_file_batch, eval_rows=eval_rows, rows=rows)
 
 
-# preference data (reward_model.py, dpo.py): pairs {"prompt", "chosen", "rejected"} or rankings
-# {"prompt", "ranking": [best, ..., worst]}
+# preference data (reward_model.py, dpo.py), TRL's formats: pairs {"prompt", "chosen", "rejected"}
+# (each completion text, or a list of one assistant message), the prompt implicit if chosen and
+# rejected both start with it; or rankings {"prompt", "ranking": [best, ..., worst]}
 def ranking_pairs(k):
     """All K(K-1)/2 (better, worse) index pairs of a ranking of k, best first."""
     return [(i, j) for i in range(k) for j in range(i + 1, k)]
 
 
-def read_preferences(path, eval_size):
+def implicit_prompt(raw, where):
+    """A pair without a prompt field (TRL's implicit prompt): chosen and rejected each hold the
+    whole exchange, and the prompt is what they share at the start. Messages: their longest
+    common run of first messages. Text: their longest common start, cut back to the last space
+    before it (the completions keep that space, as in the text)."""
+    chosen, rejected = raw.get("chosen"), raw.get("rejected")
+    prompt = ""
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        chosen = check_messages(chosen, where, "chosen")
+        rejected = check_messages(rejected, where, "rejected")
+        n = 0
+        while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+            n += 1
+        prompt = chosen[:n]
+    elif isinstance(chosen, str) and isinstance(rejected, str):
+        shared = re.match(r"(.*\S)\s", os.path.commonprefix([chosen, rejected]), re.S)
+        prompt = shared.group(1) if shared else ""
+    if not prompt:
+        raise C.UserError(f"{where}: field 'prompt' is missing, and 'chosen' and 'rejected' do "
+                          f"not start with a shared (implicit) prompt; {fields_found(raw)}")
+    return {**raw, "prompt": prompt, "chosen": chosen[len(prompt):],
+            "rejected": rejected[len(prompt):]}
+
+
+def completion_text(c, where, field):
+    """A preference's completion as text: a string, or a list of one assistant message."""
+    if isinstance(c, list) and len(c) == 1:
+        m = check_messages(c, where, field)[0]
+        if m["role"] == "assistant" and not m.get("tool_calls"):
+            return m["content"]
+    if not isinstance(c, str):
+        raise C.UserError(f"{where}: field {field!r} is missing or not a string or a list of one "
+                          "assistant message (a row needs 'chosen' and 'rejected', or 'ranking')")
+    return c
+
+
+def read_preferences(spec, eval_size):
     """(train rows, held-out rows), each {"prompt", "completions", "pairs": [(chosen i, rejected
-    j), ...], "margin"}, from pairs or rankings; the prompt is text or chat messages (checked by
-    make_row). Errors name the file, the line and the field."""
+    j), ...], "margin"}, from pairs or rankings (read_records: any data file or hf:...); the prompt
+    is text or chat messages (checked by make_row). Errors name the file, the row and the field."""
     rows = []
-    for where, obj in jsonl_objects(path):
+    for where, obj in read_records(spec):
+        if isinstance(obj, dict) and not {"prompt", "question", "problem", "ranking"} & set(obj):
+            obj = implicit_prompt(obj, where)
         row = make_row(obj, where)
         if "ranking" in row:
             done = row["ranking"]  # the completions, best first
-            if not (isinstance(done, list) and len(done) >= 2
-                    and all(isinstance(c, str) for c in done)):
+            if not (isinstance(done, list) and len(done) >= 2):
                 raise C.UserError(f"{where}: field 'ranking' must be a list of 2 or more strings")
+            done = [completion_text(c, where, "ranking") for c in done]
         else:
-            for key in ("chosen", "rejected"):
-                if not isinstance(row.get(key), str):
-                    raise C.UserError(f"{where}: field {key!r} is missing or not a string (a "
-                                      "row needs 'chosen' and 'rejected', or 'ranking')")
-            done = [row["chosen"], row["rejected"]]
+            done = [completion_text(row.get(key), where, key) for key in ("chosen", "rejected")]
         if len(set(done)) < len(done):
             raise C.UserError(f"{where}: a completion is both chosen and rejected: {done}")
         margin = row.get("margin", 0.0)
@@ -200,6 +334,109 @@ def read_preferences(path, eval_size):
     held = set(prompts[:min(eval_size, len(prompts) // 5)])
     return ([r for r, k in zip(rows, key) if k not in held],
             [r for r, k in zip(rows, key) if k in held])
+
+
+# demonstrations (sft.py), TRL's formats: {"text"}, {"prompt", "completion"} (text or messages),
+# {"messages"}; a row's "tools" (JSON schemas) go to the chat template
+def demonstration(raw, where):
+    """An SFT row as {"text"} (language modelling: every token trained), {"prompt", "completion"}
+    (a text completion, trained) or {"messages", "start", "tools"} (a conversation whose
+    assistant messages from index start on are trained: all of {"messages"}, the completion's of
+    a conversational prompt-completion row). Errors name the row and the fields found."""
+    if not isinstance(raw, dict):
+        raise C.UserError(f"{where}: not a JSON object ({fields_found(raw)})")
+    tools = raw.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise C.UserError(f"{where}: field 'tools' must be a list of JSON schemas")
+    if "messages" in raw:
+        m = check_messages(raw["messages"], where, "messages")
+        if m[-1]["role"] != "assistant" or m[0]["role"] == "assistant":
+            raise C.UserError(f"{where}: field 'messages' must be a conversation that ends with "
+                              "an assistant message, after at least one other message")
+        return {"messages": m, "start": 0, "tools": tools}
+    if "text" in raw and "completion" not in raw:
+        if not (isinstance(raw["text"], str) and raw["text"]):
+            raise C.UserError(f"{where}: field 'text' must be a non-empty string")
+        return {"text": raw["text"]}
+    if "prompt" not in raw:
+        raise C.UserError(f"{where}: not an SFT row: give 'prompt' and 'completion', 'messages' "
+                          f"or 'text'; {fields_found(raw)}")
+    prompt, completion = make_row(raw, where)["prompt"], raw.get("completion")
+    if isinstance(completion, list):
+        completion = check_messages(completion, where, "completion")
+        if completion[-1]["role"] == "assistant":
+            return {"messages": as_messages(prompt) + completion,
+                    "start": len(as_messages(prompt)), "tools": tools}
+    if not (isinstance(completion, str) and completion):
+        raise C.UserError(f"{where}: field 'completion' is missing or not a non-empty string "
+                          "(or messages that end with an assistant message)")
+    return {"prompt": prompt, "completion": completion}
+
+
+def template_turns(tok, messages, k, tools, where):
+    """A conversation through the chat template, token in / token out: the prompt's text
+    (messages[:k] and the generation prompt, as encode_prompts renders it) and (text, trained)
+    pieces after it, cut where the template's renderings of the conversation up to each
+    assistant message end: its header is context; its text, tool calls and end tag are trained
+    (what the model writes); the whitespace after the end tag is context."""
+    def render(n, generation_prompt):
+        return tok.apply_chat_template(messages[:n], tools=tools, tokenize=False,
+                                       add_generation_prompt=generation_prompt)
+    prompt = render(k, True)
+    cuts = [(render(i + t, not t), t, i) for i in range(k, len(messages))
+            if messages[i]["role"] == "assistant" for t in (0, 1)]
+    whole, start, pieces = cuts[-1][0], len(prompt), []
+    for text, train, i in [(prompt, 0, k)] + cuts:
+        if not whole.startswith(text):  # (a template that rewrites earlier turns)
+            raise C.UserError(f"{where}: the chat template does not render the conversation up "
+                              "to each assistant message as the start of the whole: train with "
+                              "--last_turn_only")
+        end = max(start, len(text.rstrip()) if train else len(text))
+        pieces.append((whole[start:end], train))
+        start = end
+        names = [f.get("name") for c in messages[i].get("tool_calls") or []
+                 for f in [c.get("function", c)] if isinstance(f, dict)]
+        if train and not all(str(name) in pieces[-1][0] for name in names):
+            raise C.UserError(f"{where}: message {i}: the chat template does not render its "
+                              "tool_calls")
+    if tok.eos_token and whole[:start].endswith(tok.eos_token):  # the end tag is the EOS: it
+        pieces[-1] = (pieces[-1][0][:-len(tok.eos_token)], 1)  # is the EOS token appended
+    return prompt, pieces
+
+
+def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, where=""):
+    """(prompt ids, completion ids, loss mask) of an SFT row (demonstration()), the mask 1 on the
+    completion tokens the model learns to write, EOS included. A text: the prompt as the RL
+    scripts encode it (encode_prompts), then the completion and EOS. A conversation: the prompt
+    is the messages before its first trained assistant message (its last with last_turn_only);
+    after it, each assistant message's tokens are trained, the other messages' are not. With a
+    chat template the pieces are the template's (template_turns); without one, the messages'
+    contents one after another with nothing between, each tokenized alone, then EOS: the
+    transcript the multi-turn rollout builds (common.sample with an env)."""
+    if "text" in demo:  # every token but the first, which nothing before it predicts
+        ids = tok(demo["text"])["input_ids"] + [tok.eos_token_id]
+        return ids[:1], ids[1:], [1] * (len(ids) - 1)
+    if "completion" in demo:
+        prompt, pieces = encode_prompts(tok, [demo["prompt"]], chat_template)[0], [
+            (demo["completion"], 1)]
+    else:
+        m = demo["messages"]
+        turns = [i for i, x in enumerate(m) if x["role"] == "assistant" and i >= demo["start"]]
+        k = turns[-1] if last_turn_only else turns[0]
+        if chat_template != "none" and tok.chat_template:
+            text, pieces = template_turns(tok, m, k, demo.get("tools"), where)
+            prompt = tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            if any(x.get("tool_calls") for x in m[k:]):
+                raise C.UserError(f"{where}: a message has tool_calls, which only a chat "
+                                  "template renders (this tokenizer has none)")
+            prompt = encode_prompts(tok, [m[:k]], "none")[0]
+            pieces = [(x["content"], int(x["role"] == "assistant")) for x in m[k:]]
+    ids, mask = [], []
+    for text, train in pieces:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        ids, mask = ids + piece, mask + [train] * len(piece)
+    return prompt, ids + [tok.eos_token_id], mask + [1]
 
 
 def step_rows(rows, batch_size, seed, step):
@@ -226,16 +463,19 @@ def flatten(rows):
 
 
 def collate(examples, pad_id, device):
-    """Rows of (prompt ids, completion ids) as a rollout: prompts left-padded to P columns,
-    completions right-padded to T; completion_mask (B, T) is 1 on each completion token, EOS
-    included, built from lengths."""
-    prompt, prompt_mask = C.left_pad([p for p, _ in examples], pad_id, device)
-    T = max(len(c) for _, c in examples)
-    completion = torch.tensor([c + [pad_id] * (T - len(c)) for _, c in examples], device=device)
-    mask = torch.tensor([[1] * len(c) + [0] * (T - len(c)) for _, c in examples], device=device)
+    """Rows of (prompt ids, completion ids[, loss mask]) as a rollout: prompts left-padded to P
+    columns, completions right-padded to T; completion_mask (B, T) is the loss mask (without one,
+    1 on each completion token, EOS included), attention_mask 1 on every real token: both built
+    from lengths."""
+    prompt, prompt_mask = C.left_pad([e[0] for e in examples], pad_id, device)
+    T = max(len(e[1]) for e in examples)
+    completion = torch.tensor([e[1] + [pad_id] * (T - len(e[1])) for e in examples], device=device)
+    real = torch.tensor([[1] * len(e[1]) + [0] * (T - len(e[1])) for e in examples], device=device)
+    loss = torch.tensor([(e[2] if len(e) > 2 else [1] * len(e[1])) + [0] * (T - len(e[1]))
+                         for e in examples], device=device)
     return SimpleNamespace(ids=torch.cat([prompt, completion], 1), P=prompt.shape[1],
-                           attention_mask=torch.cat([prompt_mask, mask], 1),
-                           completion_mask=mask.float())
+                           attention_mask=torch.cat([prompt_mask, real], 1),
+                           completion_mask=loss.float())
 
 
 # ------------------------------------------------------------ prompts as token ids the model reads
@@ -257,8 +497,3 @@ def encode_prompts(tok, prompts, chat_template="auto", tools=None):
                                          add_generation_prompt=True) for p in prompts]
         return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
     return [tok(as_text(p))["input_ids"] for p in prompts]
-
-
-def prompt_text(tok, roll, i):
-    """Row i's prompt as the model read it (its chat template, --tools' schemas): decoded ids."""
-    return tok.decode(roll.ids[i, :roll.P][roll.attention_mask[i, :roll.P] == 1])

@@ -10,6 +10,7 @@ the 100-column rule).
 Run: python -m pytest -q test_algos.py"""
 import ast
 import builtins
+import csv
 import dataclasses
 import functools
 import importlib
@@ -184,7 +185,7 @@ def test_jsonl_errors_name_the_line(tmp_path, text, need_answer, expect):
     f = tmp_path / "d.jsonl"
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(C.UserError, match=expect):
-        tasks.read_jsonl(str(f), need_answer)
+        tasks.read_rows(str(f), need_answer)
 
 
 def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
@@ -215,10 +216,121 @@ def test_jsonl_reads_numbers_nulls_and_a_byte_order_mark(tmp_path):
     f.write_bytes(b'\xef\xbb\xbf{"prompt": "1+1=", "answer": 2}\r\n'
                   b'\r\n'
                   b'{"prompt": "x", "answer": null}\r\n')
-    assert tasks.read_jsonl(str(f)) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x"}]
+    assert tasks.read_rows(str(f)) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x"}]
     # null is no answer: the math reward refuses
     with pytest.raises(C.UserError, match="line 3: field 'answer'"):
-        tasks.read_jsonl(str(f), need_answer=True)
+        tasks.read_rows(str(f), need_answer=True)
+
+DATA_ROWS = [{"prompt": f"{i}+1=", "answer": str(i + 1), "id": f"r{i}"} for i in range(10)]
+
+
+def write_data(folder, kind, monkeypatch, rows=DATA_ROWS):
+    """rows written as a data source of one kind: its --data spec."""
+    path = os.path.join(folder, f"d.{kind}")
+    if kind in ("parquet", "files"):
+        pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    if kind in ("save_to_disk", "dataset_dict", "files"):
+        datasets = pytest.importorskip("datasets")
+        monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", os.path.join(folder, "cache"))
+    if kind == "jsonl":
+        with open(path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    elif kind == "json":  # one JSON array
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+    elif kind == "csv":
+        with open(path, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    elif kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif kind == "save_to_disk":
+        datasets.Dataset.from_list(rows).save_to_disk(path)
+        return f"hf:{path}"
+    elif kind == "dataset_dict":
+        datasets.DatasetDict({"train": datasets.Dataset.from_list(rows),
+                              "test": datasets.Dataset.from_list(rows[:2])}).save_to_disk(path)
+        return f"hf:{path}"
+    elif kind == "files":  # a folder of data files, as a hub dataset's repo holds them
+        os.makedirs(path)
+        for i in (0, 1):
+            pq.write_table(pa.Table.from_pylist(rows[i * 5:i * 5 + 5]),
+                           os.path.join(path, f"train-0000{i}-of-00002.parquet"))
+        return f"hf:{path}"
+    return path
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet", "save_to_disk",
+                                  "dataset_dict", "files"])
+def test_every_kind_of_data_file_gives_the_same_rows(tmp_path, monkeypatch, kind):
+    """--data: JSON lines, a JSON array, CSV, parquet (pyarrow), or hf:DIR on a save_to_disk
+    folder (a Dataset or a DatasetDict) or a folder of data files (datasets): the same rows."""
+    spec = write_data(str(tmp_path), kind, monkeypatch)
+    assert tasks.read_rows(spec) == DATA_ROWS
+    data = tasks.load_data(spec, eval_size=2, need_answer=True)
+    assert len(data.eval_rows) == 2 and len(data.rows) == 10
+    if kind == "dataset_dict":
+        assert tasks.read_rows(spec, split="test") == DATA_ROWS[:2]
+        with pytest.raises(C.UserError, match=r"no split 'dev'; it has train, test \(pick one "
+                                              r"with --data_split\)"):
+            tasks.read_rows(spec, split="dev")
+
+
+@pytest.mark.parametrize("kind", ["parquet", "save_to_disk"])
+def test_grpo_trains_on_a_parquet_file_and_a_save_to_disk_folder(tmp_path, monkeypatch, kind):
+    spec = write_data(str(tmp_path), kind, monkeypatch, [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)} for a, b in tasks.task_eval_pairs()[:20]])
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--data", spec,
+             "--output_dir", tmp_path / "run")
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
+
+
+@pytest.mark.parametrize("name,text,message", [
+    ("d.csv", "prompt,answer\n1+1=,2\n2+2=\n", r"d.csv, line 3: not as many values as the "
+     "header line has fields"),
+    ("d.json", '[{"prompt": "1+1=", "answer": 2}, "2+2="]',
+     r"d.json, row 1: not a JSON object \(found str\)"),
+    ("d.jsonl", '{"prompt": "1+1=", "answer": 2}\n{"question": 5, "answer": 2}\n',
+     r"d.jsonl, line 2: field 'question' is missing or not a non-empty string \(or a list of "
+     r"chat messages\); fields found: question, answer"),
+    ("d.jsonl", '{"prompt": "1+1=", "answer": 2}\n{"prompt": [{"role": "wizard", "content": '
+     '"hi"}]}\n',
+     r"d.jsonl, line 2: field 'prompt', message 0: role 'wizard' is not one of system, user, "
+     "assistant, tool"),
+    ("d.parquet", "not parquet", r"d.parquet': pyarrow cannot read it as parquet")])
+def test_bad_data_files_get_one_line_naming_the_file_and_the_row(tmp_path, monkeypatch, capsys,
+                                                                 name, text, message):
+    if name.endswith("parquet"):
+        pytest.importorskip("pyarrow")
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--data", path, "--output_dir", tmp_path / "run", guard=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and len(err) == 1 and re.search(message, err[0]), err
+
+
+def test_optional_packages_missing_and_a_hub_dataset_offline_are_one_line(tmp_path, monkeypatch):
+    """Parquet without pyarrow, hf:... without datasets: one line naming the package. A hub
+    dataset that is not cached, offline (HF_HUB_OFFLINE=1, as in every test): one line."""
+    path = tmp_path / "d.parquet"
+    path.write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # an import of it raises ImportError
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(C.UserError, match=r"d.parquet': reading parquet needs the optional "
+                                          r"package `pyarrow` \(pip install pyarrow\)"):
+        tasks.read_rows(str(path))
+    monkeypatch.undo()
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    with pytest.raises(C.UserError, match=r"^--data hf:nobody/nothing:main: not in the local "
+                                          "cache, and this machine cannot reach the hub"):
+        tasks.read_rows("hf:nobody/nothing:main")
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(C.UserError, match=r"needs the optional package `datasets`"):
+        tasks.read_rows(f"hf:{tmp_path}")
+
 
 
 def test_builtin_task_split_is_held_out():
@@ -1041,8 +1153,8 @@ def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypa
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
     (tmp_path / "d.jsonl").write_text(json.dumps({"q": chat, "a": 3}) + "\n"
                                       + json.dumps({"q": "2+2=", "a": 4}) + "\n")
-    rows = tasks.read_jsonl(str(tmp_path / "d.jsonl"), prompt_field="q", answer_field="a",
-                        system_prompt="Add.")
+    rows = tasks.read_rows(str(tmp_path / "d.jsonl"), prompt_field="q", answer_field="a",
+                       system_prompt="Add.")
     assert rows[0]["prompt"] == chat  # its own system message is kept
     assert rows[1]["prompt"] == [{"role": "system", "content": "Add."},
                                  {"role": "user", "content": "2+2="}]
@@ -2762,6 +2874,66 @@ def test_held_out_split_keeps_every_row_of_a_prompt_on_one_side(tmp_path):
     again = tasks.read_preferences(str(tmp_path / "p.jsonl"), 500)[1]
     assert [r["completions"] for r in again] == [r["completions"] for r in held]  # fixed split
 
+def chat(*turns):
+    """Messages from (role, content) pairs, e.g. chat(("user", "1+1="))."""
+    return [{"role": r, "content": c} for r, c in turns]
+
+
+PREFERENCE_FORMATS = {  # TRL's preference formats, each: (row, prompt, [chosen, rejected])
+    "explicit text": ({"prompt": "The sky is", "chosen": " blue.", "rejected": " green."},
+                      "The sky is", [" blue.", " green."]),
+    "implicit text": ({"chosen": "The sky is blue.", "rejected": "The sky is green."},
+                      "The sky is", [" blue.", " green."]),
+    "implicit text, a shared word start": ({"chosen": "1+1= 22", "rejected": "1+1= 23"}, "1+1=",
+                                           [" 22", " 23"]),
+    "explicit messages": ({"prompt": chat(("user", "Sky?")), "chosen": chat(("assistant", "Blue")),
+                           "rejected": chat(("assistant", "Green"))},
+                          chat(("user", "Sky?")), ["Blue", "Green"]),
+    "implicit messages": ({"chosen": chat(("system", "Be brief."), ("user", "Sky?"),
+                                          ("assistant", "Blue")),
+                           "rejected": chat(("system", "Be brief."), ("user", "Sky?"),
+                                            ("assistant", "Green"))},
+                          chat(("system", "Be brief."), ("user", "Sky?")), ["Blue", "Green"]),
+    "ranking of messages": ({"prompt": "Sky?", "ranking": [chat(("assistant", "Blue")), "Grey",
+                                                           chat(("assistant", "Green"))]},
+                            "Sky?", ["Blue", "Grey", "Green"])}
+
+
+@pytest.mark.parametrize("name", PREFERENCE_FORMATS)
+def test_preference_rows_in_trls_formats(tmp_path, name):
+    row, prompt, completions = PREFERENCE_FORMATS[name]
+    rows, _ = tasks.read_preferences(str(write_jsonl(tmp_path / "p.jsonl", [row])), 0)
+    assert [(r["prompt"], r["completions"]) for r in rows] == [(prompt, completions)]
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"chosen": "Blue.", "rejected": "Green."}, "line 1: field 'prompt' is missing, and 'chosen' "
+     "and 'rejected' do not start with a shared .implicit. prompt; fields found: chosen, rejected"),
+    ({"prompt": "Sky?", "chosen": chat(("assistant", "a"), ("assistant", "b")), "rejected": "c"},
+     "line 1: field 'chosen' is missing or not a string or a list of one assistant message"),
+    ({"chosen": chat(("user", "Sky?"), ("wizard", "Blue")), "rejected": chat(("user", "Sky?"))},
+     "line 1: field 'chosen', message 1: role 'wizard' is not one of")])
+def test_bad_preference_formats_get_one_line(tmp_path, row, message):
+    with pytest.raises(C.UserError, match=message):
+        tasks.read_preferences(str(write_jsonl(tmp_path / "p.jsonl", [row])), 0)
+
+
+@pytest.mark.parametrize("script", [dpo, reward_model])
+def test_dpo_and_reward_model_train_on_implicit_conversational_pairs_in_parquet(
+        script, tmp_path, monkeypatch):
+    """TRL's conversational implicit-prompt pairs, in a parquet file: two optimizer steps."""
+    pa, pq = pytest.importorskip("pyarrow"), pytest.importorskip("pyarrow.parquet")
+    rows = [{"chosen": chat(("user", f"{a}+{b}="), ("assistant", str(a + b))),
+             "rejected": chat(("user", f"{a}+{b}="), ("assistant", str(a + b + 10)))}
+            for a, b in tasks.task_train_pairs(random.Random(0), 40)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "pairs.parquet")
+    out = tmp_path / "run"
+    run_main(monkeypatch, script, "--data", tmp_path / "pairs.parquet", "--max_steps", "2",
+             "--batch_size", "8", "--eval_size", "8", "--eval_every", "0", "--output_dir", out)
+    summary, metrics = summary_and_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2] and metrics[0]["pairs"] == 8
+
+
 
 def test_length_batches_cover_each_row_once_and_group_similar_lengths():
     lengths = [random.Random(i).randrange(1, 50) for i in range(1000)]
@@ -2983,9 +3155,138 @@ def test_chat_messages_rows_train_with_a_chat_template(tmp_path):
                           {"role": "assistant", "content": a}]} for q, a in [("1+1=", "2")] * 3]
     examples = sft.read_demonstrations(str(write_jsonl(tmp_path / "chat.jsonl", rows)), tok,
                                        "auto", 64)
-    prompt, completion = examples[0]
+    prompt, completion, mask = examples[0]
     assert tok.decode(prompt, skip_special_tokens=True) == "system: Add. | user: 1+1= | assistant: "
-    assert completion == tok("2", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    # the assistant's turn as the template renders it ("2 | "), to its last visible character
+    assert completion == tok("2 |", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert mask == [1] * len(completion)
+
+QWEN_TOOLS = (  # a Qwen2.5-style template: tools in the system turn, tool calls, tool messages
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n{% endfor %}"
+    "<|im_end|>\n{% endif %}{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n"
+    "<tool_response>\n{{ m.content }}\n</tool_response><|im_end|>\n"
+    "{% elif m.role == 'assistant' %}<|im_start|>assistant\n{{ m.content }}"
+    "{% for c in m.tool_calls or [] %}<tool_call>\n{\"name\": \"{{ c.function.name }}\", "
+    "\"arguments\": {{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def runs_of(ids, mask, tok):
+    """The completion cut where the mask changes: [(mask value, decoded text), ...]."""
+    runs = []
+    for i, m in zip(ids, mask):
+        if not runs or runs[-1][0] != m:
+            runs.append((m, []))
+        runs[-1][1].append(i)
+    return [(m, tok.decode(r)) for m, r in runs]
+
+
+def test_sft_trains_every_assistant_turn_of_a_tool_conversation_and_nothing_else(chat_model,
+                                                                                  tmp_path):
+    """A multi-turn conversation through a Qwen-style chat template: the loss (and so the
+    gradient) is on each assistant turn's tokens, its tool call and end tag included, and on
+    nothing of the system, user and tool messages; the tokens are the template's rendering of
+    the whole conversation. --last_turn_only trains the last turn alone."""
+    tok = loading.load_tokenizer(chat_model)
+    tok.chat_template = QWEN_TOOLS
+    call = {"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 34}}}
+    conversation = [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "12+34="},
+                    {"role": "assistant", "content": None, "tool_calls": [call]},
+                    {"role": "tool", "content": "46"},
+                    {"role": "assistant", "content": "46"},
+                    {"role": "user", "content": "and 1+1?"},
+                    {"role": "assistant", "content": "2"}]
+    tools = [{"name": "add"}]  # (a JSON schema, cut short: the model's context is 256)
+    rows = [{"messages": conversation, "tools": tools}] * 2
+    path = str(write_jsonl(tmp_path / "conv.jsonl", rows))
+    (prompt, ids, mask), _ = sft.read_demonstrations(path, tok, "auto", 256)
+    whole = tok.apply_chat_template([{**m, "content": m["content"] or ""} for m in conversation],
+                                    tools=tools, tokenize=False)
+    assert tok.decode(prompt + ids) == whole.rstrip()  # the template's rendering, to its end
+    assert tok.decode(prompt).endswith("12+34=<|im_end|>\n<|im_start|>assistant\n")
+    assert '# Tools\n{"name": "add"}' in tok.decode(prompt)  # the row's tools, rendered
+    assert runs_of(ids, mask, tok) == [
+        (1, '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 34}}\n</tool_call>'
+            '<|im_end|>'),
+        (0, "\n<|im_start|>user\n<tool_response>\n46\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n"),
+        (1, "46<|im_end|>"),
+        (0, "\n<|im_start|>user\nand 1+1?<|im_end|>\n<|im_start|>assistant\n"),
+        (1, "2<|im_end|>")]  # the last end tag is the EOS token itself
+    # the gradient of the step's loss reaches exactly the assistant tokens' log-probs
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"))
+    batch = tasks.collate([(prompt, ids, mask)], tok.pad_token_id, "cpu")
+    lp, _ = C.token_logprobs(model, batch.ids, batch.attention_mask, len(ids))
+    grad, = torch.autograd.grad(sft.sft_loss(lp, batch.completion_mask, sum(mask)), lp)
+    assert (grad[0] != 0).long().tolist() == mask and sum(mask) < len(mask)
+    # the last turn only: the rest is the prompt, as before multi-turn training
+    (p1, ids1, mask1), _ = sft.read_demonstrations(path, tok, "auto", 256, last_turn_only=True)
+    assert p1 + ids1 == prompt + ids and runs_of(ids1, mask1, tok) == [(1, "2<|im_end|>")]
+    # a template that does not render tool calls would train an empty turn: refused
+    tok.chat_template = CHATML
+    with pytest.raises(C.UserError, match=r"conv.jsonl, line 1: message 2: the chat template "
+                                          "does not render its tool_calls"):
+        sft.read_demonstrations(path, tok, "auto", 256)
+
+
+def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcript():
+    """Without a chat template a calculator conversation is exactly what common.sample builds
+    when the model writes those turns with --env calc: the same ids, and the loss mask is the
+    rollout's completion_mask (the observation ' 46 ' masked, the EOS in). The same text as one
+    completion (envs.calc_demo's) has the same ids, every one of them trained."""
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    conversation = chat(("user", "12+34="), ("assistant", "<calc>12+34</calc>"), ("tool", " 46 "),
+                        ("assistant", "46"))
+    prompt, ids, mask = tasks.encode_demonstration(t, tasks.demonstration(
+        {"messages": conversation}, "row"))
+    assert prompt == tasks.encode_prompts(t, ["12+34="], "none")[0]
+    enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    completion = enc("<calc>12+34</calc>") + enc(" 46 ") + enc("46") + [t.eos_token_id]
+    model = scripted_model(t, [prompt], [completion], [[1] * 18 + [0] * 4 + [1] * 3])
+    roll = rollout(model, t, [prompt], E.calc, [tasks.addition_row(12, 34)], 3, 48, greedy=True,
+                   stop=["</calc>"])
+    assert roll.observations == [[" 46 "]] and roll.final == ["46"]
+    assert roll.ids[0, roll.P:].tolist() == ids
+    assert roll.completion_mask[0].long().tolist() == mask == [1] * 18 + [0] * 4 + [1] * 3
+    flat = E.calc_demo(12, 34, random.Random(0), column_sum, tool=1.0)
+    assert tasks.encode_demonstration(t, tasks.demonstration(
+        {"prompt": "12+34=", "completion": flat}, "row")) == (prompt, ids, [1] * len(ids))
+
+
+SFT_FORMATS = {  # TRL's SFT formats, each: (row, the prompt's text, the completion's pieces)
+    "language modelling": ({"text": "12+34=46"}, "<bos>", [(1, "12+34=46<eos>")]),
+    "prompt-completion": ({"prompt": "12+34=", "completion": "46"}, "<bos>12+34=",
+                          [(1, "46<eos>")]),
+    "conversational prompt-completion": ({"prompt": chat(("user", "12+34=")),
+                                          "completion": chat(("assistant", "46"))},
+                                         "<bos>12+34=", [(1, "46<eos>")]),
+    "conversation": ({"messages": chat(("user", "12+34="), ("assistant", "46"), ("user", "+1?"),
+                                       ("assistant", "47"))},
+                     "<bos>12+34=", [(1, "46"), (0, "+1?"), (1, "47<eos>")]),
+    "completion of several messages": ({"prompt": "12+34=", "completion": chat(
+        ("assistant", "<calc>12+34</calc>"), ("tool", " 46 "), ("assistant", "46"))},
+        "<bos>12+34=", [(1, "<calc>12+34</calc>"), (0, " 46 "), (1, "46<eos>")])}
+
+
+@pytest.mark.parametrize("name", SFT_FORMATS)
+def test_sft_rows_in_trls_formats(tmp_path, tok, name):
+    """Each SFT format, without a chat template: the prompt, and which completion tokens train."""
+    row, prompt_text, runs = SFT_FORMATS[name]
+    path = write_jsonl(tmp_path / "d.jsonl", [row])
+    (prompt, ids, mask), = sft.read_demonstrations(str(path), tok, "auto", 64)
+    assert tok.decode(prompt) == prompt_text and runs_of(ids, mask, tok) == runs
+
+
+def test_sft_runs_on_text_rows_and_conversational_prompt_completion_rows(tmp_path, monkeypatch):
+    rows = [SFT_FORMATS[k][0] for k in ("language modelling", "conversational prompt-completion")]
+    out = tmp_path / "run"
+    run_main(monkeypatch, sft, "--data", write_jsonl(tmp_path / "d.jsonl", rows * 10),
+             "--max_steps", "2", "--batch_size", "8", "--eval_size", "8", "--eval_every", "0",
+             "--output_dir", out)
+    assert [m["step"] for m in summary_and_metrics(out)[1]] == [1, 2]
+
 
 
 def test_report_to_sends_the_metrics_and_samples_to_a_tracker(tmp_path, monkeypatch, capsys):
@@ -3410,7 +3711,8 @@ BAD = [(["--model", "/no/such/folder"], "no such local folder"),
        (["--max_grad_norm", "-1"], "--max_grad_norm must be > 0"),
        (["--beta", "-1"], "--beta must be >= 0, not -1.0"),
        (["--max_steps", "0"], "--max_steps must be > 0, not 0"),
-       (["--data", "{d}"], "is a directory, not a file")]
+       (["--data", "{d}"], "is a directory (a save_to_disk folder or a folder of data files: "
+                           "--data hf:DIR)")]
 
 
 @pytest.mark.parametrize("args,message", BAD, ids=[m for _, m in BAD])
@@ -3743,7 +4045,8 @@ def test_a_non_finite_reward_weight_is_refused_up_front(weight, tmp_path, monkey
         run_main(monkeypatch, grpo, "--rewards", f"math={weight}", "--output_dir",
                  tmp_path / "out", guard=True)
     line = one_error_line(capsys)
-    assert "the weight of 'math' must be finite and not 0" in line and line.endswith(f"not {weight}")
+    assert "the weight of 'math' must be finite and not 0" in line
+    assert line.endswith(f"not {weight}")
     assert not (tmp_path / "out").exists()
 
 
