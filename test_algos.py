@@ -1199,7 +1199,7 @@ def test_math_answers_that_are_not_numbers_are_compared_as_written(monkeypatch, 
     path = tmp_path / "math.jsonl"  # the data check reads \pi too, so the file is not refused
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
                             for i, a in enumerate(["\\pi", "\\boxed{(1,2)}", "#### 7"])))
-    rows = tasks.read_jsonl(str(path), need_answer=True)
+    rows = tasks.read_rows(str(path), need_answer=True)
     assert C.has_numbers(rows) and C.eval_metric(rows) == "accuracy"
     assert C.gold(["\\boxed{\\pi}", "\\boxed{(1, 2)}", "#### 8"], rows) == {"gold": 2 / 3}
 
