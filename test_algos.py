@@ -3512,6 +3512,9 @@ def sample(model, tok, prompt_ids, *args, **kwargs):  # each row alone, seeded b
         k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
         torch.manual_seed(hash((tuple(p), k)) % 2**31)
         pieces.append((real_sample(model, tok, [p], *args, **kwargs), torch.tensor([0])))
+    # then the RNG as one process leaves it in rank 0 and another stream in rank 1 (so
+    # runs.seed_everything seeds them): ppo's minibatches must follow rank 0's shuffle alone
+    torch.manual_seed(1 + runs.get_rank())
     return grpo.cat_rollouts(pieces)
 
 
@@ -3579,8 +3582,8 @@ WALL_CLOCK = ("step_time", "tokens_per_s")
               "--scale_rewards", "batch"]),
     ("reinforce", ["--prompts_per_step", "4", "--samples_per_prompt", "4", "--micro_batch_size",
                    "4", "--baseline", "ema", "--beta", "0.05"]),
-    ("ppo", ["--batch_size", "16", "--micro_batch_size", "4", "--num_minibatches", "1",
-             "--ppo_epochs", "1", "--rewards", "math", "--critic_init", "policy"])])
+    ("ppo", ["--batch_size", "16", "--micro_batch_size", "4", "--num_minibatches", "2",
+             "--ppo_epochs", "2", "--rewards", "math", "--critic_init", "policy"])])
 def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
     """One optimizer step on the same rows: 2 gloo processes under torchrun (normalisers and
     statistics over both), with DDP and with --fsdp (FSDP2: each process holds half of every
@@ -3589,8 +3592,10 @@ def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
     rounding only where |g| ~ eps, so almost every weight agrees to 1e-6 (measured: >= 99.2%,
     either way). Statistics of the whole step: grpo's --scale_rewards batch divides by the std of
     every process's rewards, reinforce's first --baseline ema is the mean return of every
-    process's rows, and every logged number is what one process logs on the same rows (token
-    means weighted by their tokens, stds over all rows), the step an int."""
+    process's rows, ppo's 2 epochs of 2 minibatches follow one shuffle of the whole batch (rank
+    0's: the driver leaves rank 1's RNG elsewhere), unevenly split between the processes, and
+    every logged number is what one process logs on the same rows (token means weighted by
+    their tokens, stds over all rows), the step an int."""
     out = {}
     for name, n, extra in (("one", 1, []), ("ddp", 2, []), ("fsdp", 2, ["--fsdp"])):
         out[name] = tmp_path / name
