@@ -41,8 +41,8 @@ Run:  python ppo.py                      # bundled policy + reward model, 2-core
       python ppo.py --rewards math --critic_init policy   # the rule reward instead of the RM
       python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward_model OWNER/RM --data my.jsonl \\
           --max_new_tokens 128 --lr 3e-6 --critic_lr 3e-6 --temperature 0.7 --compile
-Expect (bundled default): held-out greedy accuracy 0.29 -> about 0.96, the RM score from about 2
-to about 4.5 with `gold` rising beside it.
+Expect (bundled default): held-out greedy accuracy 0.292 -> 0.954, the RM score from 1.7 to 4.8
+(means over the first and the last 10 steps) with `gold` rising beside it, to 0.93.
 """
 import random
 import time

@@ -59,6 +59,7 @@ from tools.merge_lora import merge as merge_lora
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
 import compare  # noqa: E402  (tools/compare.py, which imports its sibling plot.py)
 import plot  # noqa: E402  (tools/plot.py)
+import check_docs  # noqa: E402  (tools/check_docs.py)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(2)
@@ -3952,6 +3953,25 @@ def test_docs_commands_use_flags_their_script_has():
             assert not missing, f"{path}: {script} has no --{missing[0]}: {command}"
             checked += 1
     assert checked >= 20
+
+
+def test_check_docs_claims_quote_the_docs_and_their_commands_use_real_flags():
+    """tools/check_docs.py (a number in the docs is a claim it re-runs): each claim's text, with
+    its number, is still in its file, each command's flags exist, and a measurement drifts when
+    it differs at the quoted digits (or, for a wall time, beyond the stated factor)."""
+    assert len(check_docs.CLAIMS) >= 100
+    for file, text, command, read, tol, tags in check_docs.CLAIMS:
+        assert check_docs.holds(file, text), f"{file} no longer says {text!r}"
+        float(check_docs.quoted(text)[0].replace(",", ""))
+        for part in command.split(" && "):
+            words = part.split()
+            if words[0] == "python" and words[1] in {f"{n}.py" for n in SCRIPTS}:
+                have = {f.name for f in dataclasses.fields(SCRIPTS[words[1][:-3]].Args)}
+                flags = re.findall(r"(?<!\S)--(\w+)", part)
+                assert set(flags) <= have, (command, set(flags) - have)
+    assert not check_docs.drifted("0.954", 0.9543, 0) and check_docs.drifted("0.954", 0.932, 0)
+    assert check_docs.drifted("0.93", 0.897, 0) and not check_docs.drifted("16", 16.0, 0)
+    assert not check_docs.drifted("70", 164.6, 2.0) and check_docs.drifted("70", 230.0, 2.0)
 
 
 def test_shown_commands_finds_block_inline_and_continued_commands():
