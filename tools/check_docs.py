@@ -11,6 +11,7 @@ machine's load: their tolerance is relative (WALL: a third to three times the qu
     python tools/check_docs.py --only README       # claims whose file, text, command or tag match
     python tools/check_docs.py --only calc         # the tool-use (--env calc) claims
     python tools/check_docs.py --skip calc         # the others (--only, --skip: repeat for more)
+    python tools/check_docs.py --keep DIR          # keep the runs in DIR; again: only new ones run
     python tools/check_docs.py                     # every claim: hours on a 2-core CPU
 
 Each distinct command runs once, in a temporary folder ({run} is its run folder, added as
@@ -20,6 +21,7 @@ time, from the repository root. Prints `ok FILE: X (command)` or `DRIFT FILE: qu
 exits 1 if anything drifted. Not run in CI: it trains.
 """
 import argparse
+import hashlib
 import json
 import os
 import re
@@ -35,6 +37,7 @@ MU4 = "--num_iterations 4"  # docs/policy_losses.md: four updates on each batch
 NOCLIP = " --clip_eps 1000 --clip_eps_high 1000"  # EXERCISES.md 4: no clip
 REINFORCE = "python reinforce.py --baseline none"  # the default baseline
 CALC = "python grpo.py --env calc --seed 0"  # the calculator task (tag calc)
+SFT = "python sft.py --output_dir {tmp}/sft"  # docs/pipeline.md's first stage
 
 
 
@@ -204,11 +207,10 @@ CLAIMS = [
     ("docs/pipeline.md", "| `sft.py` (60 steps of 64 rows) | 0.292 | **{0.928}** |",
      "python sft.py", AFTER, 0, ()),
     ("docs/pipeline.md", "| `dpo.py` (150 steps of 32 rankings) | 0.928 | {0.908} |",
-     "python sft.py --output_dir {tmp}/sft && python dpo.py --model {tmp}/sft/checkpoint",
+     f"{SFT} && python dpo.py --model {{tmp}}/sft/checkpoint",
      AFTER, 0, ()),
     ("docs/pipeline.md", "| `ppo.py` with the bundled reward model, same SFT model | 0.928 | "
-     "**{0.960}** |", "python sft.py --output_dir {tmp}/sft && python ppo.py --model "
-     "{tmp}/sft/checkpoint", AFTER, 0, ()),
+     "**{0.960}** |", f"{SFT} && python ppo.py --model {{tmp}}/sft/checkpoint", AFTER, 0, ()),
     ("docs/pipeline.md", "| `python grpo.py` | the rule reward (the true sum) | **{0.996}** |",
      "python grpo.py", AFTER, 0, ()),
     ("docs/pipeline.md", "| DPO | `python dpo.py` | the 2,730 rankings, directly | {0.834} |",
@@ -220,6 +222,27 @@ CLAIMS = [
     ("docs/pipeline.md", "`--beta 0.5` {0.880}", "python dpo.py --beta 0.5", AFTER, 0, ()),
     ("docs/pipeline.md", "`--loss_type ipo` {0.862}", "python dpo.py --loss_type ipo", AFTER, 0,
      ()),
+
+    ("docs/pipeline.md", "| `reward_model.py` (300 steps of 32 rankings) | pair accuracy {0.468} |",
+     f"{SFT} && python reward_model.py --model {{tmp}}/sft/checkpoint", BEFORE, 0, ()),
+    ("docs/pipeline.md", "| pair accuracy 0.468 | **{0.901}** |",
+     f"{SFT} && python reward_model.py --model {{tmp}}/sft/checkpoint", AFTER, 0, ()),
+    ("docs/pipeline.md", "| `ppo.py` with that reward model (120 steps) | 0.928 | {0.878} |",
+     f"{SFT} && python reward_model.py --model {{tmp}}/sft/checkpoint --output_dir {{tmp}}/rm && "
+     "python ppo.py --model {tmp}/sft/checkpoint --reward_model {tmp}/rm/checkpoint", AFTER, 0, ()),
+    ("docs/pipeline.md", "(pair accuracy {0.898}; prefers", "python reward_model.py", AFTER, 0, ()),
+    ("docs/pipeline.md", "on 65% of prompts) | {0.714} |", "python reward_model.py "
+     "--output_dir {tmp}/rm && python ppo.py --reward_model {tmp}/rm/checkpoint", AFTER, 0, ()),
+    ("docs/pipeline.md", "`sft.py` 0.292 → {0.924} (full: 0.928)", "python sft.py --lora_r 16 "
+     "--lr 1e-3", AFTER, 0, ()),
+    ("docs/pipeline.md", "pair accuracy 0.468 → {0.886} (full: 0.898)", "python reward_model.py "
+     "--lora_r 16 --lr 1e-3", AFTER, 0, ()),
+    ("docs/pipeline.md", "`dpo.py`\n0.292 → {0.886} (full: 0.834)", "python dpo.py --lora_r 16 "
+     "--lr 1e-3", AFTER, 0, ()),
+    ("docs/scaling.md", "goes from {0.315} to\n0.990 held-out in 40 steps", "python grpo.py "
+     "--lora_r 16 --lr 1e-3 --max_steps 40 --eval_size 200", BEFORE, 0, ()),
+    ("docs/scaling.md", "goes from 0.315 to\n{0.990} held-out in 40 steps", "python grpo.py "
+     "--lora_r 16 --lr 1e-3 --max_steps 40 --eval_size 200", AFTER, 0, ()),
 
     # EXERCISES.md: the runs as they are (an edited run needs its line changed by hand)
     ("EXERCISES.md", "each held-out accuracy\nstarts at {0.315} on these 200 prompts",
@@ -380,15 +403,21 @@ def drifted(number, measured, tol):
 
 
 def run_command(command, folder):
-    """Run one claim command from the repository root; its run folder, metrics and stdout."""
+    """Run one claim command from the repository root (unless folder holds its finished run);
+    its run folder's summary and metrics, its stdout, stderr and exit code."""
     run, tmp = os.path.join(folder, "run"), os.path.join(folder, "tmp")
-    os.makedirs(tmp)
-    if "{run}" not in command and command.startswith("python") and ".py" in command:
-        command += " --output_dir {run}"
-    # {run} and {tmp} only: the command's own braces (a python -c) stay as they are
-    shell = command.replace("{run}", run).replace("{tmp}", tmp)
-    p = subprocess.run(shell, shell=True, cwd=ROOT, capture_output=True, text=True)
-    r = {"stdout": p.stdout, "rc": p.returncode, "stderr": p.stderr, "summary": {}, "metrics": []}
+    if not os.path.exists(os.path.join(folder, "rc")):
+        os.makedirs(tmp, exist_ok=True)
+        if "{run}" not in command and command.startswith("python") and ".py" in command:
+            command += " --output_dir {run}"
+        # {run} and {tmp} only: the command's own braces (a python -c) stay as they are
+        shell = command.replace("{run}", run).replace("{tmp}", tmp)
+        p = subprocess.run(shell, shell=True, cwd=ROOT, capture_output=True, text=True)
+        for name, text in (("stdout", p.stdout), ("stderr", p.stderr), ("rc", str(p.returncode))):
+            with open(os.path.join(folder, name), "w") as f:
+                f.write(text)
+    r = {name: open(os.path.join(folder, name)).read() for name in ("stdout", "stderr", "rc")}
+    r.update(summary={}, metrics=[])
     if os.path.exists(os.path.join(run, "summary.json")):
         with open(os.path.join(run, "summary.json")) as f:
             r["summary"] = json.load(f)
@@ -405,7 +434,8 @@ def main():
     p.add_argument("--skip", action="append", default=[], metavar="PATTERN",
                    help="leave out the claims that --only would pick with PATTERN (e.g. calc)")
     p.add_argument("--keep", default="", metavar="DIR",
-                   help="keep each command's folder under DIR (default: deleted after reading)")
+                   help="keep each command's folder under DIR, and read a command that finished "
+                   "there before instead of running it again (default: a temporary folder)")
     args = p.parse_args()
 
     def has(claim, patterns):
@@ -426,9 +456,12 @@ def main():
         return
     bad = 0
     for command in commands:
-        if args.keep:
-            os.makedirs(args.keep, exist_ok=True)
-        folder = tempfile.mkdtemp(prefix="check_docs-", dir=args.keep or None)
+        folder = tempfile.mkdtemp(prefix="check_docs-")
+        if args.keep:  # one folder a command, named by its hash: kept, and read if it finished
+            folder = os.path.join(args.keep, hashlib.sha1(command.encode()).hexdigest()[:12])
+            rc = os.path.join(folder, "rc")
+            if os.path.exists(rc) and open(rc).read() != "0":
+                shutil.rmtree(folder)  # it failed: run it again
         r = run_command(command, folder)
         for file, text, _, read, tol, _ in (c for c in claims if c[2] == command):
             number, shown = quoted(text)
@@ -450,9 +483,7 @@ def main():
             else:
                 print(f"ok {file}: {number} ({command})")
         sys.stdout.flush()
-        if args.keep:
-            print(f"    kept {folder}")
-        else:
+        if not args.keep:
             shutil.rmtree(folder, ignore_errors=True)
     print(f"{bad} of {len(claims)} claims drifted or failed" if bad else f"all {len(claims)} ok")
     raise SystemExit(1 if bad else 0)
