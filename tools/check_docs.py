@@ -80,6 +80,15 @@ def per_step(key):
     return lambda r: r["summary"][key] / r["summary"]["steps"]
 
 
+def over_runs(read, pick):
+    """pick (min, max, a mean) of read over a claim's runs (a tuple of commands: its seeds)."""
+    return lambda runs: pick([read(r) for r in runs])
+
+
+def SEEDS(flags):  # docs/policy_losses.md: grpo.py over seeds 0, 1, 2
+    return tuple(f"python grpo.py --seed {s} {flags}" for s in range(3))
+
+
 def mark(values, k):
     """' / '.join(values) with the k-th in braces: one claim per number of a table cell."""
     return " / ".join(re.sub(r"[\d.]+", lambda m: "{" + m[0] + "}", v) if i == k else v
@@ -187,21 +196,21 @@ CLAIMS = [
            ("0.872", "0.832", "0.866")),
           ("SAPO (τ 1.0 / 1.05)", " --policy_loss sapo", ("0.946", "0.878", "0.860")))
       for s in range(3)],
-    *[("docs/policy_losses.md", text, f"python grpo.py --seed 0 {MU4}{flags}",
-       last_steps("kl", 10, pick), 0, ())
-      for text, flags, pick in (
-          ("| 0.020 | {0.29}-0.42 |", "", min),
-                                ("| 0.020 | 0.29-{0.42} |", "", max),
-                                ("| **0.315** | {0.30}-0.35 |",
-                                 " --importance_sampling_level sequence", min),
-                                ("| **0.315** | 0.30-{0.35} |",
-                                 " --importance_sampling_level sequence", max),
-                                ("clipped) | {0.39}-0.55 |", " --policy_loss cispo", min),
-                                ("clipped) | 0.39-{0.55} |", " --policy_loss cispo", max),
-                                ("| 0 (no clip) | {0.38}-0.47 |", " --policy_loss sapo", min),
-                                ("| 0 (no clip) | 0.38-{0.47} |", " --policy_loss sapo", max))],
-    ("docs/policy_losses.md", "(held-out at step 100: {0.574} / ",
-     f"python grpo.py --seed 0 {MU4} --policy_loss cispo", at_step(100), 0, ()),
+    *[claim for cell, flags, kl, mean_after in (  # cell: the clip_frac column
+        ("| 0.020 |", "", ("0.29", "0.42"), "0.965"),
+        ("| **0.315** |", " --importance_sampling_level sequence", ("0.30", "0.35"), "0.971"),
+        ("| 0.036 (weights clipped) |", " --policy_loss cispo", ("0.39", "0.55"), "0.857"),
+        ("| 0 (no clip) |", " --policy_loss sapo", ("0.38", "0.47"), "0.895"))
+      for claim in (
+          ("docs/policy_losses.md", f"{cell} {{{kl[0]}}}-{kl[1]} |", SEEDS(f"{MU4}{flags}"),
+           over_runs(mean("kl", last=10), min), 0, ()),
+          ("docs/policy_losses.md", f"{cell} {kl[0]}-{{{kl[1]}}} |", SEEDS(f"{MU4}{flags}"),
+           over_runs(mean("kl", last=10), max), 0, ()),
+          ("docs/policy_losses.md", f"| {{{mean_after}}} {cell}", SEEDS(f"{MU4}{flags}"),
+           over_runs(AFTER, lambda xs: sum(xs) / len(xs)), 0, ()))],
+    *[("docs/policy_losses.md", f"(held-out at step 100: {mark(('0.574', '0.614', '0.850'), s)})",
+       f"python grpo.py --seed {s} {MU4} --policy_loss cispo", at_step(100), 0, ())
+      for s in range(3)],
 
     # docs/pipeline.md
     ("docs/pipeline.md", "| `sft.py` (60 steps of 64 rows) | 0.292 | **{0.928}** |",
@@ -381,6 +390,11 @@ CLAIMS = [
 
 
 # ------------------------------------------------------------------------------------ the runner
+def as_list(command):
+    """A claim's commands: one, or a tuple of several (the seeds of a mean or a range)."""
+    return list(command) if isinstance(command, tuple) else [command]
+
+
 def quoted(text):
     """The claim's quoted number (in braces) and its text as the file shows it."""
     number = re.search(r"\{([^{}]*)\}", text).group(1)
@@ -439,22 +453,21 @@ def main():
     args = p.parse_args()
 
     def has(claim, patterns):
-        return any(o.lower() in " ".join((*claim[:3], *claim[5])).lower() for o in patterns)
+        return any(o.lower() in " ".join((*claim[:2], *as_list(claim[2]), *claim[5])).lower()
+                   for o in patterns)
     claims = [c for c in CLAIMS if (not args.only or has(c, args.only)) and not has(c, args.skip)]
     if not claims:
         raise SystemExit(f"no claim matches --only {args.only!r}: see --list")
-    commands = list(dict.fromkeys(c[2] for c in claims))  # each once, in the order listed
+    commands = list(dict.fromkeys(x for c in claims for x in as_list(c[2])))  # each run once
     if args.list:
-        for command in commands:
-            print(command)
-            for file, text, _, _, tol, tags in (c for c in claims if c[2] == command):
-                extra = f" (tolerance x{1 + tol:g})" if tol else ""
-                extra += "".join(f" [{t}]" for t in tags)
-                extra += "" if holds(file, text) else " MISSING: the file no longer has its text"
-                print(f"    {file}: {quoted(text)[0]}{extra}")
+        for file, text, command, _, tol, tags in claims:
+            extra = f" (tolerance x{1 + tol:g})" if tol else ""
+            extra += "".join(f" [{t}]" for t in tags)
+            extra += "" if holds(file, text) else " MISSING: the file no longer has its text"
+            print(f"{file}: {quoted(text)[0]}{extra}  <-  {' ; '.join(as_list(command))}")
         print(f"{len(claims)} claims, {len(commands)} commands")
         return
-    bad = 0
+    runs, bad = {}, 0
     for command in commands:
         folder = tempfile.mkdtemp(prefix="check_docs-")
         if args.keep:  # one folder a command, named by its hash: kept, and read if it finished
@@ -462,29 +475,34 @@ def main():
             rc = os.path.join(folder, "rc")
             if os.path.exists(rc) and open(rc).read() != "0":
                 shutil.rmtree(folder)  # it failed: run it again
-        r = run_command(command, folder)
-        for file, text, _, read, tol, _ in (c for c in claims if c[2] == command):
+        runs[command] = run_command(command, folder)
+        if not args.keep:
+            shutil.rmtree(folder, ignore_errors=True)
+        # the claims whose last command this was
+        for file, text, claim_commands, read, tol, _ in claims:
+            if as_list(claim_commands)[-1] != command:
+                continue
             number, shown = quoted(text)
+            shown_command = " ; ".join(as_list(claim_commands))
+            rs = [runs[c] for c in as_list(claim_commands)]
             try:
-                measured = float(read(r))
+                measured = float(read(rs if isinstance(claim_commands, tuple) else rs[0]))
             except (KeyError, StopIteration, AttributeError, ZeroDivisionError, IndexError):
+                r = rs[-1]
                 print(f"FAILED {file}: {number}: the run gave no value (exit {r['rc']}: "
-                      f"{r['stderr'].strip()[-300:]}) ({command})")
+                      f"{r['stderr'].strip()[-300:]}) ({shown_command})")
                 bad += 1
                 continue
             if not holds(file, text):  # the text changed, its claim did not
                 print(f"MISSING {file}: {shown!r} is not in the file; measured {measured:.4g} "
-                      f"({command})")
+                      f"({shown_command})")
                 bad += 1
-                continue
-            if drifted(number, measured, tol):
-                print(f"DRIFT {file}: quoted {number}, measured {measured:.4g} ({command})")
+            elif drifted(number, measured, tol):
+                print(f"DRIFT {file}: quoted {number}, measured {measured:.4g} ({shown_command})")
                 bad += 1
             else:
-                print(f"ok {file}: {number} ({command})")
+                print(f"ok {file}: {number} ({shown_command})")
         sys.stdout.flush()
-        if not args.keep:
-            shutil.rmtree(folder, ignore_errors=True)
     print(f"{bad} of {len(claims)} claims drifted or failed" if bad else f"all {len(claims)} ok")
     raise SystemExit(1 if bad else 0)
 
