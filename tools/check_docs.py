@@ -40,7 +40,6 @@ CALC = "python grpo.py --env calc --seed 0"  # the calculator task (tag calc)
 SFT = "python sft.py --output_dir {tmp}/sft"  # docs/pipeline.md's first stage
 
 
-
 # --------------------------------------------------------------------------- how to read a run
 def summary(key):
     return lambda r: r["summary"][key]
@@ -62,11 +61,6 @@ def mean(key, first=None, last=None):
     return read
 
 
-def last_steps(key, n, pick):
-    """pick (min or max) of a metrics.jsonl key over the last n steps."""
-    return lambda r: pick([m[key] for m in r["metrics"] if key in m][-n:])
-
-
 def at_step(step, key="eval"):
     """A metrics.jsonl key at one step (held-out evals are logged at their steps)."""
     return lambda r: next(m[key] for m in r["metrics"] if m["step"] == step)
@@ -76,7 +70,7 @@ EVALS = (at_step(20), at_step(40), AFTER)  # EXERCISES.md: "held-out at steps 20
 
 
 def per_step(key):
-    """A key's mean over the run divided by the steps: seconds per step from wall time."""
+    """A summary.json number divided by the run's steps (wall_time_s: seconds per step)."""
     return lambda r: r["summary"][key] / r["summary"]["steps"]
 
 
@@ -85,7 +79,7 @@ def over_runs(read, pick):
     return lambda runs: pick([read(r) for r in runs])
 
 
-def SEEDS(flags):  # docs/policy_losses.md: grpo.py over seeds 0, 1, 2
+def seeds(flags):  # docs/policy_losses.md: grpo.py over seeds 0, 1, 2
     return tuple(f"python grpo.py --seed {s} {flags}" for s in range(3))
 
 
@@ -95,7 +89,7 @@ def mark(values, k):
                       for i, v in enumerate(values))
 
 
-def FIRST_LAST(key):  # "first / last 10 steps": the mean of each
+def first_last(key):  # "first / last 10 steps": the mean of each
     return mean(key, first=10), mean(key, last=10)
 
 
@@ -104,6 +98,12 @@ def row(file, before, values, after, command, reads, tol=0, tags=()):
     reader (reads[k]). A number in ** (bold) is quoted without them."""
     return [(file, before + mark(values, k) + after, command, read, tol, tags)
             for k, read in enumerate(reads)]
+
+
+def cpu_seconds(r):
+    """User + system CPU seconds, as `/usr/bin/time -f 'CPU %U user %S system'` reports them."""
+    user, system = re.search(r"CPU ([\d.]+) user ([\d.]+) system", r["stderr"]).groups()
+    return float(user) + float(system)
 
 
 def stdout(pattern):
@@ -197,16 +197,16 @@ CLAIMS = [
           ("SAPO (τ 1.0 / 1.05)", " --policy_loss sapo", ("0.946", "0.878", "0.860")))
       for s in range(3)],
     *[claim for cell, flags, kl, mean_after in (  # cell: the clip_frac column
-        ("| 0.020 |", "", ("0.29", "0.42"), "0.965"),
+        ("| 0.020 |", "", ("0.29", "0.41"), "0.965"),
         ("| **0.315** |", " --importance_sampling_level sequence", ("0.30", "0.35"), "0.971"),
         ("| 0.036 (weights clipped) |", " --policy_loss cispo", ("0.39", "0.55"), "0.857"),
         ("| 0 (no clip) |", " --policy_loss sapo", ("0.38", "0.47"), "0.895"))
       for claim in (
-          ("docs/policy_losses.md", f"{cell} {{{kl[0]}}}-{kl[1]} |", SEEDS(f"{MU4}{flags}"),
+          ("docs/policy_losses.md", f"{cell} {{{kl[0]}}}-{kl[1]} |", seeds(f"{MU4}{flags}"),
            over_runs(mean("kl", last=10), min), 0, ()),
-          ("docs/policy_losses.md", f"{cell} {kl[0]}-{{{kl[1]}}} |", SEEDS(f"{MU4}{flags}"),
+          ("docs/policy_losses.md", f"{cell} {kl[0]}-{{{kl[1]}}} |", seeds(f"{MU4}{flags}"),
            over_runs(mean("kl", last=10), max), 0, ()),
-          ("docs/policy_losses.md", f"| {{{mean_after}}} {cell}", SEEDS(f"{MU4}{flags}"),
+          ("docs/policy_losses.md", f"| {{{mean_after}}} {cell}", seeds(f"{MU4}{flags}"),
            over_runs(AFTER, lambda xs: sum(xs) / len(xs)), 0, ()))],
     *[("docs/policy_losses.md", f"(held-out at step 100: {mark(('0.574', '0.614', '0.850'), s)})",
        f"python grpo.py --seed {s} {MU4} --policy_loss cispo", at_step(100), 0, ())
@@ -261,9 +261,9 @@ CLAIMS = [
     *row("EXERCISES.md", "| RLOO | ", ("0.880", "0.970", "0.990"), " |",
          f"python reinforce.py {S} --baseline rloo", EVALS),
     *row("EXERCISES.md", "| RLOO | 0.880 / 0.970 / 0.990 | ", ("0.05", "0.01"), " |",
-         f"python reinforce.py {S} --baseline rloo", FIRST_LAST("adv_mean")),
+         f"python reinforce.py {S} --baseline rloo", first_last("adv_mean")),
     *row("EXERCISES.md", "| 0.05 / 0.01 | ", ("0.36", "0.34"), " |",
-         f"python reinforce.py {S} --baseline rloo", FIRST_LAST("sample_grad_rms")),
+         f"python reinforce.py {S} --baseline rloo", first_last("sample_grad_rms")),
     *row("EXERCISES.md", "| none | ", ("0.900", "0.985", "0.995"), " | 0.39 | 1.5 |",
          f"python reinforce.py {S} --baseline none", EVALS),
     ("EXERCISES.md", "| none | 0.900 / 0.985 / 0.995 | {0.39} | 1.5 |",
@@ -295,33 +295,33 @@ CLAIMS = [
     *row("EXERCISES.md", "| G = 2 × 32 prompts | ", ("0.935", "0.975", "0.990"), " |",
          f"python grpo.py {S} --group_size 2 --prompts_per_step 32", EVALS),
     *row("EXERCISES.md", "| 0.935 / 0.975 / 0.990 | **", ("0.70", "0.82"), "** |",
-         f"python grpo.py {S} --group_size 2 --prompts_per_step 32", FIRST_LAST("frac_zero_std")),
+         f"python grpo.py {S} --group_size 2 --prompts_per_step 32", first_last("frac_zero_std")),
     *row("EXERCISES.md", "| G = 16 × 4 prompts | ", ("0.905", "0.875", "0.945"), " |",
          f"python grpo.py {S} --group_size 16 --prompts_per_step 4", EVALS),
     *row("EXERCISES.md", "| 0.905 / 0.875 / 0.945 | ", ("0.20", "0.38"), " |",
-         f"python grpo.py {S} --group_size 16 --prompts_per_step 4", FIRST_LAST("frac_zero_std")),
+         f"python grpo.py {S} --group_size 16 --prompts_per_step 4", first_last("frac_zero_std")),
     *row("EXERCISES.md", "**Measured:** held-out ", ("0.865", "0.925", "0.995"), " (vs",
          f"python grpo.py {S} --scale_rewards none", EVALS),
     *row("EXERCISES.md", "`grad_norm`\n", ("1.63", "0.80"), " (vs 2.83 / 2.33)",
-         f"python grpo.py {S} --scale_rewards none", FIRST_LAST("grad_norm")),
+         f"python grpo.py {S} --scale_rewards none", first_last("grad_norm")),
     *row("EXERCISES.md", "1.63 / 0.80 (vs ", ("2.83", "2.33"), ").", f"python grpo.py {S}",
-         FIRST_LAST("grad_norm")),
+         first_last("grad_norm")),
     *row("EXERCISES.md", "| kl_coef 0.05 | ", ("1.7", "4.3"), " |", f"python ppo.py {S}",
-         FIRST_LAST("reward")),
+         first_last("reward")),
     *row("EXERCISES.md", "| kl_coef 0.05 | 1.7 / 4.3 | ", ("0.55", "0.92"), " |",
-         f"python ppo.py {S}", FIRST_LAST("gold")),
+         f"python ppo.py {S}", first_last("gold")),
     *row("EXERCISES.md", "| 0.55 / 0.92 | ", ("0.895", "0.920", "0.975"), " |",
          f"python ppo.py {S}", EVALS),
     *row("EXERCISES.md", "| kl_coef 0 | ", ("1.6", "4.2"), " |", f"python ppo.py {S} --kl_coef 0",
-         FIRST_LAST("reward")),
+         first_last("reward")),
     *row("EXERCISES.md", "| kl_coef 0 | 1.6 / 4.2 | **", ("0.53", "0.65"), "** |",
-         f"python ppo.py {S} --kl_coef 0", FIRST_LAST("gold")),
+         f"python ppo.py {S} --kl_coef 0", first_last("gold")),
     *row("EXERCISES.md", "| **0.53 / 0.65** | **", ("0.620", "0.735", "0.740"), "** |",
          f"python ppo.py {S} --kl_coef 0", EVALS),
     *row("EXERCISES.md", "| reward model | ", ("0.31", "0.84"), " |", f"python ppo.py {S}",
-         FIRST_LAST("explained_var")),
+         first_last("explained_var")),
     *row("EXERCISES.md", "| policy | ", ("0.28", "0.87"), " |",
-         f"python ppo.py {S} --critic_init policy", FIRST_LAST("explained_var")),
+         f"python ppo.py {S} --critic_init policy", first_last("explained_var")),
     *row("EXERCISES.md", "| policy | 0.28 / 0.87 | ", ("0.815", "0.955", "0.965"), " |",
          f"python ppo.py {S} --critic_init policy", EVALS),
     *row("EXERCISES.md", "| GSPO, sequence ratio, ε 3e-4 / 4e-4 | ", ("0.810", "0.905", "0.945"),
@@ -372,8 +372,8 @@ CLAIMS = [
     ("docs/tool_use.md", "(step 20) | 0.558 → {0.866} |",
      "python ppo.py --env calc --max_steps 20 --eval_every 10",
      greedy_after, 0, ("calc",)),
-    ("docs/tool_use.md", "4 evals of 500 prompts took {56} s of CPU", CALC,
-     WALL_S, WALL, ("calc",)),
+    ("docs/tool_use.md", "4 evals of 500 prompts took {56} s of CPU",
+     f"/usr/bin/time -f 'CPU %U user %S system' {CALC}", cpu_seconds, WALL, ("calc",)),
     ("EXERCISES.md", "| as it is (no cost) | 0.044 / 0.893 | 0.952 / 0.856 | 0.618 → {0.871} |",
      "python -c \"import json, random; r = random.Random(0); open('{tmp}/mix.jsonl', 'w')"
      ".writelines(json.dumps({'prompt': f'{a}+{b}=', 'answer': str(a + b)}) + '\\n' for a, b in "
@@ -422,7 +422,7 @@ def run_command(command, folder):
     run, tmp = os.path.join(folder, "run"), os.path.join(folder, "tmp")
     if not os.path.exists(os.path.join(folder, "rc")):
         os.makedirs(tmp, exist_ok=True)
-        if "{run}" not in command and command.startswith("python") and ".py" in command:
+        if "{run}" not in command and ".py" in command:
             command += " --output_dir {run}"
         # {run} and {tmp} only: the command's own braces (a python -c) stay as they are
         shell = command.replace("{run}", run).replace("{tmp}", tmp)
