@@ -41,8 +41,8 @@ Run:  python ppo.py                      # bundled policy + reward model, 2-core
       python ppo.py --rewards math --critic_init policy   # the rule reward instead of the RM
       python ppo.py --model Qwen/Qwen2.5-0.5B-Instruct --reward_model OWNER/RM --data my.jsonl \\
           --max_new_tokens 128 --lr 3e-6 --critic_lr 3e-6 --temperature 0.7 --compile
-Expect (bundled default): held-out greedy accuracy 0.29 -> about 0.96, the RM score from about 2
-to about 4.5 with `gold` rising beside it.
+Expect (bundled default): held-out greedy accuracy 0.292 -> 0.954, the RM score from 1.7 to 4.8
+(means over the first and the last 10 steps) with `gold` rising beside it, to 0.93.
 """
 import random
 import time
@@ -287,24 +287,39 @@ def check_args(args):
 def ppo_update(model, critic, opt, run, roll, batch, args, amp):
     """ppo_epochs passes over shuffled minibatches, an optimizer step each (micro-batch gradients
     summed, over the minibatch's tokens), ended by a minibatch whose approx KL(pi_old || pi) passes
-    target_kl (its update dropped). batch: old_logprobs, old_values, returns, advantages (B, T)."""
+    target_kl (its update dropped). batch: old_logprobs, old_values, returns, advantages (B, T).
+    Under torchrun this process holds rows rank, rank + world, ... of the global batch (main's
+    [rank::world]); every process shuffles the global batch with rank 0's permutation and trains
+    on the rows it holds of each minibatch, so the processes make the one-process update."""
     mask = roll.completion_mask
-    B, T = mask.shape
-    mb_size = B // args.num_minibatches
+    B, T = mask.shape  # this process's rows
+    n = B * run.world  # the global batch's rows
+    mb_size = n // args.num_minibatches
+    size = min(args.micro_batch_size, mb_size)  # rows per forward
     logged = ("pg_loss", "value_loss", "clip_frac", "value_clip_frac", "ratio", "approx_kl",
               "entropy")  # token means over each minibatch
     updates = []  # each optimizer step's stats
     for epoch in range(args.ppo_epochs):
-        perm = torch.randperm(B, device=mask.device)  # reshuffled every epoch (N details)
-        for start in range(0, B, mb_size):
-            idx = perm[start:start + mb_size]  # this minibatch's rows
+        perm = torch.randperm(n, device=mask.device)  # reshuffled every epoch (N details)
+        if run.world > 1:  # one permutation for every process: rank 0's (seeded as one process)
+            torch.distributed.broadcast(perm, src=0)
+        for start in range(0, n, mb_size):
+            rows = perm[start:start + mb_size]  # this minibatch's rows of the global batch
+            idx = rows[rows % run.world == run.rank] // run.world  # those this process holds
             n_tokens = R.global_sum(mask[idx].sum()).clamp(min=1)  # the whole minibatch's
             mb = dict.fromkeys(("loss",) + logged, 0.0)
-            micro = C.micro_batches(mask[idx], min(args.micro_batch_size, mb_size))
-            for i, j in enumerate(idx[m] for m in micro):
-                m = mask[j]
-                with R.sync_gradients(model, now=i == len(micro) - 1), \
-                        R.sync_gradients(critic, now=i == len(micro) - 1):
+            micro = C.micro_batches(mask[idx], size)
+            # processes may hold unequal shares of a minibatch, but DDP's and FSDP2's collectives
+            # need as many forwards in each: the most any process needs (ceil(share / size)); one
+            # with fewer runs the rest on its row 0 with mask 0 (no loss, no gradient)
+            shares = [int((rows % run.world == r).sum()) for r in range(run.world)]
+            n_micro = max(-(-share // size) for share in shares)
+            for i in range(n_micro):
+                spare = i >= len(micro)
+                j = idx.new_zeros(1) if spare else idx[micro[i]]
+                m = mask[j] * 0 if spare else mask[j]
+                with R.sync_gradients(model, now=i == n_micro - 1), \
+                        R.sync_gradients(critic, now=i == n_micro - 1):
                     with amp:
                         logprobs, entropy = C.token_logprobs(model, roll.ids[j],
                                                              roll.attention_mask[j], T,

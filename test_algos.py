@@ -61,6 +61,7 @@ from tools.merge_lora import merge as merge_lora
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tools"))
 import compare  # noqa: E402  (tools/compare.py, which imports its sibling plot.py)
 import plot  # noqa: E402  (tools/plot.py)
+import check_docs  # noqa: E402  (tools/check_docs.py)
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 torch.set_num_threads(2)
@@ -1982,7 +1983,7 @@ def test_target_kl_stops_the_epochs(tok, target_kl, expect_updates):
     opt = torch.optim.AdamW([{"params": model.parameters(), "lr": 1e-2},
                              {"params": critic.parameters(), "lr": 1e-2}])
     before = [p.detach().clone() for p in model.parameters()]
-    run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1)
+    run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0)
     stats = ppo.ppo_update(model, ppo.ValueModel(critic), opt, run, roll, batch, args, OFF)
     assert stats["ppo_updates"] == expect_updates
     # the first update did happen
@@ -2002,7 +2003,7 @@ def test_ppo_micro_batches_do_not_change_the_update(tok):
                                temperature=1.0, ent_coef=0.01, clip_eps=0.2, clip_eps_value=0.2,
                                vf_coef=0.5, target_kl=0.0, max_grad_norm=1e9)
         opt = torch.optim.SGD([*model.parameters(), *critic.parameters()], lr=1.0)
-        run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1)
+        run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0)
         ppo.ppo_update(model, ppo.ValueModel(critic), opt, run, roll, batch, args, OFF)
         after.append([p.detach().clone() for p in (*model.parameters(), *critic.parameters())])
     for a, b in zip(*after):
@@ -2020,7 +2021,7 @@ def test_ppo_update_lowers_value_loss_and_raises_advantaged_logprobs(tok):
                              {"params": critic.parameters(), "lr": 3e-3}])
     mask = roll.completion_mask
     v0 = C.masked_mean((batch["old_values"] - batch["returns"]) ** 2, mask)
-    run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1)
+    run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0)
     ppo.ppo_update(model, ppo.ValueModel(critic), opt, run, roll, batch, args, OFF)
     with torch.no_grad():
         values = ppo.critic_values(critic, roll.ids, roll.attention_mask, mask.shape[1])
@@ -4278,6 +4279,9 @@ def sample(model, tok, prompt_ids, *args, **kwargs):  # each row alone, seeded b
         k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
         torch.manual_seed(hash((tuple(p), k)) % 2**31)
         pieces.append((real_sample(model, tok, [p], *args, **kwargs), torch.tensor([0])))
+    # then the RNG as one process leaves it in rank 0 and another stream in rank 1 (so
+    # runs.seed_everything seeds them): ppo's minibatches must follow rank 0's shuffle alone
+    torch.manual_seed(1 + runs.get_rank())
     return grpo.cat_rollouts(pieces)
 
 
@@ -4345,8 +4349,8 @@ WALL_CLOCK = ("step_time", "tokens_per_s")
               "--scale_rewards", "batch"]),
     ("reinforce", ["--prompts_per_step", "4", "--samples_per_prompt", "4", "--micro_batch_size",
                    "4", "--baseline", "ema", "--beta", "0.05"]),
-    ("ppo", ["--batch_size", "16", "--micro_batch_size", "4", "--num_minibatches", "1",
-             "--ppo_epochs", "1", "--rewards", "math", "--critic_init", "policy"])])
+    ("ppo", ["--batch_size", "16", "--micro_batch_size", "4", "--num_minibatches", "2",
+             "--ppo_epochs", "2", "--rewards", "math", "--critic_init", "policy"])])
 def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
     """One optimizer step on the same rows: 2 gloo processes under torchrun (normalisers and
     statistics over both), with DDP and with --fsdp (FSDP2: each process holds half of every
@@ -4355,8 +4359,10 @@ def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
     rounding only where |g| ~ eps, so almost every weight agrees to 1e-6 (measured: >= 99.2%,
     either way). Statistics of the whole step: grpo's --scale_rewards batch divides by the std of
     every process's rewards, reinforce's first --baseline ema is the mean return of every
-    process's rows, and every logged number is what one process logs on the same rows (token
-    means weighted by their tokens, stds over all rows), the step an int."""
+    process's rows, ppo's 2 epochs of 2 minibatches follow one shuffle of the whole batch (rank
+    0's: the driver leaves rank 1's RNG elsewhere), unevenly split between the processes, and
+    every logged number is what one process logs on the same rows (token means weighted by
+    their tokens, stds over all rows), the step an int."""
     out = {}
     for name, n, extra in (("one", 1, []), ("ddp", 2, []), ("fsdp", 2, ["--fsdp"])):
         out[name] = tmp_path / name
@@ -4725,6 +4731,25 @@ def test_docs_commands_use_flags_their_script_has():
             assert not missing, f"{path}: {script} has no --{missing[0]}: {command}"
             checked += 1
     assert checked >= 20
+
+
+def test_check_docs_claims_quote_the_docs_and_their_commands_use_real_flags():
+    """tools/check_docs.py (a number in the docs is a claim it re-runs): each claim's text, with
+    its number, is still in its file, each command's flags exist, and a measurement drifts when
+    it differs at the quoted digits (or, for a wall time, beyond the stated factor)."""
+    assert len(check_docs.CLAIMS) >= 100
+    for file, text, command, read, tol, tags in check_docs.CLAIMS:
+        assert check_docs.holds(file, text), f"{file} no longer says {text!r}"
+        float(check_docs.quoted(text)[0].replace(",", ""))
+        for part in (p for c in check_docs.as_list(command) for p in c.split(" && ")):
+            words = part.split()
+            if words[0] == "python" and words[1] in {f"{n}.py" for n in SCRIPTS}:
+                have = {f.name for f in dataclasses.fields(SCRIPTS[words[1][:-3]].Args)}
+                flags = re.findall(r"(?<!\S)--(\w+)", part)
+                assert set(flags) <= have, (command, set(flags) - have)
+    assert not check_docs.drifted("0.954", 0.9543, 0) and check_docs.drifted("0.954", 0.932, 0)
+    assert check_docs.drifted("0.93", 0.897, 0) and not check_docs.drifted("16", 16.0, 0)
+    assert not check_docs.drifted("70", 164.6, 2.0) and check_docs.drifted("70", 230.0, 2.0)
 
 
 def test_shown_commands_finds_block_inline_and_continued_commands():
