@@ -17,11 +17,13 @@ after the last observation), so copying the observation is the skill, not a free
 The policy, models/tiny-calc, is tiny-adder warm-started by sft.py on demonstrations of which 30%
 call the tool (tools/build_models.py), so RL has a habit to strengthen.
 """
+import concurrent.futures
 import copy
 import functools
 import inspect
 import json
 import os
+import queue
 import random
 import re
 import threading
@@ -140,32 +142,40 @@ ENV_TIMEOUT_S = 10.0  # --env_timeout's default: a call slower than this stops t
 
 
 def call_all(calls, limit):
-    """Run calls (functions of no argument) at the same time, each in its own thread, and return
-    their results in order; what a call raises, SystemExit and KeyboardInterrupt too, is raised
-    here. A call still running after `limit` seconds stops the run with one line. Threads, not
-    processes: an episode's state (its row, an env object) stays in this process from call to
-    call, with nothing to pickle; a call that never returns cannot be killed, but it runs in a
-    daemon thread, which ends with the run. (A tool running native code that never releases
-    Python's lock would block this too: run such code in a subprocess with its own timeout.)"""
-    results, errors = [None] * len(calls), [None] * len(calls)
+    """Run calls (functions of no argument) at the same time, each in a thread of its own, and
+    return their results in order; what a call raises, SystemExit and KeyboardInterrupt too, is
+    raised here. A call still running after `limit` seconds raises TimeoutError(its index).
+    Threads, not processes: an episode's state (its row, an env object) stays in this process from
+    call to call, with nothing to pickle; a call that never returns cannot be killed, but it runs
+    in a daemon thread, which ends with the run. (A tool running native code that never releases
+    Python's lock would block this too: run such code in a subprocess with its own timeout.) The
+    threads wait for the next calls rather than end: starting one costs more than a quick env."""
+    with _POOL["lock"]:
+        for _ in range(len(calls) - _POOL["free"]):  # a thread for each call that has none free
+            threading.Thread(target=_worker, daemon=True).start()
+            _POOL["free"] += 1
+        _POOL["free"] -= len(calls)  # these calls take them
+    futures = [concurrent.futures.Future() for _ in calls]
+    for call, future in zip(calls, futures):
+        _POOL["jobs"].put((call, future))
+    _, late = concurrent.futures.wait(futures, timeout=limit)
+    if late:
+        raise TimeoutError(min(futures.index(f) for f in late))
+    return [f.result() for f in futures]
 
-    def run(k):
+
+_POOL = {"jobs": queue.SimpleQueue(), "free": 0, "lock": threading.Lock()}  # call_all's threads
+
+
+def _worker():
+    while True:
+        call, future = _POOL["jobs"].get()
         try:
-            results[k] = calls[k]()
+            future.set_result(call())
         except BaseException as e:  # noqa: B036 -- SystemExit too: shown as one line, exit 2
-            errors[k] = e
-    threads = [threading.Thread(target=run, args=(k,), daemon=True) for k in range(len(calls))]
-    for th in threads:
-        th.start()
-    deadline = time.monotonic() + limit
-    for k, th in enumerate(threads):
-        th.join(max(0.0, deadline - time.monotonic()))
-        if th.is_alive():
-            raise TimeoutError(k)
-    for e in errors:
-        if e is not None:
-            raise e
-    return results
+            future.set_exception(e)
+        with _POOL["lock"]:
+            _POOL["free"] += 1
 
 
 def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
