@@ -169,10 +169,12 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             out[live, t] = nxt
             sampled = ~is_obs[live, t]
             ended = torch.isin(nxt, eos) & sampled  # the model's turn ended on its EOS
-            if stop:  # decode each row's last few tokens of its turn: does a stop string end here?
+            if stop:  # decode each row's last few tokens: does a stop string end at this one?
                 lo = max(0, t + 1 - window)
-                tails = tok.batch_decode([x[max(0, ep.begun[i] - lo):] for i, x in
-                                          zip(live.tolist(), out[live, lo:t + 1].tolist())])
+                tails = tok.batch_decode(out[live, lo:t + 1])
+                for j, i in enumerate(live.tolist() if env_step else []):  # a turn that began
+                    if ep.begun[i] > lo:  # inside the window: its own tokens only
+                        tails[j] = tok.decode(out[i, ep.begun[i]:t + 1])
                 ended |= torch.tensor([any(s in x for s in stop) for x in tails],
                                       device=device) & sampled
             if env_step is not None and ended.any():  # the env answers; None ends the episode

@@ -268,8 +268,8 @@ def task_data(args, data):
 
 def tool_metrics(roll, env):
     """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
-    tool_errors (the fraction of observations that start with 'error', as calc's and --tools'
-    do), obs_truncated (completions with an observation cut by the budget); --tools: calls per
+    tool_errors (the fraction of observations that start with 'error', as calc's do),
+    obs_truncated (completions with an observation cut by the budget); --tools: calls per
     completion and the fraction that failed, per tool (tool_calls/NAME, tool_errors/NAME)."""
     n = sum(len(o) for o in roll.observations)
     errors = sum(x.strip().startswith("error") for o in roll.observations for x in o)
