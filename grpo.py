@@ -70,7 +70,7 @@ class Args:
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = R.arg(10.0, "> 0")  # seconds an env call may take: slower stops the run
+    env_timeout: float = R.arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
     max_turns: int = R.arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
