@@ -180,7 +180,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             if env_step is not None and ended.any():  # the env answers; None ends the episode
                 goes_on = _observe(tok, env_step, ep, out, live[ended].tolist(), t,
                                    max_new_tokens - t - 1, max_turns, eos)
-                ended[ended.clone()] = ~goes_on
+                ended[ended.clone()] = ~goes_on  # a row that gets an observation goes on
             lengths[live[ended]] = t + 1
             finished[live[ended]] = True
             if ended.all() or t == max_new_tokens - 1:

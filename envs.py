@@ -214,8 +214,10 @@ def start_episodes(rows, make, flag, spec, timeout, tok):
     copies = [copy.deepcopy(r) for r in rows]
     episodes = [None] * len(rows)
 
+    def where(i, turns):  # the row an error names
+        return f"on the row with prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)}"
+
     def call(i, turns):
-        where = f"on the row with prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)}"
         try:
             if episodes[i] is None:
                 episodes[i] = make(copies[i])
@@ -225,11 +227,11 @@ def start_episodes(rows, make, flag, spec, timeout, tok):
             raise
         except BaseException as e:  # noqa: B036 -- a SystemExit in an env must not end the run 0
             raise C.UserError(f"{flag} {spec!r} raised {type(e).__name__}: {C._first_line(e)} "
-                              f"({where})") from None
+                              f"({where(i, turns)})") from None
         ids = isinstance(out, list) and all(type(x) is int for x in out)
         if out is not None and not isinstance(out, str) and not ids:
             raise C.UserError(f"{flag} {spec!r} returned {type(out).__name__} {out!r:.40} "
-                              f"({where}): return the observation text, or None to end")
+                              f"({where(i, turns)}): return the observation text, or None to end")
         return out
 
     def env_step(requests):  # [(row, turns, budget left, EOS the turn ended on)] -> observations
@@ -238,25 +240,29 @@ def start_episodes(rows, make, flag, spec, timeout, tok):
                             timeout)
         except TimeoutError as e:
             i, turns, _, _ = requests[e.args[0]]
-            raise C.UserError(f"{flag} {spec!r} took more than {timeout:g} s on the row with "
-                              f"prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)} "
-                              "(--env_timeout)") from None
+            raise C.UserError(f"{flag} {spec!r} took more than {timeout:g} s "
+                              f"{where(i, turns)} (--env_timeout)") from None
         return [None if out is None else observation_ids(tok, out, left, end)
                 for out, (_, _, left, end) in zip(outs, requests)]
     return env_step, episodes
 
 
+def text_ids(tok, text):
+    """A tool's text as data: token ids, invalid unicode replaced, never read as special tokens
+    ('<eos>' in a tool's output is five characters, not the EOS)."""
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
 def observation_ids(tok, obs, left, end=None):
     """An observation as the token ids fed to the model, cut to the `left` of the budget, and
-    whether it was cut. Text is data: cut before it is tokenized (a token spans few characters),
-    invalid unicode replaced, and never read as special tokens: '<eos>' in a tool's output is
-    five characters, not the EOS. Token ids (chat_observation's: the chat template's own markers)
-    are fed as they are; when the turn ended on the model's own EOS `end` and the ids begin with
-    it (the template's end-of-turn tag), the model's token stands for the template's."""
+    whether it was cut. Text (text_ids) is cut before it is tokenized (a token spans few
+    characters). Token ids (chat_observation's: the chat template's own markers) are fed as they
+    are; when the turn ended on the model's own EOS `end` and the ids begin with it (the
+    template's end-of-turn tag), the model's token stands for the template's."""
     if isinstance(obs, str):
-        short = obs[:32 * left + 32].encode("utf-8", "replace").decode("utf-8")
-        ids = tok(short, add_special_tokens=False, split_special_tokens=True)["input_ids"]
-        return ids[:left], len(ids) > left or len(short) < len(obs)
+        ids = text_ids(tok, obs[:32 * left + 32])
+        return ids[:left], len(ids) > left or 32 * left + 32 < len(obs)
     ids = obs[1:] if end is not None and obs[:1] == [end] else obs
     return ids[:left], len(ids) > left
 
@@ -303,9 +309,9 @@ def chat_observation(tok, messages, turn, results, tools=None):
     conversation with the model's turn and one tool message per result, minus its rendering up
     to the end of the turn. That difference (the turn's end tag, the tool messages, the next
     assistant header) is the observation: the template's markers are its own tokens, special
-    ones included, and each result is tokenized as text (observation_ids: never a special
-    token). messages: the conversation before this turn (the prompt, earlier turns and tool
-    messages); tools: the schemas the prompt was rendered with. A turn that ended on the model's
+    ones included, and each result is tokenized as text (text_ids: never a special token).
+    messages: the conversation before this turn (the prompt, earlier turns and tool messages);
+    tools: the schemas the prompt was rendered with. A turn that ended on the model's
     own end-of-turn token keeps it, and observation_ids drops the template's copy of it."""
     results = [results] if isinstance(results, str) else list(results)
 
@@ -325,7 +331,7 @@ def chat_observation(tok, messages, turn, results, tools=None):
             raise C.UserError("the chat template does not show a tool message's content as it "
                               "is: build the observation by hand")
         ids += tok(markup, add_special_tokens=False)["input_ids"]
-        ids += observation_ids(tok, result, len(result) + 1)[0]
+        ids += text_ids(tok, result)
     return ids + tok(rest, add_special_tokens=False)["input_ids"]
 
 
