@@ -1,7 +1,7 @@
 """common.py: the algorithmic core that every training script shares, and must share identically:
 sampling (one turn, or a multi-turn episode with a tool: one decode loop) -> log-probs and KL
 -> rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
-algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py.
+algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py (never imported here).
 
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
@@ -19,22 +19,42 @@ Notation used in every script:
 import functools
 import inspect
 import math
-import numbers
 import re
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 
-import answer_format  # the number a text's answer states: \boxed{}, '####', fractions
-from errors import UserError, first_line as _first_line  # bad input: one line (runs.main_guard)
+from errors import UserError  # bad input: one line (runs.main_guard)
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
-import tasks  # the data: encode_prompts() turns a row's prompt into token ids (chat template)
 
 try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
     import math_verify
 except ImportError:
     math_verify = None
+
+
+# ------------------------------------------------------------------------------------ sampling
+def as_messages(prompt):
+    """A prompt as chat messages: a text is one user message; a list of messages stays as it is."""
+    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+
+
+def as_text(prompt):
+    """A prompt as plain text, for a tokenizer without a chat template: the messages' contents."""
+    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
+
+
+def encode_prompts(tok, prompts, chat_template="auto", tools=None):
+    """Token ids per prompt (text or messages), with the tokenizer's chat template unless 'none';
+    tools: JSON schemas the template renders (--tools)."""
+    if chat_template != "none" and tok.chat_template:
+        texts = [tok.apply_chat_template(as_messages(p), tools=tools, tokenize=False,
+                                         add_generation_prompt=True) for p in prompts]
+        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
+    return [tok(as_text(p))["input_ids"] for p in prompts]
 
 
 def left_pad(seqs, pad_id, device):
@@ -91,37 +111,20 @@ def eos_ids(model, tok):
     return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
 
 
-def _observe(tok, env_step, ep, out, rows, t, left, max_turns, eos):
-    """sample()'s multi-turn step for the rows whose turn ended at column t: record each turn's
-    text, ask env_step for the observations of those with turns left, all at once (a request:
-    row, turns, budget left, the EOS the turn ended on or None), and queue their token ids."""
-    for i in rows:
-        ep.turns[i].append(tok.decode(out[i, ep.begun[i]:t + 1], skip_special_tokens=True))
-        ep.begun[i] = t + 1
-    asking = [i for i in rows if len(ep.turns[i]) < max_turns]
-    ends = [int(out[i, t]) if out[i, t] in eos else None for i in asking]
-    answers = dict(zip(asking, env_step([(i, list(ep.turns[i]), left, end)
-                                         for i, end in zip(asking, ends)])))
-    for i, answer in answers.items():
-        if answer is not None:  # (ids cut to the budget, whether they were cut); None: it ended
-            ep.forced[i], cut = answer
-            ep.obs_cut[i] |= cut
-            ep.observations[i].append(tok.decode(ep.forced[i]))  # as the model reads it
-            ep.begun[i] = t + 1 + len(ep.forced[i])  # the model's next turn starts after it
-    return torch.tensor([answers.get(i) is not None for i in rows], device=out.device)
-
-
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
            amp=None, stop=(), share_prompts=True, env_step=None, max_turns=1):
     """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
     turn ends at its first EOS or at the token that completes a `stop` string; greedy: the argmax
     instead of a draw. Without env_step the row is then done and leaves the batch and the cache.
-    With env_step (tool use: envs.start_episodes) its env answers: None ends the episode; an
-    observation's tokens are fed to the row one a step through the same KV cache (forced, not
-    sampled: completion_mask 0, sample_logprobs 0) while the other rows go on sampling, and then
-    the model's next turn follows: no token is forwarded twice. max_new_tokens: the budget of the
-    whole completion, observations included; no env call after turn max_turns."""
+    With env_step (tool use: envs.start_episodes, where each episode keeps its turns) the rows
+    whose turns end at one step ask it at once: a request is (row, the turn's token ids, budget
+    left, the EOS it ended on or None); it answers each with an observation's ids or None, which
+    ends the episode. An observation is fed to its row one token a step through the same KV cache
+    (forced, not sampled: completion_mask 0, sample_logprobs 0) while the other rows go on
+    sampling, and then the model's next turn follows: no token is forwarded twice.
+    max_new_tokens: the budget of the whole completion, observations included; no env call after
+    turn max_turns."""
     B, device = len(prompt_ids), next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # sampled tokens
@@ -131,19 +134,21 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     window = max(map(len, stop), default=0) + 2  # a stop string spans <= 1 token per character
     live = torch.arange(B, device=device)  # original row index of each row still being sampled
     is_obs = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # fed, not sampled
-    # each episode's own state (multi-turn): observation tokens still to feed, the model's turns
-    # (texts), the column where its current turn began, the observations, and whether one was cut
-    ep = SimpleNamespace(forced=[[] for _ in range(B)], turns=[[] for _ in range(B)],
-                         begun=[0] * B, observations=[[] for _ in range(B)], obs_cut=[False] * B)
+    # multi-turn: each row's observation tokens still to feed, the column where its current turn
+    # began, and its turns so far
+    forced, begun, turns = [[] for _ in range(B)], [0] * B, [0] * B
     with amp or torch.autocast(device.type, enabled=False):
-        if share_prompts:  # the fast path: each distinct prompt's prefill runs once (same numbers)
-            logits, cache, ids, prompt_mask = fastpath.prefill_shared(model, prompt_ids,
-                                                                      tok.pad_token_id, device)
-        else:  # the plain prefill of every row
-            ids, prompt_mask = left_pad(prompt_ids, tok.pad_token_id, device)
-            cache = DynamicCache()
-            logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
-            logits = logits.logits[:, -1]
+        # the prefill: every row's prompt; share_prompts (the fast path, same numbers): each
+        # distinct prompt once, its KV cache then copied to its rows (a GRPO group's G rows)
+        prompts, row_of = fastpath.distinct(prompt_ids, device) if share_prompts else (
+            prompt_ids, None)
+        ids, prompt_mask = left_pad(prompts, tok.pad_token_id, device)
+        cache = DynamicCache()
+        logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
+        logits = logits.logits[:, -1]
+        if row_of is not None:
+            fastpath.copy_to_rows(cache, row_of)
+            logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
         P = ids.shape[1]
         # the attention mask of every column there can be; step t passes its first P + t + 1
         mask = torch.cat([prompt_mask, prompt_mask.new_ones(B, max_new_tokens)], dim=1)
@@ -160,10 +165,10 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             out_lp[live, t] = z.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
             if top_p < 1.0:  # drawn from the kept tokens, renormalised: their mass is probs.sum()
                 out_lp[live, t] -= probs.sum(-1).log()
-            feeding = [j for j, i in enumerate(live.tolist()) if ep.forced[i]] if env_step else []
+            feeding = [j for j, i in enumerate(live.tolist()) if forced[i]] if env_step else []
             if feeding:  # rows amid an observation take its next token instead of the draw
                 fed = live[feeding]
-                nxt[feeding] = torch.tensor([ep.forced[i].pop(0) for i in fed.tolist()],
+                nxt[feeding] = torch.tensor([forced[i].pop(0) for i in fed.tolist()],
                                             device=device)
                 out_lp[fed, t], is_obs[fed, t] = 0.0, True
             out[live, t] = nxt
@@ -173,14 +178,23 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
                 lo = max(0, t + 1 - window)
                 tails = tok.batch_decode(out[live, lo:t + 1])
                 for j, i in enumerate(live.tolist() if env_step else []):  # a turn that began
-                    if ep.begun[i] > lo:  # inside the window: its own tokens only
-                        tails[j] = tok.decode(out[i, ep.begun[i]:t + 1])
+                    if begun[i] > lo:  # inside the window: its own tokens only
+                        tails[j] = tok.decode(out[i, begun[i]:t + 1])
                 ended |= torch.tensor([any(s in x for s in stop) for x in tails],
                                       device=device) & sampled
             if env_step is not None and ended.any():  # the env answers; None ends the episode
-                goes_on = _observe(tok, env_step, ep, out, live[ended].tolist(), t,
-                                   max_new_tokens - t - 1, max_turns, eos)
-                ended[ended.clone()] = ~goes_on  # a row that gets an observation goes on
+                rows = live[ended].tolist()
+                for i in rows:
+                    turns[i] += 1
+                asking = [i for i in rows if turns[i] < max_turns]  # none after the last turn
+                answers = dict(zip(asking, env_step([
+                    (i, out[i, begun[i]:t + 1].tolist(), max_new_tokens - t - 1,
+                     int(out[i, t]) if out[i, t] in eos else None) for i in asking])))
+                for i, obs in answers.items():
+                    if obs is not None:  # fed from the next column on; then the model's turn
+                        forced[i], begun[i] = list(obs), t + 1 + len(obs)
+                ended[ended.clone()] = torch.tensor([answers.get(i) is None for i in rows],
+                                                    device=device)  # an observation: it goes on
             lengths[live[ended]] = t + 1
             finished[live[ended]] = True
             if ended.all() or t == max_new_tokens - 1:
@@ -199,19 +213,6 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
                            attention_mask=torch.cat([prompt_mask, real.long()], 1),
                            truncated=~finished, sample_logprobs=out_lp[:, :T] * completion_mask,
                            P=P)
-    if env_step is None:
-        return roll
-    for i, n in enumerate(lengths.tolist()):  # the turn a row was in when the budget ran out
-        if ep.begun[i] < n:
-            ep.turns[i].append(tok.decode(out[i, ep.begun[i]:n], skip_special_tokens=True))
-    roll.turns = torch.tensor([len(x) for x in ep.turns])  # model turns per row
-    roll.tool_calls = torch.tensor([len(x) for x in ep.observations])  # observations per row
-    roll.obs_truncated = torch.tensor(ep.obs_cut)  # an observation was cut by the budget
-    roll.observations = ep.observations
-    # what rewards read: the text after the last observation ('' if the budget ended inside it)
-    roll.final = [t[-1] if len(t) > len(o) else "" for t, o in zip(ep.turns, ep.observations)]
-    roll.transcript = ["".join(x + (f"⟦{o[k]}⟧" if k < len(o) else "") for k, x in enumerate(ts))
-                       for ts, o in zip(ep.turns, ep.observations)]  # observations in ⟦...⟧
     return roll
 
 
@@ -226,14 +227,14 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False):
     each on its own copy of the row. Returns the rollout and the texts rewards read (with env, the
     text after the last observation). greedy (held-out eval): the argmax, at temperature 1."""
     tools = env.tools if env else None  # --tools: their JSON schemas, rendered by the template
-    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
+    prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
-    env_step, episodes = env.start(rows, tok) if env else (None, None)
+    env_step, finish = env.start(rows, tok) if env else (None, None)
     roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy, amp,
                   args.stop, env_step=env_step, max_turns=args.max_turns if env else 1)
     if env is None:
         return roll, decode_completions(tok, roll)
-    roll.episodes = episodes  # each episode's state (--tools: its calls, for envs.tool_metrics)
+    finish(roll)  # the episodes' turns and observations: roll.final, roll.transcript, ...
     return roll, roll.final  # the text after the last observation
 
 
@@ -241,8 +242,8 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False):
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, fast=True):
     """log pi(token_t | tokens before t), with gradients, for the last T positions of ids (B, P+T):
     (B, T); entropy: also each position's entropy (B, T), else None. suppressed() ids get p = 0."""
-    head = _unwrap(model).get_output_embeddings()  # fast path: a head load_model checked
-    if not fast or head not in fastpath.SPLIT_HEADS:  # the plain computation, as a student's:
+    head = linear_head(model) if fast else None  # the fast path's LM head, if it qualifies
+    if head is None:  # the plain computation, as a student's:
         # the last T + 1 positions through the LM head (logits_to_keep): position t predicts
         logits = _forward(model, ids, attention_mask, positions(attention_mask), keep=T + 1).logits
         logits = logits[:, :-1]  # (B, T, V): token t + 1, so shift by one and drop the last
@@ -250,7 +251,38 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
         lp = logp.gather(-1, ids[:, -T:, None])[..., 0]  # (B, T): the log-prob of each taken token
         return lp, -(logp.exp() * logp).sum(-1) if entropy else None
-    return fastpath.fast_token_logprobs(model, head, ids, attention_mask, T, temperature, entropy)
+    # the fast path (fastpath.py): the final hidden states without padding columns (shared
+    # prompts once, except where a KV cache cannot be reused: torchrun's DDP runs one forward per
+    # backward, checkpointed layers drop it), then the head a chunk at a time: never (B, T, V)
+    share = not torch.distributed.is_initialized() and not any(
+        getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    x, targets = fastpath.final_hidden(functools.partial(_forward, model), ids, attention_mask, T,
+                                       share)
+    lp, ent = fastpath.head_logprobs(x, head, targets, temperature,
+                                     suppressed(model, head.out_features, ids.device), entropy)
+    pad = (0, T - targets.shape[1])  # zeros at the padding columns it skipped
+    return F.pad(lp, pad), F.pad(ent, pad) if entropy else None
+
+
+def linear_head(model):
+    """The model's LM head if token_logprobs may run it apart, a chunk at a time: a plain
+    nn.Linear whose output on the final hidden state IS the logits (not where the model scales or
+    soft-caps them, e.g. Gemma 2), not sharded (--fsdp) nor replaced (LoRA on the head). Checked
+    once per head, on two tokens, where the same matmul on the same input gives the same bits,
+    so any change to the logits shows; the answer is kept on the head (head.exact_logits)."""
+    head = _unwrap(model).get_output_embeddings()
+    if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
+        return None
+    if not hasattr(head, "exact_logits"):
+        ids = torch.tensor([[0, 1]], device=head.weight.device)
+        with torch.no_grad():
+            out = _forward(_unwrap(model), ids, torch.ones_like(ids), ids, keep=1, hidden=True)
+            head.exact_logits = torch.equal(head(out.hidden_states[-1][:, -1:]).float(),
+                                            out.logits.float())
+        if not head.exact_logits:
+            print(f"{type(_unwrap(model)).__name__}: its logits are not a linear LM head applied "
+                  "to its last hidden state; log-probs make the full logits (more memory)")
+    return head if head.exact_logits else None
 
 
 def micro_batches(completion_mask, size):
@@ -303,14 +335,49 @@ def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
 
 
 # --------------------------------------------------------------------------------------- rewards
+# what a text's answer states, as MATH (\\boxed{...}) and GSM8K ('#### N') write it
+NUMBER = r"(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+(?:\.\d+)?))?"  # 7, -2.5, 3/4: numerator, denominator
+
+
+def last_boxed(text):
+    """The content of the text's last \\boxed{...} (braces matched), or None."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, i = 0, start + len("\\boxed")
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1:j]
+    return None
+
+
+def final_answer(text, reference=False):
+    """The last \\boxed{...}: a float if it holds a number alone (1,234, -2.5, \\frac{3}{4}), else
+    a str, the expression without spaces, \\left, \\right (\\pi, (1,2)). No box: the number after
+    '####', else the last number, or None. reference (a row's answer): read whole if no sentence."""
+    if reference and not re.search(r"####|(?<![\\a-zA-Z])[a-zA-Z]{2,}", text):  # \\pi: no word
+        text = f"\\boxed{{{text}}}"
+    text = re.sub(r"\\[dt]?frac\{\s*(-?[\d.]+)\s*\}\{\s*(-?[\d.]+)\s*\}", r"\1/\2", text)
+    if (boxed := last_boxed(text)) is None:
+        found = re.findall(NUMBER, text.split("####")[-1].replace(",", ""))
+    else:  # a thousands comma goes (1,234), a list's stays (1,2)
+        boxed = re.sub(r"(?<=\d),(?=\d{3}\b)|\s|\\left|\\right|\\?[$%]|\\[,!]|\.$", "", boxed)
+        found = re.findall(NUMBER, boxed) if re.fullmatch(NUMBER, boxed) else []
+    if not found:  # an expression if it is maths (a digit, or a command: \\pi), else None
+        return boxed.replace("dfrac", "frac") if re.search(r"[\d\\]", boxed or "") else None
+    num, den = found[-1]
+    return float(num) / float(den) if den and float(den) else float(num)
+
+
 def math_reward(completion, row):
     """1 when the completion states the answer: its number, or its expression written alike (\\pi;
-    answer_format.final_answer). With the optional package math-verify, its symbolic check."""
+    final_answer). With the optional package math-verify, its symbolic check."""
     if math_verify is not None:
         return float(math_verify.verify(math_verify.parse(row.get("answer", "")),
                                         math_verify.parse(completion)))
-    want = answer_format.final_answer(row.get("answer", ""), reference=True)
-    got = answer_format.final_answer(completion)
+    want = final_answer(row.get("answer", ""), reference=True)
+    got = final_answer(completion)
     if isinstance(want, str) or isinstance(got, str):  # an expression (\pi, (1,2)): as written
         return float(want == got)
     return float(want is not None and got is not None and math.isclose(got, want, rel_tol=1e-9))
@@ -319,7 +386,7 @@ def math_reward(completion, row):
 def format_reward(completion, row):
     """1 when the completion states its final answer as graders read it, whatever its value: a
     non-empty \\boxed{...} (MATH) or a last line '#### N' (GSM8K)."""
-    boxed = answer_format.last_boxed(completion)
+    boxed = last_boxed(completion)
     gsm8k = re.search(r"(^|\n)\s*####\s*-?[\d,]*\.?\d+\s*$", completion)
     return float(bool(boxed and boxed.strip()) or gsm8k is not None)
 
@@ -331,38 +398,15 @@ def length_reward(completion, row):
 RULES = {"math": math_reward, "format": format_reward, "length": length_reward}
 
 
-def call_reward_fn(name, fn, completions, rows):
-    """Your reward on the batch, checked: one number per completion, (B,). NaN/inf pass through:
-    the training step is then skipped. An error names the first row that fails alone."""
-    try:
-        values = list(fn(completions, rows))
-    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in it: one line too
-        what = f"reward {name!r} raised {type(e).__name__}: {_first_line(e)}"
-        for i in range(len(rows)) if isinstance(e, Exception) else ():  # which row? each alone
-            try:
-                fn(completions[i:i + 1], rows[i:i + 1])
-            except Exception:
-                prompt = tasks.as_text(rows[i]["prompt"])[:40]
-                raise UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
-        raise UserError(what) from None
-    if len(values) != len(rows):
-        raise UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
-                        "completions: return one number per completion")
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise UserError(f"reward {name!r} returned {v!r} for row {i}: not a number")
-    return torch.tensor([float(v) for v in values])
-
-
 def rm_sequences(rm_tok, prompts, completions, chat_template="auto"):
     """What a reward model reads: prompt + completion re-tokenised with its own tokenizer (and chat
     template), then EOS, so it sees a finished answer."""
     if chat_template != "none" and rm_tok.chat_template:
-        chats = [tasks.as_messages(p) + [{"role": "assistant", "content": c}]
+        chats = [as_messages(p) + [{"role": "assistant", "content": c}]
                  for p, c in zip(prompts, completions)]
         texts = [rm_tok.apply_chat_template(chat, tokenize=False) for chat in chats]
         return [rm_tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [rm_tok(tasks.as_text(p) + c)["input_ids"] + [rm_tok.eos_token_id]
+    return [rm_tok(as_text(p) + c)["input_ids"] + [rm_tok.eos_token_id]
             for p, c in zip(prompts, completions)]
 
 
@@ -390,7 +434,7 @@ def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="a
 
 def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
     """Weighted sum of reward components (B,); each component is returned too, for reward/<name>.
-    fns: your --reward_fn functions by name."""
+    fns: your --reward_fn functions by name, each checked (loading.load_reward_fns): -> (B,)."""
     parts = {}
     for name in weights:
         if name == "rm":
@@ -398,23 +442,13 @@ def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
         elif name in RULES:
             parts[name] = torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
         else:
-            parts[name] = call_reward_fn(name, fns[name], completions, rows)
+            parts[name] = fns[name](completions, rows)
     return sum(weights[n] * v for n, v in parts.items()), parts
 
 
 # ------------------------------------------------------------------------------------------ eval
 def has_numbers(rows):  # can math_reward score every row? (a number, or maths: \pi, (1,2))
-    return all(answer_format.final_answer(r.get("answer", ""), True) is not None for r in rows)
-
-
-def eval_metric(rows, choice="auto"):
-    """What the held-out score is: 'accuracy' (math_reward, 0-1) or 'mean reward' (the run's
-    --rewards). auto: accuracy when every row has an answer with a number, else mean reward."""
-    numeric = has_numbers(rows)
-    if choice == "math" and not numeric:
-        raise UserError("--eval_reward math: some held-out rows have no answer with a number, so "
-                        "the score would be 0 whatever the model says; use --eval_reward rewards")
-    return "accuracy" if choice == "math" or (choice == "auto" and numeric) else "mean reward"
+    return all(final_answer(r.get("answer", ""), True) is not None for r in rows)
 
 
 def gold(completions, rows):

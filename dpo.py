@@ -18,7 +18,7 @@ of x cancels) and fit the policy to the preferences directly:
     loss   = (1/N) sum over rows, sum over the row's pairs of w * L,  w = 1 / (pairs of the row)
 
 pi_ref is a frozen copy of the starting (SFT) model (with --lora_r, the policy itself with its
-adapters off: no second copy, loading.adapters_off()). beta * (log pi_theta - log pi_ref) is the
+adapters off: no second copy, runs.adapters_off()). beta * (log pi_theta - log pi_ref) is the
 implicit reward: logged for the chosen and the rejected completions, with their margin and the
 preference accuracy (how often the chosen one's is higher). Two models are held in memory, the
 policy and the reference, and nothing is sampled during training: DPO learns from the fixed
@@ -123,7 +123,7 @@ def sequence_logprobs(model, batch, amp):
 @torch.no_grad()
 def reference_logprobs(ref, batch, amp):
     """log pi_ref(y|x) (B,). With LoRA, pi_ref is the policy with its adapters off."""
-    with loading.adapters_off(ref):
+    with R.adapters_off(ref):
         return sequence_logprobs(ref, batch, amp)
 
 

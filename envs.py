@@ -33,6 +33,7 @@ import torch
 from transformers.utils import get_json_schema
 
 import common as C
+from errors import first_line
 import loading
 import tasks
 
@@ -180,8 +181,8 @@ def _worker():
 
 def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
     """--env (calc, FILE.py:FUNCTION, FILE.py:Class or module:name) or --tools -> the run's
-    environment, or None: a namespace with start(rows, tok) -> (env_step, episodes) for
-    common.sample, and tools, the JSON schemas that the prompts' chat template renders (--tools;
+    environment, or None: a namespace with start(rows, tok) -> (env_step, finish) for
+    common.sample and common.generate, and tools, the JSON schemas that the prompts' chat template renders (--tools;
     else None). Each row gets its own episode, built from its own copy of the row: a function
     env(row, turns) -> str | None is called with that copy; a class is built as Class(row) and
     its step(turns) called. Every error is one line naming the env and the row: a raise (even
@@ -207,12 +208,16 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
 
 
 def start_episodes(rows, make, flag, spec, timeout, tok):
-    """One episode per row, each made (on its first call) from a deep copy of its row; returns
-    env_step(requests) for common.sample, which answers [(row index, turns so far, budget left,
-    the EOS the turn ended on)] with each row's observation ids (observation_ids) or None, the
-    rows' calls run at the same time (call_all); and the episodes."""
+    """One episode per row, each made (on its first call) from a deep copy of its row and keeping
+    its own turns and observations. Returns env_step(requests) for common.sample: [(row index, the
+    turn's token ids, budget left, the EOS the turn ended on)] -> each row's observation ids
+    (observation_ids: cut to the budget) or None, the rows' calls run at the same time
+    (call_all); and finish(roll), which puts on the rollout what the episodes saw."""
     copies = [copy.deepcopy(r) for r in rows]
-    episodes = [None] * len(rows)
+    episodes = [None] * len(rows)  # made on the first call: a function env's row, or an object
+    # each row's turns (texts), observations (as the model reads them), whether one was cut by the
+    # budget, and the column where its next turn begins
+    seen = [C.SimpleNamespace(turns=[], observations=[], cut=False, begun=0) for _ in rows]
 
     def where(i, turns):  # the row an error names
         return f"on the row with prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)}"
@@ -226,7 +231,7 @@ def start_episodes(rows, make, flag, spec, timeout, tok):
         except C.UserError:
             raise
         except BaseException as e:  # noqa: B036 -- a SystemExit in an env must not end the run 0
-            raise C.UserError(f"{flag} {spec!r} raised {type(e).__name__}: {C._first_line(e)} "
+            raise C.UserError(f"{flag} {spec!r} raised {type(e).__name__}: {first_line(e)} "
                               f"({where(i, turns)})") from None
         ids = isinstance(out, list) and all(type(x) is int for x in out)
         if out is not None and not isinstance(out, str) and not ids:
@@ -234,17 +239,44 @@ def start_episodes(rows, make, flag, spec, timeout, tok):
                               f"({where(i, turns)}): return the observation text, or None to end")
         return out
 
-    def env_step(requests):  # [(row, turns, budget left, EOS the turn ended on)] -> observations
+    def env_step(requests):  # [(row, turn ids, budget left, EOS it ended on)] -> observations
+        for i, ids, _, _ in requests:
+            seen[i].turns.append(tok.decode(ids, skip_special_tokens=True))
+            seen[i].begun += len(ids)
         try:
-            outs = call_all([functools.partial(call, i, turns) for i, turns, _, _ in requests],
-                            timeout)
+            outs = call_all([functools.partial(call, i, list(seen[i].turns))
+                             for i, _, _, _ in requests], timeout)
         except TimeoutError as e:
-            i, turns, _, _ = requests[e.args[0]]
+            i = requests[e.args[0]][0]
             raise C.UserError(f"{flag} {spec!r} took more than {timeout:g} s "
-                              f"{where(i, turns)} (--env_timeout)") from None
-        return [None if out is None else observation_ids(tok, out, left, end)
-                for out, (_, _, left, end) in zip(outs, requests)]
-    return env_step, episodes
+                              f"{where(i, seen[i].turns)} (--env_timeout)") from None
+        answers = []
+        for out, (i, _, left, end) in zip(outs, requests):
+            ids, cut = (None, False) if out is None else observation_ids(tok, out, left, end)
+            if ids is not None:
+                seen[i].observations.append(tok.decode(ids))
+                seen[i].cut |= cut
+                seen[i].begun += len(ids)
+            answers.append(ids)
+        return answers
+
+    def finish(roll):
+        """The turn a row was in when the budget ran out, then the episodes' fields on roll."""
+        lengths = roll.attention_mask[:, roll.P:].sum(-1).tolist()
+        for s, n, ids in zip(seen, lengths, roll.ids[:, roll.P:]):
+            if s.begun < n:
+                s.turns.append(tok.decode(ids[s.begun:n], skip_special_tokens=True))
+        roll.turns = torch.tensor([len(s.turns) for s in seen])  # model turns per row
+        roll.tool_calls = torch.tensor([len(s.observations) for s in seen])  # observations
+        roll.obs_truncated = torch.tensor([s.cut for s in seen])  # one was cut by the budget
+        roll.observations = [s.observations for s in seen]
+        # what rewards read: the text after the last observation ('' if the budget ended in it)
+        roll.final = [s.turns[-1] if len(s.turns) > len(s.observations) else "" for s in seen]
+        roll.transcript = ["".join(x + (f"⟦{s.observations[k]}⟧" if k < len(s.observations)
+                                        else "") for k, x in enumerate(s.turns))
+                           for s in seen]  # observations in ⟦...⟧
+        roll.episodes = episodes  # each episode's state (--tools: its calls, runs.tool_metrics)
+    return env_step, finish
 
 
 def text_ids(tok, text):
@@ -270,25 +302,6 @@ def observation_ids(tok, obs, left, end=None):
 def task_data(args, data):
     """--env calc without --data: the calculator's sums, else the data as loaded."""
     return calc_data(args.eval_size) if args.env == "calc" and not args.data else data
-
-
-def tool_metrics(roll, env):
-    """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
-    tool_errors (the fraction of observations that start with 'error', as calc's do),
-    obs_truncated (completions with an observation cut by the budget); --tools: calls per
-    completion and the fraction that failed, per tool (tool_calls/NAME, tool_errors/NAME)."""
-    n = sum(len(o) for o in roll.observations)
-    errors = sum(x.strip().startswith("error") for o in roll.observations for x in o)
-    out = {"tool_calls": float(roll.tool_calls.float().mean()),
-           "frac_tool": float((roll.tool_calls > 0).float().mean()),
-           "turns": float(roll.turns.float().mean()), "tool_errors": errors / max(n, 1),
-           "obs_truncated": float(roll.obs_truncated.float().mean())}
-    for schema in env.tools or []:  # every tool's keys at every step (torchrun averages them)
-        name = schema["function"]["name"]
-        calls = [ok for e in roll.episodes if e is not None for tool, ok in e.calls if tool == name]
-        out[f"tool_calls/{name}"] = len(calls) / len(roll.episodes)
-        out[f"tool_errors/{name}"] = calls.count(False) / max(len(calls), 1)
-    return out
 
 
 def from_args(args):
@@ -351,7 +364,7 @@ def load_tools(spec):
         try:
             schemas.append(get_json_schema(fn))
         except Exception as e:  # no type hints, no docstring, an argument it does not describe
-            raise C.UserError(f"--tools: {name.strip()!r} has no schema: {C._first_line(e)} "
+            raise C.UserError(f"--tools: {name.strip()!r} has no schema: {first_line(e)} "
                               "(give every argument a type hint and a line under Args:)") from None
         functions[schemas[-1]["function"]["name"]] = fn
     return functions, schemas
@@ -380,7 +393,7 @@ def parse_calls(tok, text, schemas):
         try:
             message = tok.parse_response(text, tools=schemas)
         except Exception as e:
-            return [(None, f"the call could not be parsed: {C._first_line(e)}")]
+            return [(None, f"the call could not be parsed: {first_line(e)}")]
         found = [c.get("function", c) for c in message.get("tool_calls") or []]
         return [(c.get("name"), c.get("arguments", {})) for c in found]
     calls = []
@@ -405,7 +418,7 @@ def run_tool(functions, name, arguments):
     try:
         result = functions[name](**arguments)
     except Exception as e:
-        return f"error: {type(e).__name__}: {C._first_line(e)}"
+        return f"error: {type(e).__name__}: {first_line(e)}"
     return result if isinstance(result, str) else json.dumps(result, default=str)
 
 
@@ -416,8 +429,8 @@ class ToolEpisode:
 
     def __init__(self, row, tok, functions, schemas):
         self.tok, self.functions, self.schemas = tok, functions, schemas
-        self.messages = tasks.as_messages(row["prompt"])  # the prompt, then turns and results
-        self.calls = []  # (tool name, succeeded) of every call: envs.tool_metrics
+        self.messages = C.as_messages(row["prompt"])  # the prompt, then turns and results
+        self.calls = []  # (tool name, succeeded) of every call: runs.tool_metrics
 
     def step(self, turns):
         calls = parse_calls(self.tok, turns[-1], self.schemas)
@@ -435,11 +448,12 @@ class ToolEpisode:
 CALC_REPORT_SHAPES = ((2, 2), (3, 3), (4, 4))
 
 
-def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
+def calc_report(model, tok, n=200, k=1, seed=0):
     """Per sum shape (2+2, 3+3, 4+4 digits), sampled at T = 1 (k per prompt) and greedy: how often
     the model calls the tool, how often it is right when it calls and when it does not, overall,
     and how often a call's observation is the last thing in the transcript (nothing after it).
-    Held-out pairs for 3-4 digits; 2-digit ones from the bundled task's held-out split."""
+    Held-out pairs for 3-4 digits; 2-digit ones from the bundled task's held-out split. As
+    --env calc samples: 48 new tokens, 3 turns."""
     out, rng = {}, random.Random(seed)
     for shape in CALC_REPORT_SHAPES:
         pairs = tasks.task_eval_pairs()[:n] if shape == (2, 2) else [
@@ -448,10 +462,12 @@ def calc_report(model, tok, n=200, k=1, seed=0, max_new_tokens=48, max_turns=3):
         rows = [tasks.addition_row(a, b) for a, b in pairs for _ in range(k)]
         for mode in ("T=1", "greedy"):
             torch.manual_seed(rng.randrange(2**31))
-            prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], "none")
-            env_step, _ = load_env("calc").start(rows, tok)
-            roll = C.sample(model, tok, prompt_ids, max_new_tokens, greedy=mode == "greedy",
-                            stop=["</calc>"], env_step=env_step, max_turns=max_turns)
+            prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], "none")
+            env_step, finish = load_env("calc").start(rows, tok)
+            roll = C.sample(model, tok, prompt_ids, CALC_DEFAULTS["max_new_tokens"],
+                            greedy=mode == "greedy", stop=["</calc>"], env_step=env_step,
+                            max_turns=3)
+            finish(roll)  # roll.final: the text after the last observation
             right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
             called = roll.tool_calls > 0
             out[f"{shape[0]}+{shape[1]} {mode}"] = {

@@ -298,7 +298,7 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = C.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
     scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
@@ -338,7 +338,7 @@ def main():
                                           amp) if args.num_iterations > 1 else None
         ref_logprobs = None
         if ref is not None:
-            with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
+            with R.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
         # 3. mu optimizer steps; the losses' normalisers count the whole step, every process's
@@ -397,7 +397,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
-                   **(E.tool_metrics(roll, env) if env else {})}
+                   **(R.tool_metrics(roll, env) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(rewards[i])}

@@ -5,10 +5,11 @@ from a hub id or a local folder, with one-line errors for what cannot load; trai
 fp32, frozen ones in bf16 on a GPU, dropout off everywhere; LoRA adapters (optional package peft);
 `--reward_fn file.py:function` and the `--rewards` weights.
 """
-import contextlib
+import functools
 import importlib
 import importlib.util
 import math
+import numbers
 import os
 import pickle
 import re
@@ -21,8 +22,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
-import fastpath
-import tasks
+from errors import first_line
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
@@ -53,7 +53,7 @@ def load_tokenizer(name, trust_remote_code=False):
             raise ValueError("Couldn't instantiate the backend tokenizer")
     except (OSError, ValueError) as e:
         why = ("it has no tokenizer files: save them beside the model (tokenizer.save_pretrained)"
-               if "backend tokenizer" in str(e) else C._first_line(e))
+               if "backend tokenizer" in str(e) else first_line(e))
         raise C.UserError(f"tokenizer {name!r} could not be loaded: {why}") from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:
@@ -71,7 +71,7 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
     try:
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise C.UserError(f"model {name!r} could not be loaded: {C._first_line(e)}") from None
+        raise C.UserError(f"model {name!r} could not be loaded: {first_line(e)}") from None
     archs = cfg.architectures or []
     is_lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
     if kind == "lm" and archs and not is_lm:
@@ -90,7 +90,7 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
                                            output_loading_info=True)
     except (OSError, ValueError, RuntimeError, SafetensorError, pickle.UnpicklingError) as e:
         found = re.search(r"GLOBAL (\S+)", str(e))  # a .bin file's pickle holds other objects
-        why = (f"{C._first_line(e)} (re-download or rebuild it)" if not found else
+        why = (f"{first_line(e)} (re-download or rebuild it)" if not found else
                f"its weights file holds {found[1]}: unpickling it could run code, so it is refused")
         raise C.UserError(f"model {name!r} could not be loaded as {auto.__name__}: {why}") from None
     if kind == "rm" and any(k.startswith("score.") for k in info["missing_keys"]):
@@ -99,7 +99,6 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
     model = model.to(device).eval()  # eval(): dropout off; it makes log-probs noisy, KL > 0 at 0
     if kind == "lm":  # rows the tokenizer cannot decode are never sampled: see suppressed()
         _suppress_untokenized_rows(model, name, trust_remote_code)
-        fastpath.check_head(model)  # may token_logprobs run the LM head apart, chunk by chunk?
     if frozen:
         model.requires_grad_(False)
     if compile:  # dynamic shapes: new batch sizes and lengths reuse the compiled graphs
@@ -145,8 +144,7 @@ def load_policy(args, device, checkpoint=""):
     if args.lora_r:
         model = add_lora(model, args, checkpoint)
     head = C._unwrap(model).get_output_embeddings()
-    if getattr(args, "fsdp", False) and head in fastpath.SPLIT_HEADS:  # runs.wrap_model shards it
-        fastpath.SPLIT_HEADS.discard(head)
+    if getattr(args, "fsdp", False):  # runs.wrap_model shards it: common.linear_head says no
         print("--fsdp shards the LM head's weight: log-probs make the full logits (more memory)")
     if args.lora_r and type(head) is not torch.nn.Linear:  # peft wrapped it: a new module
         print("LoRA on the LM head: log-probs make the full logits (more memory)")
@@ -188,13 +186,6 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
         return peft.get_peft_model(model, config)
 
 
-def adapters_off(model):
-    """LoRA: a context in which the policy computes as its frozen base (a free reference)."""
-    if hasattr(model, "disable_adapter"):  # a peft model
-        return model.disable_adapter()
-    return contextlib.nullcontext()
-
-
 def load_reward_model(args, device):
     model = load_model(args.reward_model, "rm", device, True, args.trust_remote_code)
     return model, load_tokenizer(args.reward_model, args.trust_remote_code)
@@ -205,7 +196,7 @@ def check_prompts(tok, model, rows, args):
     limit = getattr(model.config, "max_position_embeddings", None)
     if not limit:
         return
-    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     lens = [len(s) for s in prompt_ids]
     too_long = sum(n + args.max_new_tokens > limit for n in lens)
     if too_long:
@@ -232,7 +223,7 @@ def load_function(flag, spec, usage):
             module = importlib.import_module(where)
     except Exception as e:
         raise C.UserError(f"{flag} {spec!r}: importing {where!r} failed: "
-                          f"{type(e).__name__}: {C._first_line(e)}") from None
+                          f"{type(e).__name__}: {first_line(e)}") from None
     if not callable(getattr(module, name, None)):
         raise C.UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
     return getattr(module, name)
@@ -242,15 +233,39 @@ def load_reward_fns(specs):
     """Your own rewards: --reward_fn path/to/file.py:name (or package.module:name), repeatable or
     comma-separated -> {name: function}. A function scores the whole batch at once (so it can
     batch a verifier or a judge model): f(completions: list[str], rows: list[dict]) -> list of
-    floats, where rows carry every field of the data rows."""
+    floats, where rows carry every field of the data rows. Each comes back checked
+    (checked_reward): called as fns[name](completions, rows) -> a tensor (B,)."""
     fns = {}
     for spec in (s for item in specs for s in item.split(",") if s):
         fn = load_function("--reward_fn", spec, "write path/to/file.py:function")
         name = spec.rpartition(":")[2]
         if name in C.RULES or name == "rm":
             raise C.UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
-        fns[name] = fn
+        fns[name] = functools.partial(checked_reward, name, fn)
     return fns
+
+
+def checked_reward(name, fn, completions, rows):
+    """Your reward on the batch, checked: one number per completion, (B,). NaN/inf pass through:
+    the training step is then skipped. An error names the first row that fails alone."""
+    try:
+        values = list(fn(completions, rows))
+    except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in it: one line too
+        what = f"reward {name!r} raised {type(e).__name__}: {first_line(e)}"
+        for i in range(len(rows)) if isinstance(e, Exception) else ():  # which row? each alone
+            try:
+                fn(completions[i:i + 1], rows[i:i + 1])
+            except Exception:
+                prompt = C.as_text(rows[i]["prompt"])[:40]
+                raise C.UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
+        raise C.UserError(what) from None
+    if len(values) != len(rows):
+        raise C.UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
+                        "completions: return one number per completion")
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, numbers.Real):
+            raise C.UserError(f"reward {name!r} returned {v!r} for row {i}: not a number")
+    return torch.tensor([float(v) for v in values])
 
 
 def parse_rewards(spec, reward_model, fns=(), default="math"):

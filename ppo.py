@@ -408,7 +408,7 @@ def main():
                              {"params": list(value_model.parameters()), "lr": args.critic_lr}],
                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
 
-    metric = C.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
     scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
@@ -443,7 +443,7 @@ def main():
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
         ref_logprobs = old_logprobs  # no reference (kl_coef = 0): KL is 0
         if ref is not None:
-            with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
+            with R.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
         old_values = torch.zeros_like(mask)
@@ -477,7 +477,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()),
                    "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(E.tool_metrics(roll, env) if env else {})}
+                   **(R.tool_metrics(roll, env) if env else {})}
         if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧

@@ -256,7 +256,7 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = C.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
     scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
@@ -292,7 +292,7 @@ def main():
                                           amp) if needs_old else None
         kl = None
         if ref is not None:
-            with loading.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
+            with R.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
             kl = C.kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask
@@ -370,7 +370,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(E.tool_metrics(roll, env) if env else {})}
+                   **(R.tool_metrics(roll, env) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(scores[i])}

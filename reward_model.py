@@ -38,6 +38,7 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 import common as C
+from errors import first_line
 import loading
 import runs as R
 import tasks
@@ -113,7 +114,7 @@ def load_reward_model(src, tok, device, args):
             output_loading_info=True)
     except (OSError, ValueError) as e:
         raise C.UserError(f"model {src!r} could not be loaded as a reward model: "
-                          f"{C._first_line(e)}") from None
+                          f"{first_line(e)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     if any(k.startswith("score.") for k in info["missing_keys"]):  # a fresh head (N details)

@@ -50,6 +50,7 @@ except ImportError:  # Windows has none
     resource = None
 
 import common as C
+from errors import first_line
 import envs as E
 import loading
 import tasks
@@ -86,7 +87,7 @@ def main_guard(main):
     except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise  # a CPU allocation that fails is a RuntimeError (DefaultCPUAllocator)
-        print(f"error: out of memory ({C._first_line(e)[:100]}): lower --micro_batch_size "
+        print(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
               "(activations and logits grow with it) or add --gradient_checkpointing; the last "
               "checkpoint is intact", file=sys.stderr)
         sys.exit(1)
@@ -107,7 +108,7 @@ def _saved_args(resume_dir, algo):
         with open(path) as f:
             saved = json.load(f)
     except (OSError, ValueError) as e:
-        raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
+        raise C.UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
     if saved["algo"] != algo:
         raise C.UserError(f"--resume {resume_dir!r}: that run was made by {saved['algo']}.py; "
                           "resume it with that script")
@@ -352,7 +353,7 @@ def read_jsonl_lines(path):
                 lines.append(m)
             except ValueError as e:
                 if line.endswith("\n"):  # not merely the crash-cut last line
-                    print(f"warning: {path}, line {i} is damaged ({C._first_line(e)[:60]}): "
+                    print(f"warning: {path}, line {i} is damaged ({first_line(e)[:60]}): "
                           "skipped", file=sys.stderr)
     return lines
 
@@ -443,7 +444,7 @@ def _load_state(folder, max_steps):
                           "it could run code, so it is refused (a run writes no such thing)") \
             from None
     except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
-        raise C.UserError(f"{path} is damaged ({C._first_line(e)}); cannot resume") from None
+        raise C.UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
     if state["step"] > max_steps:  # the loop would do nothing and report the run as finished
         raise C.UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
                           f"({state['step']}): a resumed run goes on from there; give "
@@ -569,6 +570,32 @@ def log_step(run, metrics, bar, samples, opt):
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
+def tool_metrics(roll, env):
+    """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
+    tool_errors (the fraction of observations that start with 'error', as calc's do),
+    obs_truncated (completions with an observation cut by the budget); --tools: calls per
+    completion and the fraction that failed, per tool (tool_calls/NAME, tool_errors/NAME)."""
+    n = sum(len(o) for o in roll.observations)
+    errors = sum(x.strip().startswith("error") for o in roll.observations for x in o)
+    out = {"tool_calls": float(roll.tool_calls.float().mean()),
+           "frac_tool": float((roll.tool_calls > 0).float().mean()),
+           "turns": float(roll.turns.float().mean()), "tool_errors": errors / max(n, 1),
+           "obs_truncated": float(roll.obs_truncated.float().mean())}
+    for schema in env.tools or []:  # every tool's keys at every step (torchrun averages them)
+        name = schema["function"]["name"]
+        calls = [ok for e in roll.episodes if e is not None for tool, ok in e.calls if tool == name]
+        out[f"tool_calls/{name}"] = len(calls) / len(roll.episodes)
+        out[f"tool_errors/{name}"] = calls.count(False) / max(len(calls), 1)
+    return out
+
+
+def adapters_off(model):
+    """LoRA: a context in which the policy computes as its frozen base (a free reference)."""
+    if hasattr(model, "disable_adapter"):  # a peft model
+        return model.disable_adapter()
+    return contextlib.nullcontext()
+
+
 def prompt_text(tok, roll, i):
     """Row i's prompt as the model read it (its chat template, --tools' schemas): decoded ids."""
     return tok.decode(roll.ids[i, :roll.P][roll.attention_mask[i, :roll.P] == 1])
@@ -600,7 +627,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
             json.dump({"algo": run.algo, "args": dataclasses.asdict(run.args)}, f, indent=1)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each of them says it
         shutil.rmtree(tmp, ignore_errors=True)
-        stop_run(run, f"could not write {tmp} ({C._first_line(e)[:80]}); free some space")
+        stop_run(run, f"could not write {tmp} ({first_line(e)[:80]}); free some space")
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
@@ -877,7 +904,7 @@ def sanity_check(model, ref, tok, rows, args, amp, env=None):
     d = float(((again - lp).exp() - 1).abs().max())
     checks["ratio pi/pi_old is 1 at the first inner step"] = (d <= 1e-4, f"{d:.3g} off; dropout?")
     if ref is not None:
-        with loading.adapters_off(ref):  # LoRA: the policy without its adapters
+        with adapters_off(ref):  # LoRA: the policy without its adapters
             ref_lp = C.batched_logprobs(ref, roll, args.temperature, args.micro_batch_size, amp)
         kl = float(C.masked_mean(C.kl_estimate(lp, ref_lp, "k3"), roll.completion_mask))
         checks["KL(policy || reference) is 0 before any update"] = (kl <= kl_tol, f"{kl:.3g}")

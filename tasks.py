@@ -3,9 +3,9 @@
 The built-in addition task (seeded, with a fixed held-out split); your data files (JSON lines, a
 JSON array, CSV, parquet) and hub datasets or dataset folders (`--data hf:NAME`, `hf:DIR`,
 optional package `datasets`), in TRL's dataset formats: prompts for the RL scripts, demonstrations
-for sft.py (and their loss masks), preferences for reward_model.py and dpo.py; and
-encode_prompts(), a prompt as the token ids the model reads (its chat template). Every error names
-the file, the row and the field. The calculator tool task is envs.py.
+for sft.py (and their loss masks), preferences for reward_model.py and dpo.py; and what the
+held-out score is (eval_metric). Every error names the file, the row and the field. The
+calculator tool task is envs.py; a prompt as token ids, common.encode_prompts.
 """
 import csv
 import json
@@ -17,8 +17,8 @@ from types import SimpleNamespace
 
 import torch
 
-import answer_format
 import common as C
+from errors import first_line
 
 
 # the pipeline's preference data (tools/make_pipeline_data.py)
@@ -27,6 +27,10 @@ PIPELINE_RANKINGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "da
 
 
 # ------------------------------------------------------------------------------------------ data
+def final_number(text):  # final_answer's number; None for an expression (\\pi, (1,2))
+    return answer if isinstance(answer := C.final_answer(text), float) else None
+
+
 TASK_DIGITS = 2  # the built-in task: two-digit addition, "37+48=" -> "85"
 
 
@@ -109,7 +113,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
         raise C.UserError(f"{where}: field {p_key or 'prompt'!r} is missing or not a non-empty "
                           f"string (or a list of chat messages); {fields_found(raw)}")
     if system_prompt:  # a system message before the user's (kept if the row has its own)
-        messages = as_messages(prompt)
+        messages = C.as_messages(prompt)
         if messages[0]["role"] != "system":
             prompt = [{"role": "system", "content": system_prompt}, *messages]
     row["prompt"] = prompt
@@ -119,7 +123,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
         raise C.UserError(f"{where}: field {a_key!r} must be a string or a number")
     if answer is not None:  # a missing or null answer stays missing (not the text 'None')
         row["answer"] = str(answer)
-    if need_answer and answer_format.final_answer(row.get("answer", ""), reference=True) is None:
+    if need_answer and C.final_answer(row.get("answer", ""), reference=True) is None:
         raise C.UserError(f"{where}: field {a_key!r} is missing or has no number, which the math "
                           "reward compares with each completion (or change --rewards)")
     return row
@@ -159,7 +163,7 @@ def file_records(path):
             rows = pyarrow.parquet.read_table(path).to_pylist()
         except Exception as e:  # pyarrow's own errors: not a parquet file, damaged
             raise C.UserError(f"data file {path!r}: pyarrow cannot read it as parquet "
-                              f"({type(e).__name__}: {C._first_line(e)})") from None
+                              f"({type(e).__name__}: {first_line(e)})") from None
         return [(f"{path}, row {i}", r) for i, r in enumerate(rows)]
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is fine
@@ -210,7 +214,7 @@ def hub_records(spec, split="train"):
         raise
     except Exception as e:  # datasets' own errors: no such dataset, config or split
         raise C.UserError(f"--data {spec}: datasets cannot load it ({type(e).__name__}: "
-                          f"{C._first_line(e)})") from None
+                          f"{first_line(e)})") from None
     return [(f"--data {spec}, row {i}", dict(r)) for i, r in enumerate(table)]
 
 
@@ -365,8 +369,8 @@ def demonstration(raw, where):
     if isinstance(completion, list):
         completion = check_messages(completion, where, "completion")
         if completion[-1]["role"] == "assistant":
-            return {"messages": as_messages(prompt) + completion,
-                    "start": len(as_messages(prompt)), "tools": tools}
+            return {"messages": C.as_messages(prompt) + completion,
+                    "start": len(C.as_messages(prompt)), "tools": tools}
     if not (isinstance(completion, str) and completion):
         raise C.UserError(f"{where}: field 'completion' is missing or not a non-empty string "
                           "(or messages that end with an assistant message)")
@@ -417,7 +421,7 @@ def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, 
         ids = tok(demo["text"])["input_ids"] + [tok.eos_token_id]
         return ids[:1], ids[1:], [1] * (len(ids) - 1)
     if "completion" in demo:
-        prompt, pieces = encode_prompts(tok, [demo["prompt"]], chat_template)[0], [
+        prompt, pieces = C.encode_prompts(tok, [demo["prompt"]], chat_template)[0], [
             (demo["completion"], 1)]
     else:
         m = demo["messages"]
@@ -430,7 +434,7 @@ def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, 
             if any(x.get("tool_calls") for x in m[k:]):
                 raise C.UserError(f"{where}: a message has tool_calls, which only a chat "
                                   "template renders (this tokenizer has none)")
-            prompt = encode_prompts(tok, [m[:k]], "none")[0]
+            prompt = C.encode_prompts(tok, [m[:k]], "none")[0]
             pieces = [(x["content"], int(x["role"] == "assistant")) for x in m[k:]]
     ids, mask = [], []
     for text, train in pieces:
@@ -478,22 +482,11 @@ def collate(examples, pad_id, device):
                            completion_mask=loss.float())
 
 
-# ------------------------------------------------------------ prompts as token ids the model reads
-def as_messages(prompt):
-    """A prompt as chat messages: a text is one user message; a list of messages stays as it is."""
-    return prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
-
-
-def as_text(prompt):
-    """A prompt as plain text, for a tokenizer without a chat template: the messages' contents."""
-    return prompt if isinstance(prompt, str) else "\n\n".join(m["content"] for m in prompt)
-
-
-def encode_prompts(tok, prompts, chat_template="auto", tools=None):
-    """Token ids per prompt (text or messages), with the tokenizer's chat template unless 'none';
-    tools: JSON schemas the template renders (--tools)."""
-    if chat_template != "none" and tok.chat_template:
-        texts = [tok.apply_chat_template(as_messages(p), tools=tools, tokenize=False,
-                                         add_generation_prompt=True) for p in prompts]
-        return [tok(t, add_special_tokens=False)["input_ids"] for t in texts]
-    return [tok(as_text(p))["input_ids"] for p in prompts]
+def eval_metric(rows, choice="auto"):
+    """What the held-out score is: 'accuracy' (math_reward, 0-1) or 'mean reward' (the run's
+    --rewards). auto: accuracy when every row has an answer with a number, else mean reward."""
+    numeric = C.has_numbers(rows)
+    if choice == "math" and not numeric:
+        raise C.UserError("--eval_reward math: some held-out rows have no answer with a number, so "
+                          "the score would be 0 whatever the model says; use --eval_reward rewards")
+    return "accuracy" if choice == "math" or (choice == "auto" and numeric) else "mean reward"

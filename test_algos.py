@@ -42,7 +42,6 @@ from transformers import LlamaConfig
 from transformers import LlamaForSequenceClassification
 from transformers import Qwen2Config
 
-import answer_format
 import common as C
 import fastpath
 import dpo
@@ -202,7 +201,7 @@ def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
     def key(row):
         return json.dumps(row, sort_keys=True)
     assert sorted(map(key, data.rows)) == sorted(map(key, want))
-    assert C.eval_metric(data.rows) == "mean reward" and len(data.eval_rows) == 2
+    assert tasks.eval_metric(data.rows) == "mean reward" and len(data.eval_rows) == 2
     with pytest.raises(C.UserError, match="row 1: field 'answer' is missing or has no number"):
         tasks.load_data("hf:someone/set:main", need_answer=True)
     # too few rows to hold a fifth out
@@ -373,7 +372,7 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
         # a pre-hook: the recompute may stop early
         model.transformer.h[0].attn.register_forward_pre_hook(lambda *a: n.append(1))
         if not grads:  # one rollout, sampled by the first model, scored by both
-            prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) for _ in range(2)]
+            prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(2)]
             roll = C.sample(model, tok, prompts, 6)
         T = roll.completion_mask.shape[1]
         lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
@@ -386,8 +385,8 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
         grads.append([p.grad.clone() for p in model.parameters()])
     assert calls == [0, 1]
     # the KV cache still works
-    greedy = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 8, greedy=True)
-    ids, mask = C.left_pad(tasks.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
+    greedy = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 8, greedy=True)
+    ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
     with torch.no_grad():
         ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              use_cache=False, pad_token_id=tok.pad_token_id)
@@ -404,7 +403,7 @@ def test_gradient_checkpointing_recomputes_with_dropout_off_and_same_gradients(t
 def test_greedy_sample_equals_generate(arch, tok):
     model = tiny_model(arch, seed=1)
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = tasks.encode_prompts(tok, PROMPTS + PROMPTS[::-1])  # repeats share one prefill
+    prompts = C.encode_prompts(tok, PROMPTS + PROMPTS[::-1])  # repeats share one prefill
     roll = C.sample(model, tok, prompts, 10, greedy=True)
     ids, mask = C.left_pad(prompts, tok.pad_token_id, "cpu")
     ref = model.generate(ids, attention_mask=mask, max_new_tokens=10, do_sample=False,
@@ -419,7 +418,7 @@ def test_stop_strings_end_rows_as_generate_does(tok):
     """A row ends at the token that completes a stop string (kept in the completion and its mask,
     not truncated); greedy completions equal model.generate(stop_strings=...)."""
     model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
-    prompts = tasks.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:64]])
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:64]])
     stop = ["8", "12"]  # a one-token and a two-token stop string
     roll = C.sample(model, tok, prompts, 6, greedy=True, stop=stop)
     ids, mask = C.left_pad(prompts, tok.pad_token_id, "cpu")
@@ -441,7 +440,7 @@ def test_stop_strings_end_rows_as_generate_does(tok):
 def test_completion_mask_includes_eos_and_nothing_after(tok):
     model = tiny_model("llama", seed=1)
     model.generation_config.eos_token_id = [2, 43, 72]
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 4), 10, temperature=1.0)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 4), 10, temperature=1.0)
     eos = torch.tensor([2, 43, 72])
     comp = roll.ids[:, roll.P:]
     for i in range(len(comp)):
@@ -459,7 +458,7 @@ def test_completion_mask_when_pad_equals_eos(tok):
     t.pad_token = t.eos_token
     model = tiny_model("qwen2", seed=1)
     model.generation_config.eos_token_id = [2, 43]
-    roll = C.sample(model, t, tasks.encode_prompts(t, PROMPTS * 3), 10, temperature=1.0)
+    roll = C.sample(model, t, C.encode_prompts(t, PROMPTS * 3), 10, temperature=1.0)
     comp = roll.ids[:, roll.P:]
     for i in range(len(comp)):
         hits = torch.isin(comp[i], torch.tensor([2, 43])).nonzero()
@@ -483,7 +482,7 @@ def test_logprobs_equal_plain_forward_with_left_padding(arch, tok):
     model = tiny_model(arch)
     # frequent tokens of this random model, so rows end early
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = tasks.encode_prompts(tok, PROMPTS)
+    prompts = C.encode_prompts(tok, PROMPTS)
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 2, OFF)
     # one row per micro-batch: rows shorter than the batch run on fewer columns; same values,
@@ -507,7 +506,7 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
     model = tiny_model(arch)
     model.generation_config.eos_token_id = [2, 43, 72]
     # [1]: a 1-token prompt
-    prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) + [[1]] for _ in range(4)]
+    prompts = [p for p in C.encode_prompts(tok, PROMPTS) + [[1]] for _ in range(4)]
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     T = roll.completion_mask.shape[1]
     # rows differ within groups
@@ -532,7 +531,7 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
     same values, entropies and gradients as one chunk and as the plain path (bf16: the head's
     matmul on other shapes rounds differently, so to bf16 precision)."""
     model = tiny_model("llama")
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
     chunks, real = [], fastpath._chunk_logprobs
     monkeypatch.setattr(fastpath, "_chunk_logprobs",
@@ -604,7 +603,7 @@ def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
     value and parameter gradient equal -sum p log p of a plain forward's (logits / temperature),
     also when the head and log-softmax are chunked; under no_grad it has none."""
     model = tiny_model("gpt2")
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 8, temperature=0.7)
     T, mask = roll.completion_mask.shape[1], roll.completion_mask
     logits = model(roll.ids, attention_mask=roll.attention_mask,
                    position_ids=C.positions(roll.attention_mask)).logits
@@ -627,7 +626,7 @@ def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
 
 def test_batch_order_does_not_change_logprobs(tok):
     model = tiny_model("llama")
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 6)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6)
     lp = C.batched_logprobs(model, roll, 1.0, 5, OFF)
     perm = torch.tensor([3, 0, 4, 2, 1])
     rolled = SimpleNamespace(ids=roll.ids[perm], attention_mask=roll.attention_mask[perm],
@@ -693,7 +692,7 @@ def bigram_chat_model(folder, tmp_path):
     "7</answer>" (several tokens), then <|im_end|>."""
     model = loading.load_model(folder, "lm", torch.device("cpu"))
     tok = loading.load_tokenizer(folder)
-    chain = [tasks.encode_prompts(tok, ["hi"])[0][-1]] + tok("7</answer>")["input_ids"] \
+    chain = [C.encode_prompts(tok, ["hi"])[0][-1]] + tok("7</answer>")["input_ids"] \
         + [tok.eos_token_id]
     assert len(set(chain)) == len(chain) > 4
     with torch.no_grad():
@@ -718,7 +717,7 @@ def test_real_tokenizer_encode_sample_decode_logprobs_equal_a_plain_forward(chat
     assert tok.pad_token_id != tok.eos_token_id and C.eos_ids(model, tok) == sorted(
         tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"]))
     assert model.generation_config.suppress_tokens == list(range(len(tok), len(tok) + 37))
-    prompts = tasks.encode_prompts(tok, ["12+30=", "What is the sum?", "Be brief."] * 2)
+    prompts = C.encode_prompts(tok, ["12+30=", "What is the sum?", "Be brief."] * 2)
     assert tok.decode(prompts[0]) == "<|im_start|>user\n12+30=<|im_end|>\n<|im_start|>assistant\n"
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 12, temperature=1.0)
@@ -744,7 +743,7 @@ def test_real_tokenizer_encode_sample_decode_logprobs_equal_a_plain_forward(chat
 def test_real_tokenizer_system_prompt_adds_a_chat_turn(chat_model):
     tok = loading.load_tokenizer(chat_model)
     rows = tasks.load_data("", eval_size=4, system_prompt="Be brief.").eval_rows
-    text = tok.decode(tasks.encode_prompts(tok, [rows[0]["prompt"]])[0])
+    text = tok.decode(C.encode_prompts(tok, [rows[0]["prompt"]])[0])
     assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
     assert text.endswith("<|im_end|>\n<|im_start|>assistant\n")
 
@@ -757,7 +756,7 @@ def test_multi_token_stop_string_ends_a_row_on_its_last_token_and_sanity_passes(
     folder, chain = bigram_chat_model(chat_model, tmp_path)
     model = loading.load_model(folder, "lm", torch.device("cpu"))
     tok = loading.load_tokenizer(folder)
-    prompts = tasks.encode_prompts(tok, ["1+2=", "What is the sum?"] * 2)
+    prompts = C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 2)
     for stop, want in ((["</answer>"], chain[1:-1]), ([], chain[1:])):
         roll = C.sample(model, tok, prompts, 10, greedy=True, stop=stop)
         assert len(chain[1:-1]) > 2 and not roll.truncated.any()
@@ -778,8 +777,8 @@ def test_sampling_puts_only_the_last_position_through_the_lm_head(chat_model):
     tok = loading.load_tokenizer(chat_model)
     shapes = []
     hook = model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
-    C.sample(model, tok, tasks.encode_prompts(tok, ["1+2=", "Be brief.", "1+2="]), 5)
-    C.sample(model, tok, tasks.encode_prompts(tok, ["1+2=", "Be brief."]), 5, share_prompts=False)
+    C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "Be brief.", "1+2="]), 5)
+    C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "Be brief."]), 5, share_prompts=False)
     hook.remove()
     assert shapes and all(s[1] == 1 for s in shapes)
 
@@ -790,7 +789,7 @@ def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
     model = loading.load_model(chat_model, "lm", torch.device("cpu"))
     tok = loading.load_tokenizer(chat_model)
     torch.manual_seed(0)
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, ["1+2=", "What is the sum?"] * 3), 12)
+    roll = C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 3), 12)
     T, V = roll.completion_mask.shape[1], model.config.vocab_size
     sizes, blocks, real = [], [], fastpath.LinearHeadLogprobs.apply
     hook = model.lm_head.register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[:-1])))
@@ -822,7 +821,7 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
     so token_logprobs takes its plain path (said at load), the adapter in it (and off inside
     adapters_off). LoRA elsewhere keeps the fast path, with the plain path's numbers."""
     tok = loading.load_tokenizer(chat_model)
-    prompts = tasks.encode_prompts(tok, ["1+2=", "Be brief."] * 2)  # shared prompts
+    prompts = C.encode_prompts(tok, ["1+2=", "Be brief."] * 2)  # shared prompts
     for targets in ("q_proj,lm_head", "q_proj,v_proj"):
         args = SimpleNamespace(model=chat_model, lora_r=4, lora_alpha=8, lora_dropout=0.0,
                                lora_target_modules=targets, trust_remote_code=False,
@@ -849,7 +848,7 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
         for a, b in zip(run(True), plain):
             tol = 0 if on_head else 1e-5  # the plain path itself, or the fast path's rounding
             torch.testing.assert_close(a, b, atol=tol, rtol=tol * 10)
-        with torch.no_grad(), loading.adapters_off(model):
+        with torch.no_grad(), R.adapters_off(model):
             off, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
         assert (off - plain[0]).abs().max() > 1e-3  # the adapter was in the log-probs
 
@@ -872,7 +871,7 @@ def test_soft_capped_or_unchecked_models_take_the_plain_logprob_path(tmp_path, t
     by_hand = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()  # no check_head
     for model in (capped, by_hand):
         assert model.lm_head not in fastpath.SPLIT_HEADS
-        roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
+        roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
         T = roll.completion_mask.shape[1]
         lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True)
         want, want_ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
@@ -894,7 +893,7 @@ def test_fsdp_policy_takes_the_plain_logprob_path(capsys):
     assert model.lm_head not in fastpath.SPLIT_HEADS
     assert loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu")).lm_head \
         in fastpath.SPLIT_HEADS  # a model loaded on its own (the reference) keeps the fast path
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 6)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 6)
     T = roll.completion_mask.shape[1]
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     assert torch.equal(lp, C.token_logprobs(model, roll.ids, roll.attention_mask, T, fast=False)[0])
@@ -909,7 +908,7 @@ def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path
     from torch.nn.parallel import DistributedDataParallel
     model = tiny_model("qwen2")
     tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
-    prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) for _ in range(4)]  # GRPO groups
+    prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(4)]  # GRPO groups
     roll = C.sample(model, tok, prompts, 8)
     T = roll.completion_mask.shape[1]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
@@ -1119,7 +1118,7 @@ def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
     fns = loading.load_reward_fns([f"{tmp_path / 'mine.py'}:exact,{tmp_path / 'mine.py'}:shout",
                              f"{tmp_path / 'mine.py'}:short", f"{tmp_path / 'mine.py'}:words"])
     rows = [{"prompt": "1+1=", "target": "2"}, {"prompt": "2+2=", "target": "4"}]
-    assert C.call_reward_fn("exact", fns["exact"], ["2", "5"], rows).tolist() == [1.0, 0.0]
+    assert fns["exact"](["2", "5"], rows).tolist() == [1.0, 0.0]
     fns.update(loading.load_reward_fns([f"{tmp_path / 'mine.py'}:{n}"
                                         for n in ("quits", "ctrl_c", "one_row")]))
     for name, message in (("shout", "reward 'shout' raised ValueError: no"),
@@ -1130,7 +1129,7 @@ def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
                           ("one_row", "raised ZeroDivisionError: division by zero (first on row "
                                       "1, prompt '2+2=')")):
         with pytest.raises(C.UserError, match=re.escape(message)):
-            C.call_reward_fn(name, fns[name], ["2", "5"], rows)
+            fns[name](["2", "5"], rows)
     for spec, message in (("nofile.py:f", "file 'nofile.py' not found"),
                           (f"{tmp_path / 'mine.py'}:missing", "has no function 'missing'"),
                           ("nosuchmodule:f", "importing 'nosuchmodule' failed"),
@@ -1150,7 +1149,7 @@ def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypa
     data = tasks.load_data("hf:org/set", eval_size=2, need_answer=True, split="test")
     assert {r["prompt"] for r in data.rows} == {f"org/set test {i}" for i in range(10)}
     # every column is kept
-    assert all(r["level"] == answer_format.final_number(r["answer"]) for r in data.rows)
+    assert all(r["level"] == tasks.final_number(r["answer"]) for r in data.rows)
     chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
     (tmp_path / "d.jsonl").write_text(json.dumps({"q": chat, "a": 3}) + "\n"
                                       + json.dumps({"q": "2+2=", "a": 4}) + "\n")
@@ -1160,19 +1159,19 @@ def test_rows_keep_every_field_chat_prompts_and_system_prompt(tmp_path, monkeypa
     assert rows[1]["prompt"] == [{"role": "system", "content": "Add."},
                                  {"role": "user", "content": "2+2="}]
     want = tok("Add.\n\n2+2=")["input_ids"]
-    assert tasks.encode_prompts(tok, [rows[1]["prompt"]], "none")[0] == want
+    assert C.encode_prompts(tok, [rows[1]["prompt"]], "none")[0] == want
     templated = loading.load_tokenizer(loading.DEFAULT_POLICY)
     templated.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}; "
                                "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}")
-    ids = tasks.encode_prompts(templated, [rows[1]["prompt"]])[0]
+    ids = C.encode_prompts(templated, [rows[1]["prompt"]])[0]
     assert templated.decode(ids) == "system: Add.; user: 2+2=; assistant: "
 
 
 def test_answers_in_boxes_fractions_and_math_verify(monkeypatch):
-    assert answer_format.final_number("so \\boxed{\\frac{1}{2}} and 7") == 0.5
-    assert answer_format.final_number("#### 1,234") == 1234.0
-    assert answer_format.final_number("3/4 of it") == 0.75
-    assert answer_format.final_number("\\boxed{x^{2}}") is None  # not read by its last digit
+    assert tasks.final_number("so \\boxed{\\frac{1}{2}} and 7") == 0.5
+    assert tasks.final_number("#### 1,234") == 1234.0
+    assert tasks.final_number("3/4 of it") == 0.75
+    assert tasks.final_number("\\boxed{x^{2}}") is None  # not read by its last digit
     assert C.math_reward("\\boxed{\\dfrac{3}{4}}", {"answer": "0.75"}) == 1.0
     calls = []
     fake = SimpleNamespace(parse=lambda s: calls.append(s) or s, verify=lambda a, b: a == b)
@@ -1196,21 +1195,21 @@ def test_math_answers_that_are_not_numbers_are_compared_as_written(monkeypatch, 
     assert score("46", "46") == 1 and score("46a", "46") == 1 and score("4a", "46") == 0
     assert score("so 1,234 in all.\n#### 1,234", "1,000 + 234 = 1,234\n#### 1234") == 1
     assert score("The answer is 42.", "The answer is 42") == 1  # a sentence: its last number
-    assert answer_format.final_answer("A", reference=True) is None  # a letter is not maths
+    assert C.final_answer("A", reference=True) is None  # a letter is not maths
     path = tmp_path / "math.jsonl"  # the data check reads \pi too, so the file is not refused
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": a}) + "\n"
                             for i, a in enumerate(["\\pi", "\\boxed{(1,2)}", "#### 7"])))
     rows = tasks.read_rows(str(path), need_answer=True)
-    assert C.has_numbers(rows) and C.eval_metric(rows) == "accuracy"
+    assert C.has_numbers(rows) and tasks.eval_metric(rows) == "accuracy"
     assert C.gold(["\\boxed{\\pi}", "\\boxed{(1, 2)}", "#### 8"], rows) == {"gold": 2 / 3}
 
 
 def test_eval_reward_math_on_text_answers_is_refused_and_auto_uses_the_rewards():
     rows = [{"prompt": "a", "answer": "yes"}, {"prompt": "b", "answer": "no"}]
     with pytest.raises(C.UserError, match="would be 0 whatever the model says"):
-        C.eval_metric(rows, "math")
-    assert C.eval_metric(rows, "auto") == "mean reward"
-    assert C.eval_metric([{"prompt": "a", "answer": "#### 3"}], "auto") == "accuracy"
+        tasks.eval_metric(rows, "math")
+    assert tasks.eval_metric(rows, "auto") == "mean reward"
+    assert tasks.eval_metric([{"prompt": "a", "answer": "#### 3"}], "auto") == "accuracy"
 
 
 # ---- common.py: LoRA
@@ -1235,9 +1234,9 @@ def test_lora_reference_is_the_base_and_merged_checkpoints_match(tmp_path, tok):
             if "lora_B" in n:
                 p.normal_(0, 0.05)
     base = loading.load_model(loading.DEFAULT_POLICY, "lm", cpu)
-    roll = C.sample(base, tok, tasks.encode_prompts(tok, PROMPTS[:4] * 2), 6)
+    roll = C.sample(base, tok, C.encode_prompts(tok, PROMPTS[:4] * 2), 6)
     base_lp = C.batched_logprobs(base, roll, 1.0, 8, OFF)
-    with loading.adapters_off(model):
+    with R.adapters_off(model):
         torch.testing.assert_close(C.batched_logprobs(model, roll, 1.0, 8, OFF), base_lp)
     lora_lp = C.batched_logprobs(model, roll, 1.0, 8, OFF)
     assert (lora_lp - base_lp).abs().max() > 1e-3  # the adapters do change the policy
@@ -1366,7 +1365,7 @@ def test_micro_batched_gradient_equals_full_batch_gradient(mode, tok):
     gradient."""
     model = tiny_model("llama", seed=3)
     model.generation_config.eos_token_id = [2, 43, 72]
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS + PROMPTS[:3]), 8)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS + PROMPTS[:3]), 8)
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
     # rows of different lengths, or the test proves nothing
     assert len(set(mask.sum(-1).tolist())) > 1
@@ -1406,7 +1405,7 @@ def test_clipping_zeroes_the_gradient_exactly_where_it_should():
 
 def test_ratio_is_one_and_kl_zero_at_first_inner_step(tok):
     model, ref = tiny_model("qwen2", seed=4), tiny_model("qwen2", seed=4)
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 6)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6)
     T = roll.completion_mask.shape[1]
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     ref_lp = C.batched_logprobs(ref, roll, 1.0, 2, OFF)
@@ -1621,7 +1620,7 @@ def test_reinforce_mismatch_correction_is_grpos(mode, level):
 def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = tasks.encode_prompts(tok, PROMPTS)
+    prompts = C.encode_prompts(tok, PROMPTS)
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
@@ -1805,7 +1804,7 @@ def _loss_and_grad(model, roll, adv, micro, loss_agg, old=None):
 def test_micro_batching_does_not_change_the_gradient(loss_agg, clipped, tok):
     model = tiny_model("llama")
     model.generation_config.eos_token_id = [2, 43, 72]  # rows of different lengths
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 2), 6)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 6)
     assert len(set(roll.completion_mask.sum(-1).tolist())) > 1  # or the test proves nothing
     adv = torch.randn(len(roll.ids), 1) * roll.completion_mask
     old = None
@@ -1825,7 +1824,7 @@ def test_sample_grad_probe_equals_per_sample_backward(k, tok):
     between them."""
     model = tiny_model("gpt_neox")
     norms = R.sample_grad_probe(model)
-    prompts = [p for p in tasks.encode_prompts(tok, PROMPTS) for _ in range(k)]
+    prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(k)]
     roll = C.sample(model, tok, prompts, 5)
     mask, n, T = roll.completion_mask, len(roll.ids), roll.completion_mask.shape[1]
     adv = torch.randn(n, 1) * mask
@@ -1935,7 +1934,7 @@ def test_ppo_refuses_adaptive_kl_from_zero_and_has_no_weight_decay_by_default(mo
 def test_critic_values_read_the_state_before_each_token_with_left_padding(tok):
     critic = tiny_rm()
     model = tiny_model("llama")
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS), 5)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 5)
     T = roll.completion_mask.shape[1]
     values = ppo.critic_values(critic, roll.ids, roll.attention_mask, T)
     for i in range(len(PROMPTS)):
@@ -1955,7 +1954,7 @@ def test_critic_values_read_the_state_before_each_token_with_left_padding(tok):
 def make_update_inputs(tok, seed=0, varied=False):
     torch.manual_seed(seed)
     model, critic = tiny_model("llama"), tiny_rm()
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, PROMPTS * 4), 5)
+    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 4), 5)
     # the random model never ends early: give rows lengths 1..5, as EOS would (masks from lengths)
     if varied:
         lengths = torch.arange(len(roll.ids)) % 5 + 1
@@ -2039,7 +2038,7 @@ def test_critic_from_policy_starts_at_zero_and_bad_tokenizer_is_refused(tmp_path
     args = SimpleNamespace(critic_init="policy", model=str(tmp_path / "policy"), reward_model="",
                            trust_remote_code=False, gradient_checkpointing=False)
     critic = ppo.load_critic(args, tok, torch.device("cpu"))
-    ids, mask = C.left_pad(tasks.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
+    ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS), tok.pad_token_id, "cpu")
     assert (ppo.critic_values(critic, ids, mask, 3) == 0).all()
     assert any(p.requires_grad for p in critic.parameters())
     other = loading.load_tokenizer(loading.DEFAULT_POLICY)
@@ -2063,7 +2062,7 @@ def test_gradient_checkpointing_reaches_the_ppo_critic(tok):
         critic = ppo.load_critic(args, tok, torch.device("cpu"))
         n = []
         critic.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: n.append(1))
-        ids, mask = C.left_pad(tasks.encode_prompts(tok, PROMPTS[:4]), tok.pad_token_id, "cpu")
+        ids, mask = C.left_pad(C.encode_prompts(tok, PROMPTS[:4]), tok.pad_token_id, "cpu")
         values = ppo.critic_values(critic, ids, mask, 2)
         n.clear()
         values.sum().backward()
@@ -2140,7 +2139,7 @@ def test_multi_turn_masks_and_ids_on_scripted_turns():
     eos = t.eos_token_id
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     prompts = ["3+4=", "33+44=", "5+55="]  # three lengths: the scripts cannot collide
-    p = [tasks.encode_prompts(t, [s], "none")[0] for s in prompts]
+    p = [C.encode_prompts(t, [s], "none")[0] for s in prompts]
     budget = 20  # row 2: 18 call tokens + 2 of its 4 observation tokens
     want = [enc("ab") + [eos] + enc(" 77 ") + enc("7") + [eos],
             enc("<calc>33+44</calc>") + enc(" 7"),
@@ -2183,7 +2182,7 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
     hook = model.register_forward_pre_hook(
         lambda m, a, kw: forwarded.append(kw["input_ids"].numel()), with_kwargs=True)
     torch.manual_seed(0)
-    prompts = tasks.encode_prompts(tok, PROMPTS * 2)
+    prompts = C.encode_prompts(tok, PROMPTS * 2)
     env = always_env(" 12 ")
     roll = rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS * 2], 16, 40)
     hook.remove()
@@ -2213,7 +2212,7 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
 def test_multi_turn_respects_max_turns_and_the_budget(tok):
     model = tiny_model("llama", seed=4)
     model.generation_config.eos_token_id = [2, 43, 72]
-    prompts = tasks.encode_prompts(tok, PROMPTS * 4)
+    prompts = C.encode_prompts(tok, PROMPTS * 4)
     rows = [{"prompt": p} for p in PROMPTS * 4]
     for max_turns, budget in ((1, 30), (2, 30), (4, 40), (4, 9)):
         env = always_env(" 1 ")
@@ -2236,7 +2235,7 @@ def test_env_gets_its_row_and_the_turns_so_far(tok):
     model.generation_config.eos_token_id = [2, 43, 72]
     env = always_env(" 1 ")
     torch.manual_seed(0)
-    prompts = tasks.encode_prompts(tok, PROMPTS)
+    prompts = C.encode_prompts(tok, PROMPTS)
     roll = rollout(model, tok, prompts, env, [{"prompt": p} for p in PROMPTS], 3, 40)
     for i, p in enumerate(PROMPTS):
         mine = [turns for q, turns in env.calls if q == p]
@@ -2262,7 +2261,7 @@ def test_each_episode_owns_its_row_and_a_class_env_gets_one_object_per_episode(t
         counts.append(list(row["seen"]))
         return " 1 "
     torch.manual_seed(0)
-    prompts = tasks.encode_prompts(tok, [r["prompt"] for r in rows])
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in rows])
     roll = rollout(model, tok, prompts, env, rows, 4, 40)
     assert roll.tool_calls.max() >= 2 and rows[0] == {"prompt": "1+2=", "answer": "3", "seen": []}
     assert all(c == list(range(1, len(c) + 1)) for c in counts), counts
@@ -2298,7 +2297,7 @@ def test_env_calls_of_one_decode_step_run_at_once_and_a_slow_one_stops_in_time(t
     def env(row, turns):
         barrier.wait()
         return None
-    prompts = tasks.encode_prompts(tok, ["1+2="] * 8)
+    prompts = C.encode_prompts(tok, ["1+2="] * 8)
     roll = rollout(model, tok, prompts, env, [{"prompt": "1+2="}] * 8, 2, 10)
     assert roll.turns.tolist() == [1] * 8
     t0 = time.time()
@@ -2323,7 +2322,7 @@ def test_an_observation_is_text_never_special_tokens_and_is_cut_before_it_is_tok
     monkeypatch.setattr(type(tok), "__call__", lambda self, text, *a, **k: (
         tokenized.append(len(text)), real(self, text, *a, **k))[1])
     torch.manual_seed(0)
-    prompts = tasks.encode_prompts(tok, PROMPTS)
+    prompts = C.encode_prompts(tok, PROMPTS)
     roll = rollout(model, tok, prompts, always_env(obs), [{"prompt": p} for p in PROMPTS], 2, 40)
     assert (roll.tool_calls > 0).any()
     observed = set(roll.ids[:, roll.P:][(roll.attention_mask[:, roll.P:] == 1)
@@ -2447,7 +2446,7 @@ def test_micro_batching_does_not_change_the_gradient_with_observations(tok):
     model = tiny_model("llama", seed=3)
     model.generation_config.eos_token_id = [2, 43, 72]
     torch.manual_seed(1)
-    prompts = tasks.encode_prompts(tok, PROMPTS + PROMPTS[:3])
+    prompts = C.encode_prompts(tok, PROMPTS + PROMPTS[:3])
     roll = rollout(model, tok, prompts, always_env(" 5 "), [{"prompt": p} for p in
                                                             PROMPTS + PROMPTS[:3]], 3, 20)
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
@@ -2513,8 +2512,8 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
     model.generation_config.eos_token_id = [2, 43, 72]
     torch.manual_seed(0)
     rows = [{"prompt": p} for p in PROMPTS]
-    a = rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
-    b = rollout(model, tok, tasks.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
+    a = rollout(model, tok, C.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
+    b = rollout(model, tok, C.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
     both = grpo.cat_rollouts([(a, torch.tensor([0, 2])), (b, torch.tensor([1]))])
     assert both.final == [a.final[0], a.final[2], b.final[1]]
     assert both.tool_calls.tolist() == [a.tool_calls[0], a.tool_calls[2], b.tool_calls[1]]
@@ -2566,7 +2565,7 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     assert t.decode(obs) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912 <|im_end|>\n"
                              "</tool_response><|im_end|>\n<|im_start|>assistant\n")
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
-    prompt = tasks.encode_prompts(t, [messages])[0]
+    prompt = C.encode_prompts(t, [messages])[0]
     turn1 = enc(call) + ([im_end] if ends_on == "eos" else [])
     obs_ids = obs[1:] if ends_on == "eos" else obs
     completion = turn1 + obs_ids + enc("6912") + [im_end]
@@ -2623,7 +2622,7 @@ def test_tools_are_shown_by_the_template_parsed_run_and_answered_as_tool_message
     assert [s["function"]["name"] for s in env.tools] == ["add", "shout"]
     t = chat_tokenizer()
     messages = [{"role": "user", "content": "2+3="}]
-    prompt = tasks.encode_prompts(t, [messages], tools=env.tools)[0]
+    prompt = C.encode_prompts(t, [messages], tools=env.tools)[0]
     shown = t.decode(prompt)
     assert '"name": "add"' in shown and "Add two whole numbers." in shown and "the first" in shown
     call = ('<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
@@ -2653,7 +2652,7 @@ def test_tools_are_shown_by_the_template_parsed_run_and_answered_as_tool_message
         add_generation_prompt=True) + "5<|im_end|>"
     n = int(roll.attention_mask[0].sum())
     assert t.decode(roll.ids[0, -n:]) == whole and texts == ["5"]
-    m = E.tool_metrics(roll, env)
+    m = R.tool_metrics(roll, env)
     assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
     assert m["tool_calls/shout"] == 1 and m["tool_errors/shout"] == 1 and m["tool_calls"] == 1
 
@@ -3242,7 +3241,7 @@ def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcri
                         ("assistant", "46"))
     prompt, ids, mask = tasks.encode_demonstration(t, tasks.demonstration(
         {"messages": conversation}, "row"))
-    assert prompt == tasks.encode_prompts(t, ["12+34="], "none")[0]
+    assert prompt == C.encode_prompts(t, ["12+34="], "none")[0]
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     completion = enc("<calc>12+34</calc>") + enc(" 46 ") + enc("46") + [t.eos_token_id]
     model = scripted_model(t, [prompt], [completion], [[1] * 18 + [0] * 4 + [1] * 3])
@@ -4082,7 +4081,7 @@ def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, c
         next(model.parameters())[0, 0] = float("inf")
     with pytest.raises(C.UserError, match=r"diverged \(NaN/inf\): step 4 cannot"):
         with runs.stop_on_divergence(run, 3):
-            C.sample(model, tok, tasks.encode_prompts(tok, ["1+1="]), 2)
+            C.sample(model, tok, C.encode_prompts(tok, ["1+1="]), 2)
 
 
 def test_a_full_disk_inside_safetensors_is_one_line_and_leaves_no_tmp(tmp_path, monkeypatch):

@@ -68,7 +68,7 @@ def bench_sample(device, model_name=loading.DEFAULT_POLICY, batch=64, group=1, n
     tok = loading.load_tokenizer(model_name)
     model = loading.load_model(model_name, "lm", device, frozen=True)
     rows = tasks.load_data("").eval_rows[:batch // group]
-    prompts = tasks.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(group)])
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(group)])
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
     eos = torch.tensor(C.eos_ids(model, tok), device=device)
     out = {}
@@ -289,7 +289,7 @@ def bundled_logprobs_speed(repeats=30):
     model = loading.load_model(loading.DEFAULT_POLICY, "lm", loading.pick_device())
     torch.manual_seed(0)
     rows = tasks.load_data("").eval_rows[:8]
-    prompts = tasks.encode_prompts(tok, [r["prompt"] for r in rows] * 8)
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in rows] * 8)
     roll = C.sample(model, tok, prompts, 6)
     T = roll.completion_mask.shape[1]
 

@@ -76,7 +76,7 @@ def bench_sampling(path, device, new_tokens):
     from transformers import AutoModelForCausalLM
     tok = loading.load_tokenizer(path)
     rows = tasks.load_data("").eval_rows[:8]
-    prompts = tasks.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(8)])
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in rows for _ in range(8)])
     ids, mask = C.left_pad(prompts, tok.pad_token_id, device)
 
     def load_bf16():

@@ -114,7 +114,7 @@ def final_kl(folder, k):
     data = E.calc_data(args["eval_size"]) if env else tasks.load_data("", args["eval_size"])
     rows = data.eval_rows
     rows = [r for r in rows for _ in range(k)]
-    prompt_ids = tasks.encode_prompts(tok, [r["prompt"] for r in rows], args["chat_template"])
+    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args["chat_template"])
     total = 0.0
     for i in range(0, len(prompt_ids), 256):
         # with env, KL at the model's tokens only: completion_mask is 0 on observations

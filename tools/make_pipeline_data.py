@@ -31,7 +31,6 @@ import torch
 from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import answer_format  # noqa: E402
 import common as C  # noqa: E402
 import loading
 import tasks
@@ -48,7 +47,7 @@ OUT = os.path.join(loading.ROOT, "data")
 def rank(answers, true_sum):
     """The distinct answers, best first, ties with a better-ranked answer dropped."""
     def distance(answer):
-        x = answer_format.final_number(answer)
+        x = tasks.final_number(answer)
         return abs(x - true_sum) if x is not None and answer.strip() else float("inf")
     ranking, seen = [], set()
     for answer in sorted(dict.fromkeys(answers), key=distance):  # stable: first sampled wins ties
@@ -79,7 +78,7 @@ def main():
     model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
     pairs = tasks.task_train_pairs(random.Random(1), N_RANK_PROMPTS)
     prompts = [f"{a}+{b}=" for a, b in pairs for _ in range(SAMPLES)]
-    roll = C.sample(model, tok, tasks.encode_prompts(tok, prompts), max_new_tokens=6,
+    roll = C.sample(model, tok, C.encode_prompts(tok, prompts), max_new_tokens=6,
                     temperature=TEMPERATURE)
     answers = C.decode_completions(tok, roll)
     rankings, right_first = [], 0

@@ -15,6 +15,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
+from errors import first_line  # noqa: E402
 import loading  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
@@ -38,7 +39,7 @@ def merge(run_dir, out=""):
         base_name, remote = args["model"], args.get("trust_remote_code", False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise C.UserError(f"{ckpt}/args.json is damaged ({type(e).__name__}: "
-                          f"{C._first_line(e)}); is {run_dir} a run folder?") from None
+                          f"{first_line(e)}); is {run_dir} a run folder?") from None
     if not args.get("lora_r"):
         raise C.UserError(f"{run_dir} is not a LoRA run: its checkpoint/ is a full model already")
     try:
@@ -58,7 +59,7 @@ def merge(run_dir, out=""):
             merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # a damaged file
         raise C.UserError(f"{ckpt}: its LoRA adapter could not be loaded ({type(e).__name__}: "
-                          f"{C._first_line(e)[:120]}); the run's checkpoint is damaged") from None
+                          f"{first_line(e)[:120]}); the run's checkpoint is damaged") from None
     merged.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     print(f"merged {ckpt} into {base_name} -> {out}")
