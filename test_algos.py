@@ -34,6 +34,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from transformers import GPT2Config
@@ -123,9 +124,7 @@ def tiny_model(arch, seed=0):
     cfg = tiny_config(arch)
     cfg.architectures = [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
                           "gpt2": "GPT2LMHeadModel", "gpt_neox": "GPTNeoXForCausalLM"}[arch]]
-    model = AutoModelForCausalLM.from_config(cfg).eval()
-    fastpath.check_head(model)  # as loading.load_model does: token_logprobs takes its fast path
-    return model
+    return AutoModelForCausalLM.from_config(cfg).eval()
 
 
 def tiny_rm(seed=0):
@@ -524,6 +523,16 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
         torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
 
 
+def fast_logprobs(model, ids, mask, T, temperature, entropy=False, chunk_elems=2**22):
+    """token_logprobs' fast path with a chosen chunk size (fastpath.final_hidden, head_logprobs)."""
+    x, targets = fastpath.final_hidden(functools.partial(C._forward, model), ids, mask, T)
+    never = C.suppressed(model, model.lm_head.out_features, ids.device)  # p = 0 for these ids
+    lp, ent = fastpath.head_logprobs(x, model.lm_head, targets, temperature, never, entropy,
+                                     chunk_elems)
+    pad = (0, T - targets.shape[1])
+    return F.pad(lp, pad), F.pad(ent, pad) if entropy else None
+
+
 def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradients(
         monkeypatch, tok):
     """Spread over several chunks, the training log-probs keep only the final hidden states for
@@ -541,9 +550,8 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
         model.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16"):
             if fast:
-                lp, ent = fastpath.fast_token_logprobs(model, model.lm_head, roll.ids,
-                                                       roll.attention_mask, T, 0.7, entropy=True,
-                                                       chunk_elems=chunk_elems)
+                lp, ent = fast_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+                                        entropy=True, chunk_elems=chunk_elems)
             else:
                 lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
                                            entropy=True, fast=False)
@@ -613,8 +621,8 @@ def test_entropy_and_its_gradient_equal_a_plain_forward(tok):
     want = [p.grad.clone() for p in model.parameters()]
     for chunk_elems in (2**24, 3 * T * model.config.vocab_size):
         model.zero_grad()
-        _, ent = fastpath.fast_token_logprobs(model, model.lm_head, roll.ids, roll.attention_mask,
-                                              T, 0.7, entropy=True, chunk_elems=chunk_elems)
+        _, ent = fast_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True,
+                               chunk_elems=chunk_elems)
         torch.testing.assert_close(ent * mask, ref.detach() * mask, atol=1e-5, rtol=1e-5)
         (ent * mask).sum().backward()
         for g, p in zip(want, model.parameters()):
@@ -798,8 +806,8 @@ def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
 
     def grads(fast):
         model.zero_grad()
-        lp, ent = fastpath.fast_token_logprobs(
-            model, model.lm_head, roll.ids, roll.attention_mask, T, 0.7, True, chunk_elems=5 * V
+        lp, ent = fast_logprobs(
+            model, roll.ids, roll.attention_mask, T, 0.7, True, chunk_elems=5 * V
         ) if fast else C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, True,
                                         fast=False)
         ((lp + 0.1 * ent) * roll.completion_mask).sum().backward()
@@ -817,9 +825,10 @@ def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
 
 
 def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsys):
-    """peft wraps the LM head when it is targeted: a new module, not the one load_model checked,
-    so token_logprobs takes its plain path (said at load), the adapter in it (and off inside
-    adapters_off). LoRA elsewhere keeps the fast path, with the plain path's numbers."""
+    """peft wraps the LM head when it is targeted: a new module, not an nn.Linear, so
+    common.linear_head says no and token_logprobs takes its plain path (said at load), the adapter
+    in it (and off inside adapters_off). LoRA elsewhere keeps the fast path, with the plain
+    path's numbers."""
     tok = loading.load_tokenizer(chat_model)
     prompts = C.encode_prompts(tok, ["1+2=", "Be brief."] * 2)  # shared prompts
     for targets in ("q_proj,lm_head", "q_proj,v_proj"):
@@ -829,8 +838,7 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
         model, _ = loading.load_policy(args, torch.device("cpu"))
         on_head = targets.endswith("lm_head")
         assert ("LoRA on the LM head" in capsys.readouterr().out) == on_head
-        head = C._unwrap(model).get_output_embeddings()
-        assert (head in fastpath.SPLIT_HEADS) == (not on_head)
+        assert (C.linear_head(model) is None) == on_head
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -848,55 +856,65 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
         for a, b in zip(run(True), plain):
             tol = 0 if on_head else 1e-5  # the plain path itself, or the fast path's rounding
             torch.testing.assert_close(a, b, atol=tol, rtol=tol * 10)
-        with torch.no_grad(), R.adapters_off(model):
+        with torch.no_grad(), runs.adapters_off(model):
             off, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
         assert (off - plain[0]).abs().max() > 1e-3  # the adapter was in the log-probs
 
 
-def test_soft_capped_or_unchecked_models_take_the_plain_logprob_path(tmp_path, tok, capsys):
+def test_the_logprob_path_is_decided_from_the_model_itself(tmp_path, tok, capsys):
     """A model whose logits are not its LM head applied to its last hidden state (Gemma 2
-    soft-caps them: c tanh(z / c)) fails load_model's check (said at load), so token_logprobs
-    takes its plain path: the model's own logits, where the fast path would be wrong. A model
-    built by hand, never checked, takes the plain path too."""
+    soft-caps them: c tanh(z / c)) fails common.linear_head's check (said once), so
+    token_logprobs takes its plain path: the model's own logits, where the fast path would be
+    wrong. A model built by hand, never loaded by load_model, takes the fast path: its head
+    qualifies, and the numbers equal the plain path's."""
     from transformers import Gemma2Config
     cfg = Gemma2Config(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                        num_key_value_heads=2, head_dim=8, intermediate_size=64, pad_token_id=0,
-                       bos_token_id=1, eos_token_id=2, final_logit_softcapping=1.0,
+                       bos_token_id=1, eos_token_id=2, final_logit_softcapping=0.1,
                        architectures=["Gemma2ForCausalLM"])
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gemma2")
     capped = loading.load_model(str(tmp_path / "gemma2"), "lm", torch.device("cpu"))
-    assert "its logits are not a linear LM head" in capsys.readouterr().out
+    assert C.linear_head(capped) is None and C.linear_head(capped) is None  # checked once
+    assert capsys.readouterr().out.count("its logits are not a linear LM head") == 1
     torch.manual_seed(1)
-    by_hand = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()  # no check_head
+    by_hand = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    assert C.linear_head(by_hand) is by_hand.lm_head
     for model in (capped, by_hand):
-        assert model.lm_head not in fastpath.SPLIT_HEADS
         roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
         T = roll.completion_mask.shape[1]
         lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True)
         want, want_ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
                                           entropy=True, fast=False)
-        assert torch.equal(lp, want) and torch.equal(ent, want_ent)
-    wrong, _ = fastpath.fast_token_logprobs(capped, capped.lm_head, roll.ids, roll.attention_mask,
-                                            T, 0.7, False)
-    assert ((wrong - want) * roll.completion_mask).abs().max() > 1e-2
+        if model is capped:  # the plain path itself
+            assert torch.equal(lp, want) and torch.equal(ent, want_ent)
+            wrong, _ = fast_logprobs(capped, roll.ids, roll.attention_mask, T, 0.7)
+            assert ((wrong - want) * roll.completion_mask).abs().max() > 1e-2
+        else:  # the fast path, to rounding
+            torch.testing.assert_close(lp, want, atol=1e-5, rtol=1e-4)
 
 
-def test_fsdp_policy_takes_the_plain_logprob_path(capsys):
-    """--fsdp: FSDP2 (runs.wrap_model) will shard the LM head's weight, so load_policy takes the
-    head out of SPLIT_HEADS and says so; token_logprobs then gives the plain path's numbers (the
-    2-process runs against 1 process: test_two_processes_make_the_one_process_update)."""
+def test_fsdp_policy_takes_the_plain_logprob_path(capsys, tmp_path):
+    """--fsdp: FSDP2 (runs.wrap_model) shards the LM head's weight (a DTensor), so
+    common.linear_head says no and token_logprobs takes the plain path; load_policy says so (the
+    2-process runs against 1 process: test_two_processes_make_the_one_process_update). A one-
+    process gloo group in this process."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
     args = SimpleNamespace(model=loading.DEFAULT_POLICY, lora_r=0, trust_remote_code=False,
                            compile=False, gradient_checkpointing=False, fsdp=True)
     model, tok = loading.load_policy(args, torch.device("cpu"))
     assert "--fsdp shards the LM head's weight" in capsys.readouterr().out
-    assert model.lm_head not in fastpath.SPLIT_HEADS
-    assert loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu")).lm_head \
-        in fastpath.SPLIT_HEADS  # a model loaded on its own (the reference) keeps the fast path
-    roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS * 2), 6)
-    T = roll.completion_mask.shape[1]
-    lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
-    assert torch.equal(lp, C.token_logprobs(model, roll.ids, roll.attention_mask, T, fast=False)[0])
+    assert C.linear_head(model) is model.lm_head  # not sharded yet
+    del model.lm_head.exact_logits
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        fully_shard(model)
+        assert C.linear_head(model) is None
+        assert not hasattr(model.lm_head, "exact_logits")  # no check forward: refused before
+    finally:
+        dist.destroy_process_group()
 
 
 def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path):
@@ -1236,7 +1254,7 @@ def test_lora_reference_is_the_base_and_merged_checkpoints_match(tmp_path, tok):
     base = loading.load_model(loading.DEFAULT_POLICY, "lm", cpu)
     roll = C.sample(base, tok, C.encode_prompts(tok, PROMPTS[:4] * 2), 6)
     base_lp = C.batched_logprobs(base, roll, 1.0, 8, OFF)
-    with R.adapters_off(model):
+    with runs.adapters_off(model):
         torch.testing.assert_close(C.batched_logprobs(model, roll, 1.0, 8, OFF), base_lp)
     lora_lp = C.batched_logprobs(model, roll, 1.0, 8, OFF)
     assert (lora_lp - base_lp).abs().max() > 1e-3  # the adapters do change the policy
@@ -2091,9 +2109,11 @@ def always_env(text=" 12 "):
 def rollout(model, tok, prompt_ids, env, rows, max_turns, budget, timeout=60, **kw):
     """The multi-turn sampler with a test env function env(row, turns): common.sample with the
     env_step that envs builds (one episode per row, its checks and deadline)."""
-    env_step, _ = E.start_episodes(rows, lambda row: functools.partial(env, row), "--env",
-                                   "test", timeout, tok)
-    return C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns, **kw)
+    env_step, finish = E.start_episodes(rows, lambda row: functools.partial(env, row), "--env",
+                                        "test", timeout, tok)
+    roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns, **kw)
+    finish(roll)  # the episodes' turns and observations, on the rollout
+    return roll
 
 
 class ScriptedModel(torch.nn.Module):
@@ -2276,10 +2296,11 @@ def test_each_episode_owns_its_row_and_a_class_env_gets_one_object_per_episode(t
         def step(self, turns):
             self.calls += 1
             return f" {self.calls} "
-    env_step, episodes = E.start_episodes(rows, Episode, "--env", "x.py:Episode", 60, tok)
+    env_step, finish = E.start_episodes(rows, Episode, "--env", "x.py:Episode", 60, tok)
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 40, env_step=env_step, max_turns=4)
-    made = [e for e in episodes if e is not None]
+    finish(roll)
+    made = [e for e in roll.episodes if e is not None]
     assert len(made) == len(Episode.made) == int((roll.tool_calls > 0).sum())
     assert [e.calls for e in made] == [int(n) for n in roll.tool_calls if n > 0]
     assert all(e.row is not rows[0] and e.row == rows[0] for e in made)
@@ -2652,7 +2673,7 @@ def test_tools_are_shown_by_the_template_parsed_run_and_answered_as_tool_message
         add_generation_prompt=True) + "5<|im_end|>"
     n = int(roll.attention_mask[0].sum())
     assert t.decode(roll.ids[0, -n:]) == whole and texts == ["5"]
-    m = R.tool_metrics(roll, env)
+    m = runs.tool_metrics(roll, env)
     assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
     assert m["tool_calls/shout"] == 1 and m["tool_errors/shout"] == 1 and m["tool_calls"] == 1
 
@@ -3147,7 +3168,7 @@ def test_bad_flags_are_refused(monkeypatch, tmp_path, capsys):
 
 def test_chat_messages_rows_train_with_a_chat_template(tmp_path):
     """{"messages"} rows: the prompt is the chat before the last (assistant) message, through
-    the tokenizer's template, as tasks.encode_prompts builds it for the RL scripts."""
+    the tokenizer's template, as common.encode_prompts builds it for the RL scripts."""
     tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
     tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} | {% endfor %}"
                          "{% if add_generation_prompt %}assistant: {% endif %}")
@@ -4272,12 +4293,14 @@ import dpo, grpo, ppo, reinforce, reward_model, runs, sft
 real_sample = C.sample
 
 
-def sample(model, tok, prompt_ids, *args, **kwargs):  # each row alone, seeded by its prompt
-    seen, pieces = {}, []                             # and its index among that prompt's rows
-    for p in prompt_ids:
+def sample(model, tok, prompt_ids, *args, env_step=None, **kwargs):  # each row alone, seeded
+    seen, pieces = {}, []                    # by its prompt and its index among that prompt's rows
+    for j, p in enumerate(prompt_ids):
         k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
         torch.manual_seed(hash((tuple(p), k)) % 2**31)
-        pieces.append((real_sample(model, tok, [p], *args, **kwargs), torch.tensor([0])))
+        step = env_step and (lambda reqs, j=j: env_step([(j, *r[1:]) for r in reqs]))  # row j's
+        pieces.append((real_sample(model, tok, [p], *args, env_step=step, **kwargs),
+                       torch.tensor([0])))
     # then the RNG as one process leaves it in rank 0 and another stream in rank 1 (so
     # runs.seed_everything seeds them): ppo's minibatches must follow rank 0's shuffle alone
     torch.manual_seed(1 + runs.get_rank())
@@ -4798,7 +4821,7 @@ def test_docs_relative_links_and_anchors_resolve():
 def test_every_module_keeps_the_line_budget_the_readme_states():
     """README's "Reading the code" table gives each module a budget in lines: each file keeps it."""
     rows = re.findall(r"^\| `(\w+\.py)`[^|]*\|[^|]*\| (\d+) lines \|$", read_readme(), re.M)
-    assert len(rows) >= 13  # common, answer_format, fastpath, envs, the plumbing, the six scripts
+    assert len(rows) >= 12  # common, errors, fastpath, envs, the plumbing, the six scripts
     for name, budget in rows:
         with open(os.path.join(ROOT, name)) as f:
             assert len(f.read().splitlines()) <= int(budget), f"{name} is over its {budget} lines"

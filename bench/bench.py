@@ -22,6 +22,7 @@ ratios).
 Prints a table per part and a final JSON line. Results with date, hardware and commands:
 bench/RESULTS.md.
 """
+import functools
 import json
 import os
 import platform
@@ -199,8 +200,10 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
 
     def forward():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            return fastpath.fast_token_logprobs(model, model.lm_head, ids, torch.ones_like(ids), T,
-                                                1.0, True, chunk_elems=chunk_elems)[0]
+            x, targets = fastpath.final_hidden(functools.partial(C._forward, model), ids,
+                                               torch.ones_like(ids), T)
+            return fastpath.head_logprobs(x, model.lm_head, targets, 1.0, None, True,
+                                          chunk_elems=chunk_elems)[0]
     forward().sum().backward()  # warm-up: gradients and allocator caches exist before we measure
     base = used()
     t = time.perf_counter()
@@ -255,7 +258,6 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=1024)
     model = Qwen2ForCausalLM(cfg).to(device).eval()
-    fastpath.check_head(model)  # as loading.load_model does: the fast path may run its head
     ids = torch.randint(3, vocab, (rows, P + T), device=device)  # distinct prompts: no sharing
 
     def step():

@@ -37,9 +37,12 @@ def run_rollout(C, E, model, tok, prompt_ids, env, rows, max_turns, budget):
     """One multi-turn rollout by whichever sampler the checkout has."""
     if hasattr(C, "rollout"):  # before the one-sampler engine: re-prefills every turn
         return C.rollout(model, tok, prompt_ids, env, rows, max_turns, budget)
-    env_step, _ = E.start_episodes(rows, lambda row: (lambda turns: env(row, turns)), "--env",
-                                   "bench", 60, tok)
-    return C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns)
+    env_step, finish = E.start_episodes(rows, lambda row: (lambda turns: env(row, turns)),
+                                        "--env", "bench", 60, tok)
+    roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns)
+    if callable(finish):  # the episodes' fields (roll.turns): since episodes keep their turns
+        finish(roll)
+    return roll
 
 
 def random_qwen2(tok, eos):
