@@ -115,16 +115,12 @@ def eos_ids(model, tok):
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
            amp=None, stop=(), share_prompts=True, env_step=None, max_turns=1):
     """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
-    turn ends at its first EOS or at the token that completes a `stop` string; greedy: the argmax
-    instead of a draw. Without env_step the row is then done and leaves the batch and the cache.
-    With env_step (tool use: envs.start_episodes, where each episode keeps its turns) the rows
-    whose turns end at one step ask it at once: a request is (row, the turn's token ids, budget
-    left, the EOS it ended on or None); it answers each with an observation's ids or None, which
-    ends the episode. An observation is fed to its row one token a step through the same KV cache
-    (forced, not sampled: completion_mask 0, sample_logprobs 0) while the other rows go on
-    sampling, and then the model's next turn follows: no token is forwarded twice.
-    max_new_tokens: the budget of the whole completion, observations included; no env call after
-    turn max_turns."""
+    turn ends at its first EOS or at the token that completes a `stop` string (greedy: the argmax,
+    not a draw); without env_step the row is then done and leaves the batch and the cache. With
+    env_step (tool use: envs.start_episodes) the rows whose turns end at one step ask it at once,
+    each for an observation's ids or None (the episode's end). An observation is fed one token a
+    step through the same KV cache (forced: completion_mask 0, sample_logprobs 0) while the other
+    rows go on sampling; no token is forwarded twice. max_new_tokens counts observations too."""
     B, device = len(prompt_ids), next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, max_new_tokens), tok.pad_token_id, device=device)  # sampled tokens
@@ -239,18 +235,24 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False):
 
 
 # ------------------------------------------------------------------------------ log-probs, KL
-def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False, fast=True):
+def plain_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False):
     """log pi(token_t | tokens before t), with gradients, for the last T positions of ids (B, P+T):
-    (B, T); entropy: also each position's entropy (B, T), else None. suppressed() ids get p = 0."""
-    head = linear_head(model) if fast else None  # the fast path's LM head, if it qualifies
-    if head is None:  # the plain computation, as a student's:
-        # the last T + 1 positions through the LM head (logits_to_keep): position t predicts
-        logits = _forward(model, ids, attention_mask, positions(attention_mask), keep=T + 1).logits
-        logits = logits[:, :-1]  # (B, T, V): token t + 1, so shift by one and drop the last
-        z = logits.float() / temperature  # fp32, at the sampling temperature
-        logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
-        lp = logp.gather(-1, ids[:, -T:, None])[..., 0]  # (B, T): the log-prob of each taken token
-        return lp, -(logp.exp() * logp).sum(-1) if entropy else None
+    (B, T); entropy: also each position's entropy (B, T), else None. suppressed() ids get p = 0.
+    The plain computation, as a student's; token_logprobs gives the same numbers with less."""
+    # the last T + 1 positions through the LM head (logits_to_keep): position t predicts
+    logits = _forward(model, ids, attention_mask, positions(attention_mask), keep=T + 1).logits
+    logits = logits[:, :-1]  # (B, T, V): token t + 1, so shift by one and drop the last
+    z = logits.float() / temperature  # fp32, at the sampling temperature
+    logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
+    lp = logp.gather(-1, ids[:, -T:, None])[..., 0]  # (B, T): the log-prob of each taken token
+    return lp, -(logp.exp() * logp).sum(-1) if entropy else None
+
+
+def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False):
+    """plain_token_logprobs' numbers, by its fast path when the model's LM head qualifies."""
+    head = linear_head(model)  # None: the head is not a plain linear map of the hidden state
+    if head is None:
+        return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
     # the fast path (fastpath.py): the final hidden states without padding columns (shared
     # prompts once, except where a KV cache cannot be reused: torchrun's DDP runs one forward per
     # backward, checkpointed layers drop it), then the head a chunk at a time: never (B, T, V)
@@ -265,11 +267,10 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
 
 
 def linear_head(model):
-    """The model's LM head if token_logprobs may run it apart, a chunk at a time: a plain
-    nn.Linear whose output on the final hidden state IS the logits (not where the model scales or
-    soft-caps them, e.g. Gemma 2), not sharded (--fsdp) nor replaced (LoRA on the head). Checked
-    once per head, on two tokens, where the same matmul on the same input gives the same bits,
-    so any change to the logits shows; the answer is kept on the head (head.exact_logits)."""
+    """The LM head if token_logprobs may run it apart, a chunk at a time: a plain nn.Linear, not
+    sharded (--fsdp), whose output on the final hidden state IS the logits (Gemma 2 soft-caps
+    them). Checked once, on two tokens (the same matmul on the same input gives the same bits);
+    the answer is kept on the head (head.exact_logits)."""
     head = _unwrap(model).get_output_embeddings()
     if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
         return None
@@ -432,14 +433,14 @@ def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="a
     return torch.cat(scores)
 
 
-def compute_rewards(rows, completions, weights, rm=None, rm_tok=None, fns=None):
+def compute_rewards(rows, completions, weights, fns=None):
     """Weighted sum of reward components (B,); each component is returned too, for reward/<name>.
-    fns: your --reward_fn functions by name, each checked (loading.load_reward_fns): -> (B,)."""
+    fns: the other rewards by name, f(completions, rows) -> (B,): your --reward_fn functions
+    (checked: loading.load_reward_fns) and 'rm', the reward model's rm_scores
+    (loading.load_reward_model)."""
     parts = {}
     for name in weights:
-        if name == "rm":
-            parts["rm"] = rm_scores(rm, rm_tok, [r["prompt"] for r in rows], completions).cpu()
-        elif name in RULES:
+        if name in RULES:
             parts[name] = torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
         else:
             parts[name] = fns[name](completions, rows)
@@ -458,8 +459,7 @@ def gold(completions, rows):
 
 
 @torch.no_grad()
-def evaluate(model, tok, rows, args, amp, weights, rm=None, rm_tok=None, fns=None,
-             batch_size=128, env=None):
+def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_size=128):
     """Held-out scores under these reward weights ({"math": 1}: accuracy; the scripts choose by
     eval_metric): "eval", the mean score of greedy completions; args.eval_samples = k > 0: also
     eval_mean@k and eval_pass@k (the best of k, per prompt) of k samples at the training
@@ -473,7 +473,7 @@ def evaluate(model, tok, rows, args, amp, weights, rm=None, rm_tok=None, fns=Non
             batch = [r for r in rows[i:i + batch_size] for _ in range(reps)]  # reps rows a prompt
             if batch:
                 _, texts = generate(model, tok, batch, args, amp, env, greedy=key == "eval")
-                scores[key] += compute_rewards(batch, texts, weights, rm, rm_tok, fns)[0].tolist()
+                scores[key] += compute_rewards(batch, texts, weights, fns)[0].tolist()
     greedy = sum(scores["eval"]) / len(rows)
     if not k:
         return {"eval": greedy}

@@ -56,11 +56,14 @@ def final_hidden(forward, ids, attention_mask, T, share=True):
     return x, ids[:, -Tb:]
 
 
-def head_logprobs(x, head, targets, temperature, never, entropy, chunk_elems=2**22):
+CHUNK_ELEMS = 2**22  # head_logprobs makes at most this many logits at a time (16 MB in fp32)
+
+
+def head_logprobs(x, head, targets, temperature, never, entropy):
     """Log-probs of targets (B, Tb) under the LM head on final hidden states x (B, Tb, H), at the
     temperature, with the ids `never` at probability 0; and the entropies if asked (else 0).
-    At most chunk_elems logits at a time (docs/memory.md), recomputed in backward."""
-    B, Tb, V = *targets.shape, head.out_features
+    At most CHUNK_ELEMS logits at a time (docs/memory.md), recomputed in backward."""
+    B, Tb, V, chunk_elems = *targets.shape, head.out_features, CHUNK_ELEMS
     r = max(1, chunk_elems // (Tb * V))  # chunks: r whole rows while a row's logits fit,
     c = Tb if Tb * V <= chunk_elems else max(1, chunk_elems // V)  # else c positions of a row
     blocks = [(slice(i, i + r), slice(j, j + c)) for i in range(0, B, r) for j in range(0, Tb, c)]

@@ -150,19 +150,23 @@ def zero_std_groups(rewards, group_size):
     return rewards.view(-1, group_size).std(1) < 1e-6
 
 
-def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, ref_logprobs=None,
-                   beta=0.0, kl_estimator="k3", mask=None, level="token", policy_loss="clip",
-                   tau=(1.0, 1.05), is_weight=1.0):
+def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=None,
+                   is_weight=1.0):
     """The policy loss per token plus beta * k to the reference (GRPO: KL in the loss). logprobs,
-    old_logprobs, ref_logprobs, mask (B, T); advantages A (B,). k2's gradient pulls along the
-    reverse KL(pi_theta || pi_ref), k3's the forward KL(pi_ref || pi_theta) (docs/algorithms.md).
-    Returns the loss, and to log the ratio, KL and where the clip acted, all (B, T)."""
+    old_logprobs, ref_logprobs, mask (B, T); advantages A (B,); args: the objective's switches
+    (Args: clip_eps*, policy_loss, importance_sampling_level, sapo_tau_*, beta, kl_estimator).
+    k2's gradient pulls along the reverse KL(pi_theta || pi_ref), k3's the forward
+    KL(pi_ref || pi_theta) (docs/algorithms.md). is_weight: mismatch_weights'. Returns the loss,
+    and to log the ratio, KL and where the clip acted, all (B, T)."""
     log_ratio = logprobs - old_logprobs  # log rho = log pi_theta - log pi_old, per token
-    if level == "sequence":  # GSPO: s_i = exp(mean of log rho over o_i's own tokens)
+    eps = (args.clip_eps, args.clip_eps_high)  # eps_low, eps_high
+    if args.importance_sampling_level == "sequence":  # GSPO: s_i = exp(mean of o_i's log rho)
         log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
+        eps = (args.seq_clip_eps, args.seq_clip_eps_high)  # its own tiny eps (GSPO: 3e-4, 4e-4)
     ratio = torch.exp(log_ratio).expand_as(logprobs)  # (B, T): token ratios, or s_i per token
     adv = advantages[:, None]
-    low, high = 1 - clip_eps, 1 + clip_eps_high  # 1 - eps_low, 1 + eps_high
+    low, high = 1 - eps[0], 1 + eps[1]  # 1 - eps_low, 1 + eps_high
+    policy_loss = args.policy_loss
     if policy_loss == "clip":  # PPO, GRPO: -min(rho A, clip(rho, low, high) A)
         unclipped = ratio * adv
         clipped = torch.clamp(ratio, low, high) * adv
@@ -172,12 +176,12 @@ def per_token_loss(logprobs, old_logprobs, advantages, clip_eps, clip_eps_high, 
         loss = -torch.clamp(ratio, low, high).detach() * adv * logprobs
         is_clipped = ((ratio < low) | (ratio > high)).float()  # weight clipped, gradient kept
     else:  # SAPO: -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, a soft gate with f'(1) = 1
-        t = torch.where(adv > 0, tau[0], tau[1])  # tau_pos where A > 0, else tau_neg
+        t = torch.where(adv > 0, args.sapo_tau_pos, args.sapo_tau_neg)  # by A's sign
         loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
         is_clipped = torch.zeros_like(logprobs)  # no hard clip
     kl = torch.zeros_like(logprobs) if ref_logprobs is None else C.kl_estimate(
-        logprobs, ref_logprobs, kl_estimator)
-    return loss * is_weight + beta * kl, ratio, kl, is_clipped  # is_weight: TIS, MIS (1: none)
+        logprobs, ref_logprobs, args.kl_estimator)
+    return loss * is_weight + args.beta * kl, ratio, kl, is_clipped  # is_weight: TIS, MIS
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
@@ -222,9 +226,10 @@ def cat_rollouts(pieces):
     return C.SimpleNamespace(**out)
 
 
-def sample_groups(model, tok, data, rng, run, args, weights, rm, rm_tok, fns, amp, env=None):
-    """G scored completions per prompt. dynamic_sampling (DAPO): groups of equal rewards are dropped
-    and more are sampled. Returns the kept rollout, rows, texts, rewards (B,), and every round's
+def sample_groups(generate, score, data, rng, run, args):
+    """G scored completions per prompt: generate(rows) -> (rollout, texts), score(rows, texts) ->
+    (rewards (B,), reward parts). dynamic_sampling (DAPO): groups of equal rewards are dropped and
+    more are sampled. Returns the kept rollout, rows, texts, rewards (B,), and every round's
     (rewards, reward parts)."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
@@ -232,8 +237,8 @@ def sample_groups(model, tok, data, rng, run, args, weights, rm, rm_tok, fns, am
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(G)]
-        roll, texts = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
-        rewards, parts = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)
+        roll, texts = generate(rows)
+        rewards, parts = score(rows, texts)
         if args.overlong_penalty:  # DAPO: 0 until the last overlong_buffer tokens, then linear
             length = roll.completion_mask.sum(-1).cpu()
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
@@ -273,9 +278,10 @@ def main():
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    data = E.task_data(args, tasks.load_data(args.data, args.eval_size, "math" in weights,
-                                         args.data_split, args.prompt_field, args.answer_field,
-                                         args.system_prompt))  # --env calc: its sums
+    data = E.task_data(args, tasks.load_data(
+        args.data, args.eval_size, "math" in weights, args.data_split,
+        prompt_field=args.prompt_field, answer_field=args.answer_field,
+        system_prompt=args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -289,9 +295,10 @@ def main():
         ref = model if args.lora_r else loading.load_model(
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
-    rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
+    if "rm" in weights:  # the reward model's score, as a reward function (common.rm_scores)
+        fns["rm"] = loading.load_reward_model(args, device)
     if args.sanity:
-        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, amp, env)
+        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
@@ -303,18 +310,20 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, scored, rm, rm_tok, fns, env=env))
+            model, tok, rows, args, amp, scored, fns, env=env))
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
-    eps = (args.clip_eps, args.clip_eps_high)  # GSPO's sequence ratio has its own tiny eps:
-    if args.importance_sampling_level == "sequence":
-        eps = (args.seq_clip_eps, args.seq_clip_eps_high)
-    tau = (args.sapo_tau_pos, args.sapo_tau_neg)  # SAPO's gate temperatures, A > 0 | A <= 0
     tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
     G = args.group_size
     token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # weighted
+
+    def generate(rows):  # one completion per row (env: a multi-turn episode) and the texts scored
+        return C.generate(model, tok, rows, args, sample_amp, env)
+
+    def score(rows, texts):  # the weighted reward (B,) and each of its parts
+        return C.compute_rewards(rows, texts, weights, fns)
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
                disable=run.rank > 0)
     for step in bar:
@@ -322,8 +331,8 @@ def main():
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
-            roll, rows, completions, rewards, seen = sample_groups(
-                model, tok, data, rng, run, args, weights, rm, rm_tok, fns, sample_amp, env)
+            roll, rows, completions, rewards, seen = sample_groups(generate, score, data, rng,
+                                                                   run, args)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -362,9 +371,8 @@ def main():
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
                     is_weight, is_ratio = mismatch_weights(old, roll.sample_logprobs[mb], mask[mb],
                                                            *tis)
-                    loss, ratio, kl, clipped = per_token_loss(
-                        logprobs, old, advantages[mb], *eps, ref_mb, args.beta, args.kl_estimator,
-                        mask[mb], args.importance_sampling_level, args.policy_loss, tau, is_weight)
+                    loss, ratio, kl, clipped = per_token_loss(logprobs, old, advantages[mb],
+                                                              mask[mb], args, ref_mb, is_weight)
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
                     # DDP/FSDP2 average the processes' gradients: x world makes them the sum
@@ -412,7 +420,7 @@ def main():
             R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
         if stopping:
             break
-    R.finish_run(run, device, metric, eval_before, evaluate)
+    R.finish_run(run, metric, eval_before, evaluate)
 
 
 if __name__ == "__main__":

@@ -187,8 +187,12 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
 
 
 def load_reward_model(args, device):
+    """--reward_model as the reward 'rm', a function like your --reward_fn ones: f(completions,
+    rows) -> (B,), the model's score of each prompt + completion (common.rm_scores)."""
     model = load_model(args.reward_model, "rm", device, True, args.trust_remote_code)
-    return model, load_tokenizer(args.reward_model, args.trust_remote_code)
+    tok = load_tokenizer(args.reward_model, args.trust_remote_code)
+    return lambda completions, rows: C.rm_scores(model, tok, [r["prompt"] for r in rows],
+                                                 completions).cpu()
 
 
 def check_prompts(tok, model, rows, args):

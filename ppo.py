@@ -225,12 +225,13 @@ def explained_variance(values, returns, mask, total=None):
     return float(1 - var(returns - values) / var(returns).clamp(min=1e-8))
 
 
-def score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, n=256, env=None):
-    """Mean and std of the score on n samples of the starting policy, for normalize_score. Its own
-    data rng leaves the training stream as it is."""
+def score_stats(generate, score, data, args, n=256):
+    """Mean and std of the score on n samples of the starting policy, for normalize_score:
+    generate(rows) -> (rollout, texts), score(rows, texts) -> (scores, parts). Its own data rng
+    leaves the training stream as it is."""
     rows = R.my_share(data.next_batch(random.Random(args.seed + 1), n))  # torchrun: a share
-    _, texts = C.generate(model, tok, rows, args, amp, env)  # env: the score reads final turns
-    scores = C.compute_rewards(rows, texts, weights, rm, rm_tok, fns)[0]
+    _, texts = generate(rows)  # env: the score reads final turns
+    scores = score(rows, texts)[0]
     mean = R.global_mean({"mu": float(scores.mean())})["mu"]  # torchrun: over every share
     return mean, float(R.global_std(scores).clamp(min=1e-6))
 
@@ -370,9 +371,10 @@ def main():
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
-    data = E.task_data(args, tasks.load_data(args.data, args.eval_size, "math" in weights,
-                                         args.data_split, args.prompt_field, args.answer_field,
-                                         args.system_prompt))  # --env calc: its sums
+    data = E.task_data(args, tasks.load_data(
+        args.data, args.eval_size, "math" in weights, args.data_split,
+        prompt_field=args.prompt_field, answer_field=args.answer_field,
+        system_prompt=args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "ppo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -386,14 +388,17 @@ def main():
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
     if args.sanity:
-        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, amp, env)
+        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
-    rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
+    if "rm" in weights:  # the reward model's score, as a reward function (common.rm_scores)
+        fns["rm"] = loading.load_reward_model(args, device)
     norm = (0.0, 1.0)  # the score's (mu, sigma): from the checkpoint on resume, else measured
     if run.state:
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
-        norm = score_stats(model, tok, data, weights, rm, rm_tok, fns, args, amp, env=env)
+        norm = score_stats(lambda rows: C.generate(model, tok, rows, args, amp, env),
+                           lambda rows, texts: C.compute_rewards(rows, texts, weights, fns), data,
+                           args)
         if run.rank == 0:
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
@@ -413,7 +418,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, scored, rm, rm_tok, fns, env=env))
+            model, tok, rows, args, amp, scored, fns, env=env))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
@@ -430,7 +435,7 @@ def main():
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
-        raw_scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
+        raw_scores, parts = C.compute_rewards(rows, completions, weights, fns)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -497,7 +502,7 @@ def main():
                               trained=[model, value_model])
         if stopping:
             break
-    R.finish_run(run, device, metric, eval_before, evaluate)
+    R.finish_run(run, metric, eval_before, evaluate)
 
 
 if __name__ == "__main__":

@@ -149,11 +149,12 @@ def rloo_baseline(rewards, k):
     return ((r.sum(1, keepdim=True) - r) / (k - 1)).view(-1)
 
 
-def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=None,
-               total=None):
-    """A = G - b for the chosen baseline b, (B, T), 0 on padding. ema: the running b (None: this
-    batch's mean). scores (B,): RLOO's b from the other samples' scores, not their returns
-    (OpenRLHF). total: torchrun's sums, for whitening over the global batch."""
+def advantages(returns, mask, args, ema=None, scores=None, total=None):
+    """A = G - b for the baseline b of args.baseline, (B, T), 0 on padding; whitened after it
+    with args.whiten. ema: the running b (None: this batch's mean). scores (B,): RLOO's b from the
+    other samples' scores, not their returns (OpenRLHF); k = args.samples_per_prompt. total:
+    torchrun's sums, for whitening over the global batch."""
+    baseline = args.baseline
     if baseline == "reinforce_pp":  # REINFORCE++: global whitening over the batch's tokens
         return C.whiten(returns, mask, total=total)
     whole = returns[:, 0]  # each sequence's whole return (every completion has a token)
@@ -162,15 +163,14 @@ def advantages(returns, mask, baseline, k, ema=None, whiten_after=False, scores=
     elif baseline == "ema":
         b = torch.full_like(whole, float(whole.mean()) if ema is None else ema)
     else:  # rloo
-        b = rloo_baseline(whole if scores is None else scores.to(whole), k)
+        b = rloo_baseline(whole if scores is None else scores.to(whole), args.samples_per_prompt)
     adv = (returns - b[:, None]) * mask
-    return C.whiten(adv, mask, total=total) if whiten_after else adv
+    return C.whiten(adv, mask, total=total) if args.whiten else adv
 
 
-def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-sum",
-                   old_logprobs=None, clip_eps=0.2, is_weight=1.0):
-    """This micro-batch's share of -(1/N) sum A log pi; n_seqs, n_tokens count the whole step, so
-    micro-batches leave the gradient as it is (TRL #3021). Returns loss, ratio, clipped mask."""
+def reinforce_loss(logprobs, advantages, old_logprobs=None, clip_eps=0.2, is_weight=1.0):
+    """-A log pi per token (B, T), the terms of -(1/N) sum A log pi (main sums them over the
+    completion tokens and divides by the whole step's N); also the ratio and the clipped mask."""
     if old_logprobs is None:  # mu = 1: -A log pi_theta
         per_token = -advantages * logprobs
         ratio = torch.ones_like(logprobs)
@@ -181,8 +181,7 @@ def reinforce_loss(logprobs, advantages, mask, n_seqs, n_tokens, loss_agg="seq-s
         clipped_obj = ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages
         per_token = -torch.min(unclipped, clipped_obj)
         clipped = (clipped_obj < unclipped).float()
-    norm = n_seqs if loss_agg == "seq-sum" else n_tokens
-    return (per_token * is_weight * mask).sum() / norm, ratio, clipped  # is_weight: TIS (1: none)
+    return per_token * is_weight, ratio, clipped  # is_weight: TIS (1: none)
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
@@ -232,9 +231,10 @@ def main():
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    data = E.task_data(args, tasks.load_data(args.data, args.eval_size, "math" in weights,
-                                         args.data_split, args.prompt_field, args.answer_field,
-                                         args.system_prompt))  # --env calc: its sums
+    data = E.task_data(args, tasks.load_data(
+        args.data, args.eval_size, "math" in weights, args.data_split,
+        prompt_field=args.prompt_field, answer_field=args.answer_field,
+        system_prompt=args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "reinforce")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -247,9 +247,10 @@ def main():
         ref = model if args.lora_r else loading.load_model(
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
-    rm, rm_tok = loading.load_reward_model(args, device) if "rm" in weights else (None, None)
+    if "rm" in weights:  # the reward model's score, as a reward function (common.rm_scores)
+        fns["rm"] = loading.load_reward_model(args, device)
     if args.sanity:
-        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, amp, env)
+        failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
@@ -261,7 +262,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, scored, rm, rm_tok, fns, env=env))
+            model, tok, rows, args, amp, scored, fns, env=env))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     grad_norms = sample_grad_probe(model)
@@ -281,7 +282,7 @@ def main():
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
-        scores, parts = C.compute_rewards(rows, completions, weights, rm, rm_tok, fns)
+        scores, parts = C.compute_rewards(rows, completions, weights, fns)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -302,8 +303,8 @@ def main():
         if args.baseline == "ema":  # this step's mean return, over every process's rows
             mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
             b_ema = mean_return if ema is None else ema  # the first step: this step's, once
-        adv = advantages(returns, mask, args.baseline, k, b_ema, args.whiten,
-                         scores if per_token_kl else None, total=R.global_sum)
+        adv = advantages(returns, mask, args, b_ema, scores if per_token_kl else None,
+                         total=R.global_sum)
         if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
             ema = b_ema if ema is None else (args.ema_decay * ema
                                              + (1 - args.ema_decay) * mean_return)
@@ -329,9 +330,11 @@ def main():
                     is_weight, is_ratio = mismatch_weights(
                         logprobs.detach() if old is None else old, roll.sample_logprobs[mb],
                         mask[mb], *tis)
-                    loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], mask[mb], n_seqs,
-                                                          n_tokens, args.loss_agg, old,
-                                                          args.clip_eps, is_weight)
+                    loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], old, args.clip_eps,
+                                                          is_weight)
+                    # N: the step's sequences (seq-sum) or tokens; micro-batches add up to it
+                    norm = n_seqs if args.loss_agg == "seq-sum" else n_tokens  # (TRL #3021)
+                    loss = (loss * mask[mb]).sum() / norm
                     # gradients add up over the micro-batches. DDP (FSDP2) averages the
                     # processes' gradients: scaled by their number, that is the whole step's sum
                     (loss * run.world).backward()
@@ -386,7 +389,7 @@ def main():
                               {"eval_before": eval_before, "ema": ema})
         if stopping:
             break
-    R.finish_run(run, device, metric, eval_before, evaluate)
+    R.finish_run(run, metric, eval_before, evaluate)
 
 
 if __name__ == "__main__":

@@ -217,7 +217,7 @@ def main():
                               trained=[scorer])
         if stopping:
             break
-    R.finish_run(run, device, "pair accuracy", eval_before, evaluate,
+    R.finish_run(run, "pair accuracy", eval_before, evaluate,
                  charts=("loss", "accuracy", "score_mean"), label="chosen > rejected")
 
 

@@ -627,7 +627,8 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
             json.dump({"algo": run.algo, "args": dataclasses.asdict(run.args)}, f, indent=1)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each of them says it
         shutil.rmtree(tmp, ignore_errors=True)
-        stop_run(run, f"could not write {tmp} ({first_line(e)[:80]}); free some space")
+        stop_run(run, f"could not write {tmp} ({' '.join(str(e).split())[:80]}); "
+                 "free some space")
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)
@@ -832,10 +833,10 @@ def _json_safe(x):
     return x
 
 
-def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "gold", "kl"),
-               label="greedy"):
+def finish_run(run, metric, eval_before, evaluate, charts=("reward", "gold", "kl"), label="greedy"):
     """The final held-out eval (skipped after Ctrl-C, said so), summary.json, the before/after
     table, text charts, curves.png. Exits 130 after Ctrl-C (checkpoint and summary are saved)."""
+    device = torch.device("cuda" if torch.cuda.is_initialized() else "cpu")  # for peak memory
     stopped = stop_requested()
     if stopped:
         print("interrupted: the final held-out eval is skipped; --resume the run to finish it")
@@ -882,13 +883,14 @@ def finish_run(run, device, metric, eval_before, evaluate, charts=("reward", "go
 
 
 # ---------------------------------------------------------------------------------- --sanity
-def sanity_check(model, ref, tok, rows, args, amp, env=None):
+def sanity_check(model, ref, tok, rows, args, env=None):
     """--sanity, on the real model and data, before any update: the sampler's log-probs equal the
     training forward's (with --env / --tools: over whole multi-turn transcripts, observations
     between the model's turns); the ratio pi / pi_old is exactly 1; KL(pi || pi_ref) is 0; every
     finished row's mask ends on an EOS or a stop string. Prints each check and a peak-memory
     estimate; returns the failures."""
     device = next(model.parameters()).device
+    amp = loading.autocast(device, args.dtype)  # as the training forwards run
     # top_p 1: below 1 the sampler's log-probs are over the kept tokens (by design, not a bug)
     at_top_p_1 = C.SimpleNamespace(**{**vars(args), "top_p": 1.0})
     roll, texts = C.generate(model, tok, rows[:16], at_top_p_1, amp, env)

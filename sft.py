@@ -233,7 +233,7 @@ def main():
             R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
         if stopping:
             break
-    R.finish_run(run, device, "accuracy", eval_before, evaluate, charts=("loss", "eval_loss"))
+    R.finish_run(run, "accuracy", eval_before, evaluate, charts=("loss", "eval_loss"))
 
 
 if __name__ == "__main__":

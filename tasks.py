@@ -238,13 +238,12 @@ def read_rows(spec, need_answer=False, split="train", **fields):
     return [make_row(obj, where, need_answer, **fields) for where, obj in read_records(spec, split)]
 
 
-def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", prompt_field="",
-              answer_field="", system_prompt=""):
-    """'' -> the built-in task; a file or 'hf:...' -> its rows (read_rows).
-    need_answer: every row must have an answer with a number (the math reward checks it).
+def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", **fields):
+    """'' -> the built-in task; a file or 'hf:...' -> its rows (read_rows). fields: make_row's
+    prompt_field, answer_field and system_prompt. need_answer: every row must have an answer with
+    a number (the math reward checks it).
     Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch
     keeps no state but the rng it is given, so saving that rng resumes the data stream exactly."""
-    fields = dict(prompt_field=prompt_field, answer_field=answer_field, system_prompt=system_prompt)
     if not spec:
         eval_rows = [make_row(addition_row(a, b), "", **fields)
                      for a, b in task_eval_pairs()][:eval_size]

@@ -167,6 +167,19 @@ def read_metrics(out):
         return [json.loads(line) for line in f]
 
 
+def baseline_args(baseline, k, whiten=False):
+    """reinforce.advantages' switches: the baseline, k samples per prompt, whitening after it."""
+    return R.Args(baseline=baseline, samples_per_prompt=k, whiten=whiten)
+
+
+def reinforce_step_loss(logprobs, adv, mask, n_seqs, n_tokens, loss_agg="seq-sum", old=None,
+                        clip_eps=0.2, is_weight=1.0):
+    """A micro-batch's loss as reinforce.py's loop forms it from reinforce_loss: the per-token
+    terms summed over the completion, over the step's N (sequences, or tokens)."""
+    loss, ratio, clipped = R.reinforce_loss(logprobs, adv, old, clip_eps, is_weight)
+    return (loss * mask).sum() / (n_seqs if loss_agg == "seq-sum" else n_tokens), ratio, clipped
+
+
 # ---- common.py: data
 @pytest.mark.parametrize("text,need_answer,expect", [
     ('{"prompt": "a"}\nnot json\n', False, "line 2: not valid JSON"),
@@ -527,8 +540,11 @@ def fast_logprobs(model, ids, mask, T, temperature, entropy=False, chunk_elems=2
     """token_logprobs' fast path with a chosen chunk size (fastpath.final_hidden, head_logprobs)."""
     x, targets = fastpath.final_hidden(functools.partial(C._forward, model), ids, mask, T)
     never = C.suppressed(model, model.lm_head.out_features, ids.device)  # p = 0 for these ids
-    lp, ent = fastpath.head_logprobs(x, model.lm_head, targets, temperature, never, entropy,
-                                     chunk_elems)
+    default, fastpath.CHUNK_ELEMS = fastpath.CHUNK_ELEMS, chunk_elems
+    try:
+        lp, ent = fastpath.head_logprobs(x, model.lm_head, targets, temperature, never, entropy)
+    finally:
+        fastpath.CHUNK_ELEMS = default
     pad = (0, T - targets.shape[1])
     return F.pad(lp, pad), F.pad(ent, pad) if entropy else None
 
@@ -553,8 +569,8 @@ def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradien
                 lp, ent = fast_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
                                         entropy=True, chunk_elems=chunk_elems)
             else:
-                lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
-                                           entropy=True, fast=False)
+                lp, ent = C.plain_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+                                                 entropy=True)
         mask = roll.completion_mask
         (lp * mask).sum().backward()
         return (lp * mask).detach(), ent.detach() * mask, torch.cat([p.grad.flatten()
@@ -736,7 +752,7 @@ def test_real_tokenizer_encode_sample_decode_logprobs_equal_a_plain_forward(chat
     T = roll.completion_mask.shape[1]
     with torch.no_grad():
         fast, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
-        plain, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T, fast=False)
+        plain, _ = C.plain_token_logprobs(model, roll.ids, roll.attention_mask, T)
         for i, p in enumerate(prompts):
             n = int(roll.completion_mask[i].sum())
             ids = torch.tensor([p + roll.ids[i, roll.P:roll.P + n].tolist()])
@@ -773,9 +789,9 @@ def test_multi_token_stop_string_ends_a_row_on_its_last_token_and_sanity_passes(
     rows = [{"prompt": p} for p in ["1+2=", "What is the sum?"]]
     args = SimpleNamespace(chat_template="auto", max_new_tokens=10, temperature=1.0, top_p=1.0,
                            micro_batch_size=4, dtype="fp32", stop=["</answer>"])
-    assert runs.sanity_check(model, model, tok, rows, args, OFF) == []
+    assert runs.sanity_check(model, model, tok, rows, args) == []
     args.max_new_tokens = 2  # every row truncated: the mask check has nothing to check
-    failed = runs.sanity_check(model, model, tok, rows, args, OFF)
+    failed = runs.sanity_check(model, model, tok, rows, args)
     assert failed == ["completion_mask ends on the EOS or a stop string"]
 
 
@@ -808,8 +824,8 @@ def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
         model.zero_grad()
         lp, ent = fast_logprobs(
             model, roll.ids, roll.attention_mask, T, 0.7, True, chunk_elems=5 * V
-        ) if fast else C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, True,
-                                        fast=False)
+        ) if fast else C.plain_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+                                              True)
         ((lp + 0.1 * ent) * roll.completion_mask).sum().backward()
         return [lp.detach(), ent.detach()] + [p.grad.clone() for p in model.parameters()]
     fast = grads(True)
@@ -849,7 +865,8 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
 
         def run(fast):
             model.zero_grad()
-            lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T, fast=fast)
+            logprobs = C.token_logprobs if fast else C.plain_token_logprobs
+            lp, _ = logprobs(model, roll.ids, roll.attention_mask, T)
             (lp * roll.completion_mask).sum().backward()
             return [lp.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
         plain = run(False)
@@ -884,8 +901,8 @@ def test_the_logprob_path_is_decided_from_the_model_itself(tmp_path, tok, capsys
         roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
         T = roll.completion_mask.shape[1]
         lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True)
-        want, want_ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
-                                          entropy=True, fast=False)
+        want, want_ent = C.plain_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+                                                entropy=True)
         if model is capped:  # the plain path itself
             assert torch.equal(lp, want) and torch.equal(ent, want_ent)
             wrong, _ = fast_logprobs(capped, roll.ids, roll.attention_mask, T, 0.7)
@@ -936,8 +953,8 @@ def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path
         ref = C.batched_logprobs(model, roll, 1.0, len(prompts), OFF)
         lp, _ = C.token_logprobs(ddp, roll.ids, roll.attention_mask, T)
         assert torch.equal(lp.detach() * roll.completion_mask, ref)
-        loss, *_ = grpo.per_token_loss(lp, lp.detach(), torch.zeros(len(lp)), 0.2, 0.2, ref,
-                                       0.04, "k3")
+        loss, *_ = grpo.per_token_loss(lp, lp.detach(), torch.zeros(len(lp)), None,
+                                       grpo.Args(), ref)
         (loss * roll.completion_mask).sum().backward()
         assert all(float(p.grad.abs().max()) == 0 for p in model.parameters())
     finally:
@@ -1395,7 +1412,7 @@ def test_micro_batched_gradient_equals_full_batch_gradient(mode, tok):
         model.zero_grad()
         for s in C.micro_batches(mask, mb):  # as grpo.py and reinforce.py split a step
             lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
-            loss = grpo.per_token_loss(lp, old[s], adv[s], 0.2, 0.2)[0]
+            loss = grpo.per_token_loss(lp, old[s], adv[s], None, grpo.Args())[0]
             grpo.aggregate(loss, mask[s], mode, mask.sum(), len(mask), 8).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     rows = torch.cat(C.micro_batches(mask, 3))  # every row once, shortest completions first
@@ -1411,7 +1428,8 @@ def test_clipping_zeroes_the_gradient_exactly_where_it_should():
     ratio = torch.tensor([0.5, 0.9, 1.1, 1.5, 0.5, 0.9, 1.1, 1.5])
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
     logprobs = torch.log(ratio)[:, None].requires_grad_()  # 8 rows of one token each
-    loss, _, _, clipped = grpo.per_token_loss(logprobs, torch.zeros(8, 1), adv, 0.2, 0.28)
+    loss, _, _, clipped = grpo.per_token_loss(logprobs, torch.zeros(8, 1), adv, None,
+                                                grpo.Args(clip_eps_high=0.28))
     loss.sum().backward()
     # A > 0: clipped above 1 + eps_high (1.5); A < 0: clipped below 1 - eps (0.5).
     # Elsewhere grad = -A * ratio.
@@ -1428,7 +1446,7 @@ def test_ratio_is_one_and_kl_zero_at_first_inner_step(tok):
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     ref_lp = C.batched_logprobs(ref, roll, 1.0, 2, OFF)
     adv = torch.ones(len(lp))
-    _, ratio, kl, _ = grpo.per_token_loss(lp, lp.detach(), adv, 0.2, 0.2, ref_lp, 0.04, "k3")
+    _, ratio, kl, _ = grpo.per_token_loss(lp, lp.detach(), adv, None, grpo.Args(), ref_lp)
     m = roll.completion_mask.bool()
     assert (ratio[m] == 1).all()
     assert kl[m].abs().max() < 1e-6
@@ -1443,8 +1461,9 @@ def expected_kl_term_gradient(estimator, logits, ref_logits):
     ref_logp = ref_logits.log_softmax(-1)
     V = len(logits)
     zero = torch.zeros(V)
-    loss, _, _, _ = grpo.per_token_loss(logp[:, None], logp.detach()[:, None], zero, 0.2, 0.2,
-                                        ref_logp[:, None], beta=1.0, kl_estimator=estimator)
+    loss, _, _, _ = grpo.per_token_loss(logp[:, None], logp.detach()[:, None], zero, None,
+                                        grpo.Args(beta=1.0, kl_estimator=estimator),
+                                        ref_logp[:, None])
     weights = logp.exp().detach()  # pi(y): the chance that the sampled token is y
     (weights * loss[:, 0]).sum().backward()
     return theta.grad
@@ -1540,8 +1559,9 @@ def random_step(seed=0, B=6, T=5, spread=0.3):
 def test_policy_losses_and_gradients_match_slow_reference(kind, level):
     eps = (0.2, 0.28) if level == "token" else (0.05, 0.08)  # some ratios clipped either way
     lp, old, adv, mask = random_step()
-    loss, ratio, _, clipped = grpo.per_token_loss(lp, old, adv, *eps, mask=mask, level=level,
-                                                  policy_loss=kind)
+    loss, ratio, _, clipped = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+        clip_eps=eps[0], clip_eps_high=eps[1], seq_clip_eps=eps[0], seq_clip_eps_high=eps[1],
+        importance_sampling_level=level, policy_loss=kind))
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
     want = slow_policy_loss(lp, old, adv, mask, eps, level, kind)
     (want_grad,) = torch.autograd.grad((want * mask).sum(), lp)
@@ -1553,7 +1573,8 @@ def test_policy_losses_and_gradients_match_slow_reference(kind, level):
 
 def test_gspo_ratio_is_one_number_per_sequence_and_its_gradient_the_papers():
     lp, old, adv, mask = random_step(spread=0.01)
-    loss, ratio, _, _ = grpo.per_token_loss(lp, old, adv, 1.0, 1.0, mask=mask, level="sequence")
+    loss, ratio, _, _ = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+        seq_clip_eps=1.0, seq_clip_eps_high=1.0, importance_sampling_level="sequence"))
     for i in range(len(lp)):
         n = int(mask[i].sum())
         s = math.exp(float(((lp.detach() - old)[i, :n]).sum()) / n)
@@ -1569,9 +1590,9 @@ def test_gspo_ratio_is_one_number_per_sequence_and_its_gradient_the_papers():
 
 def test_cispo_keeps_the_gradient_of_clipped_tokens():
     lp, old, adv, mask = random_step(spread=1.0)  # ratios far outside [0.8, 1.2]
-    cispo, _, _, clipped = grpo.per_token_loss(lp, old, adv, 0.2, 0.2, policy_loss="cispo")
+    cispo, _, _, clipped = grpo.per_token_loss(lp, old, adv, None, grpo.Args(policy_loss="cispo"))
     (g_cispo,) = torch.autograd.grad((cispo * mask).sum(), lp)
-    clip, _, _, drop = grpo.per_token_loss(lp, old, adv, 0.2, 0.2)
+    clip, _, _, drop = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
     (g_clip,) = torch.autograd.grad((clip * mask).sum(), lp)
     dropped = (drop * mask).bool()
     assert dropped.sum() >= 3
@@ -1585,8 +1606,8 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_mu_one_gives_ratio_one_and_the_plain_policy_gradient(kind, level):
     lp, _, adv, mask = random_step()
-    loss, ratio, _, _ = grpo.per_token_loss(lp, lp.detach(), adv, 3e-4, 4e-4, mask=mask,
-                                            level=level, policy_loss=kind)
+    loss, ratio, _, _ = grpo.per_token_loss(lp, lp.detach(), adv, mask, grpo.Args(
+        clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level=level, policy_loss=kind))
     assert (ratio == 1).all()
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)  # plain PG: -A grad log pi per token
     torch.testing.assert_close(grad, -adv[:, None] * mask, atol=1e-6, rtol=1e-5)
@@ -1611,13 +1632,13 @@ def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode,
     assert grpo.mismatch_weights(old, sample, mask)[0] == 1.0  # cap 0: off
     # the weight multiplies the policy part, not the KL term (as TRL applies it)
     ref = old - 0.1
-    got, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2, ref, 0.04, "k3", is_weight=w)
-    policy, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2)
+    got, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), ref, is_weight=w)
+    policy, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
     torch.testing.assert_close(got, policy * w + 0.04 * C.kl_estimate(lp, ref, "k3"))
     # no mismatch and an infinite cap: the weight is 1 and the loss exactly the uncorrected one
     w, _ = grpo.mismatch_weights(old, old.clone(), mask, math.inf, mode, level)
-    plain, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2)
-    weighted, *_ = grpo.per_token_loss(lp, old, adv, 0.2, 0.2, is_weight=w)
+    plain, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
+    weighted, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), is_weight=w)
     assert (w == 1).all() and torch.equal(weighted, plain)
 
 
@@ -1630,7 +1651,7 @@ def test_reinforce_mismatch_correction_is_grpos(mode, level):
     w2, raw2 = R.mismatch_weights(old, sample, mask, 1.5, mode, level)
     assert torch.equal(w, w2) and torch.equal(raw, raw2)
     A = adv[:, None] * mask
-    got, _, _ = R.reinforce_loss(lp, A, mask, 6, mask.sum(), is_weight=w)
+    got, _, _ = reinforce_step_loss(lp, A, mask, 6, mask.sum(), is_weight=w)
     want = (-A * lp * w * mask).sum() / 6
     torch.testing.assert_close(got, want)
 
@@ -1698,7 +1719,7 @@ def test_rloo_with_per_token_kl_matches_the_slow_leave_one_out_of_scores():
     mask = random_mask(B, T)
     scores, kl = torch.rand(B), torch.rand(B, T) * mask
     returns = R.kl_returns(scores, mask, kl, beta, "token")
-    got = R.advantages(returns, mask, "rloo", k, scores=scores)
+    got = R.advantages(returns, mask, baseline_args("rloo", k), scores=scores)
     want = torch.zeros(B, T)
     for i in range(B):
         others = [scores[j] for j in range(i // k * k, i // k * k + k) if j != i]
@@ -1718,7 +1739,7 @@ def test_whiten_has_mean_0_std_1_over_valid_entries():
     assert abs(float(v.pow(2).mean().sqrt()) - 1) < 1e-4  # biased std = 1
     assert (w[~mask.bool()] == 0).all()
     # reinforce_pp is exactly that whitening of the returns
-    torch.testing.assert_close(R.advantages(x * mask, mask, "reinforce_pp", 4), w)
+    torch.testing.assert_close(R.advantages(x * mask, mask, baseline_args("reinforce_pp", 4)), w)
 
 
 def test_kl_returns_equal_slow_reward_to_go():
@@ -1744,20 +1765,20 @@ def test_advantages_for_each_baseline():
     torch.manual_seed(0)
     k, mask = 4, random_mask(12, 5)
     returns = R.kl_returns(torch.rand(12), mask, torch.randn(12, 5), 0.1)
-    torch.testing.assert_close(R.advantages(returns, mask, "none", k), returns)
-    ema = R.advantages(returns, mask, "ema", k, ema=0.25)
+    torch.testing.assert_close(R.advantages(returns, mask, baseline_args("none", k)), returns)
+    ema = R.advantages(returns, mask, baseline_args("ema", k), ema=0.25)
     torch.testing.assert_close(ema, (returns - 0.25) * mask)
-    first = R.advantages(returns, mask, "ema", k, ema=None)  # first step: this batch's mean, once
+    first = R.advantages(returns, mask, baseline_args("ema", k), ema=None)  # first step: the mean
     torch.testing.assert_close(first, (returns - returns[:, 0].mean()) * mask)
     group_sums = [float(returns[(i // k) * k:(i // k + 1) * k, 0].sum()) for i in range(12)]
     loo = torch.tensor([(group_sums[i] - float(returns[i, 0])) / (k - 1) for i in range(12)])
-    rloo = R.advantages(returns, mask, "rloo", k)
+    rloo = R.advantages(returns, mask, baseline_args("rloo", k))
     torch.testing.assert_close(rloo, (returns - loo[:, None]) * mask)
-    w = R.advantages(returns, mask, "rloo", k, whiten_after=True)
+    w = R.advantages(returns, mask, baseline_args("rloo", k, whiten=True))
     assert abs(float(w[mask.bool()].mean())) < 1e-5
     # a group whose rewards are all equal (and no KL) gets zero advantage under rloo
     same = R.kl_returns(torch.tensor([1.0] * 4 + [0.0, 1.0, 0.0, 0.0]), mask[:8])
-    assert (R.advantages(same, mask[:8], "rloo", 4)[:4] == 0).all()
+    assert (R.advantages(same, mask[:8], baseline_args("rloo", 4))[:4] == 0).all()
 
 
 @pytest.mark.parametrize("loss_agg", ["seq-sum", "token-mean"])
@@ -1772,7 +1793,7 @@ def test_loss_gradient_equals_hand_derived_on_toy_categorical_policy(loss_agg):
     adv, mask = torch.randn(B, T), random_mask(B, T)
     logprobs = theta.log_softmax(-1).expand(B, T, V).gather(-1, actions[..., None])[..., 0]
     n_tokens = mask.sum()
-    R.reinforce_loss(logprobs, adv, mask, B, n_tokens, loss_agg)[0].backward()
+    reinforce_step_loss(logprobs, adv, mask, B, n_tokens, loss_agg)[0].backward()
     Z = B if loss_agg == "seq-sum" else float(n_tokens)
     hand = torch.zeros(T, V)
     p = theta.detach().softmax(-1)
@@ -1784,8 +1805,8 @@ def test_loss_gradient_equals_hand_derived_on_toy_categorical_policy(loss_agg):
     # the clipped PPO surrogate (mu > 1) has the same gradient while the ratio is 1
     theta.grad = None
     logprobs = theta.log_softmax(-1).expand(B, T, V).gather(-1, actions[..., None])[..., 0]
-    loss, _, _ = R.reinforce_loss(logprobs, adv, mask, B, n_tokens, loss_agg,
-                                  old_logprobs=logprobs.detach())
+    loss, _, _ = reinforce_step_loss(logprobs, adv, mask, B, n_tokens, loss_agg,
+                                      old=logprobs.detach())
     loss.backward()
     torch.testing.assert_close(theta.grad, hand, atol=1e-6, rtol=1e-5)
 
@@ -1795,7 +1816,7 @@ def test_clipping_stops_the_gradient_outside_the_trust_region():
     logprobs = torch.log(torch.tensor([[1.5, 0.5, 1.1]])).requires_grad_()
     adv, mask = torch.tensor([[1.0, -1.0, 1.0]]), torch.ones(1, 3)
     old = torch.zeros(1, 3)
-    out, ratio, clipped = R.reinforce_loss(logprobs, adv, mask, 1, 3, "seq-sum", old, 0.2)
+    out, ratio, clipped = reinforce_step_loss(logprobs, adv, mask, 1, 3, "seq-sum", old, 0.2)
     out.backward()
     assert clipped.tolist() == [[1.0, 1.0, 0.0]]
     assert logprobs.grad[0, :2].tolist() == [0.0, 0.0]
@@ -1811,7 +1832,7 @@ def _loss_and_grad(model, roll, adv, micro, loss_agg, old=None):
         s = slice(i, i + micro)
         lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
         old_s = None if old is None else old[s]
-        out = R.reinforce_loss(lp, adv[s], mask[s], n, mask.sum(), loss_agg, old_s)[0]
+        out = reinforce_step_loss(lp, adv[s], mask[s], n, mask.sum(), loss_agg, old_s)[0]
         out.backward()
         total += out.item()
     return total, torch.cat([p.grad.flatten() for p in model.parameters()])
@@ -1847,7 +1868,7 @@ def test_sample_grad_probe_equals_per_sample_backward(k, tok):
     mask, n, T = roll.completion_mask, len(roll.ids), roll.completion_mask.shape[1]
     adv = torch.randn(n, 1) * mask
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
-    R.reinforce_loss(lp, adv, mask, n, mask.sum())[0].backward()
+    reinforce_step_loss(lp, adv, mask, n, mask.sum())[0].backward()
     got = torch.cat(norms)
     assert len(got) == n
     for i in range(n):
@@ -2479,7 +2500,7 @@ def test_micro_batching_does_not_change_the_gradient_with_observations(tok):
         model.zero_grad()
         for s in C.micro_batches(mask, mb):
             lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
-            loss = grpo.per_token_loss(lp, old[s], adv[s], 0.2, 0.2)[0]
+            loss = grpo.per_token_loss(lp, old[s], adv[s], None, grpo.Args())[0]
             grpo.aggregate(loss, mask[s], mode, mask.sum(), len(mask), 20).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     for mode in ("token-mean", "seq-mean-token-mean"):
@@ -2863,7 +2884,7 @@ def test_sft_gradient_is_the_same_with_micro_batches_and_eos_is_in_the_loss(tok)
     torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-4)
     # and the loss is the plain per-token mean of -log pi over the completions
     with torch.no_grad():
-        lp, _ = C.token_logprobs(model, batch.ids, batch.attention_mask, mask.shape[1], fast=False)
+        lp, _ = C.plain_token_logprobs(model, batch.ids, batch.attention_mask, mask.shape[1])
     slow = [-lp[i, :len(c)].sum() for i, (_, c) in enumerate(examples)]
     assert float(sft.sft_loss(lp, mask, mask.sum())) == pytest.approx(
         float(sum(slow)) / float(mask.sum()), rel=1e-5)
@@ -4686,7 +4707,7 @@ def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, t
     model = AutoModelForCausalLM.from_config(cfg).train()
     args = SimpleNamespace(chat_template="none", max_new_tokens=6, temperature=1.0, top_p=1.0,
                            micro_batch_size=8, dtype="fp32", stop=[])
-    failed = runs.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args, OFF)
+    failed = runs.sanity_check(model, None, tok, [{"prompt": p} for p in PROMPTS], args)
     assert any("ratio" in f for f in failed)
 
 

@@ -202,8 +202,8 @@ def logprob_memory(chunk_elems, rows=8, T=64, vocab=151936):
         with torch.autocast(device.type, dtype=torch.bfloat16):
             x, targets = fastpath.final_hidden(functools.partial(C._forward, model), ids,
                                                torch.ones_like(ids), T)
-            return fastpath.head_logprobs(x, model.lm_head, targets, 1.0, None, True,
-                                          chunk_elems=chunk_elems)[0]
+            fastpath.CHUNK_ELEMS = chunk_elems  # this process measures one setting
+            return fastpath.head_logprobs(x, model.lm_head, targets, 1.0, None, True)[0]
     forward().sum().backward()  # warm-up: gradients and allocator caches exist before we measure
     base = used()
     t = time.perf_counter()
@@ -249,7 +249,7 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
     peak; on the CPU the kernel's peak resident set (VmHWM), reset just before the pass by
     writing 5 to /proc/self/clear_refs (big blocks are mmap'ed, so freed ones leave the resident
     set: after a warm-up pass the RSS is the weights, their gradients and the runtime). path:
-    'plain' (fast=False) or 'hidden' (the default: the chunked head)."""
+    'plain' (plain_token_logprobs) or 'hidden' (the default: the chunked head)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
     torch.set_num_threads(1)
     device = loading.pick_device()
@@ -261,8 +261,8 @@ def train_logprobs_memory(path, T, rows=8, P=16, vocab=151936, hidden=256, layer
     ids = torch.randint(3, vocab, (rows, P + T), device=device)  # distinct prompts: no sharing
 
     def step():
-        lp, ent = C.token_logprobs(model, ids, torch.ones_like(ids), T, entropy=True,
-                                   fast=path != "plain")
+        logprobs = C.plain_token_logprobs if path == "plain" else C.token_logprobs
+        lp, ent = logprobs(model, ids, torch.ones_like(ids), T, entropy=True)
         ent = ent.detach()
         lp.sum().backward()
         sync()
@@ -296,8 +296,8 @@ def bundled_logprobs_speed(repeats=30):
     T = roll.completion_mask.shape[1]
 
     def step(fast):
-        lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, entropy=True,
-                                   fast=fast)
+        logprobs = C.token_logprobs if fast else C.plain_token_logprobs
+        lp, ent = logprobs(model, roll.ids, roll.attention_mask, T, entropy=True)
         (lp * roll.completion_mask).sum().backward()
     best = {"hidden": float("inf"), "plain": float("inf")}
     torch.set_num_threads(1)  # as the scripts run the bundled model
