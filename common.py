@@ -24,7 +24,6 @@ from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
-from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 
 from errors import UserError  # bad input: one line (runs.main_guard)
@@ -250,7 +249,8 @@ def plain_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy
 
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False):
     """plain_token_logprobs' numbers, by its fast path when the model's LM head qualifies."""
-    head = linear_head(model)  # None: the head is not a plain linear map of the hidden state
+    base = _unwrap(model)  # (DDP, LoRA) the head: a plain linear map of the final hidden state?
+    head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(_forward, base))
     if head is None:
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
     # the fast path (fastpath.py): the final hidden states without padding columns (shared
@@ -264,26 +264,6 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
                                      suppressed(model, head.out_features, ids.device), entropy)
     pad = (0, T - targets.shape[1])  # zeros at the padding columns it skipped
     return F.pad(lp, pad), F.pad(ent, pad) if entropy else None
-
-
-def linear_head(model):
-    """The LM head if token_logprobs may run it apart, a chunk at a time: a plain nn.Linear, not
-    sharded (--fsdp), whose output on the final hidden state IS the logits (Gemma 2 soft-caps
-    them). Checked once, on two tokens (the same matmul on the same input gives the same bits);
-    the answer is kept on the head (head.exact_logits)."""
-    head = _unwrap(model).get_output_embeddings()
-    if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
-        return None
-    if not hasattr(head, "exact_logits"):
-        ids = torch.tensor([[0, 1]], device=head.weight.device)
-        with torch.no_grad():
-            out = _forward(_unwrap(model), ids, torch.ones_like(ids), ids, keep=1, hidden=True)
-            head.exact_logits = torch.equal(head(out.hidden_states[-1][:, -1:]).float(),
-                                            out.logits.float())
-        if not head.exact_logits:
-            print(f"{type(_unwrap(model)).__name__}: its logits are not a linear LM head applied "
-                  "to its last hidden state; log-probs make the full logits (more memory)")
-    return head if head.exact_logits else None
 
 
 def micro_batches(completion_mask, size):

@@ -8,13 +8,14 @@ hidden) (common._forward with its model bound): this file imports nothing of the
 - final_hidden, head_logprobs: token_logprobs() without the padding columns, with a
   shared-prompt KV cache, and with the LM head run a chunk at a time on the final hidden states,
   so that neither forward nor backward holds the (B, T, V) logits (at a 151k vocabulary, the
-  largest tensor of a step; measured in docs/memory.md). For models whose LM head passed
-  common.linear_head.
+  largest tensor of a step; measured in docs/memory.md). For models whose LM head passes
+  exact_head.
 """
 import functools
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 from transformers import DynamicCache
 
 
@@ -30,6 +31,25 @@ def copy_to_rows(cache, row_of):
     cache.batch_select_indices(row_of)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
+def exact_head(head, forward):
+    """The LM head if common.token_logprobs may run it apart, a chunk at a time: a plain
+    nn.Linear, not sharded (--fsdp), whose output on the final hidden state IS the logits (Gemma 2
+    soft-caps them). Checked once, on two tokens with forward (the same matmul on the same input
+    gives the same bits); the answer is kept on the head (head.exact_logits). Else None."""
+    if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
+        return None
+    if not hasattr(head, "exact_logits"):
+        ids = torch.tensor([[0, 1]], device=head.weight.device)
+        with torch.no_grad():
+            out = forward(ids, torch.ones_like(ids), ids, keep=1, hidden=True)
+            head.exact_logits = torch.equal(head(out.hidden_states[-1][:, -1:]).float(),
+                                            out.logits.float())
+        if not head.exact_logits:
+            print("the model's logits are not a linear LM head applied to its last hidden state; "
+                  "log-probs make the full logits (more memory)")
+    return head if head.exact_logits else None
 
 
 def final_hidden(forward, ids, attention_mask, T, share=True):

@@ -144,7 +144,7 @@ def load_policy(args, device, checkpoint=""):
     if args.lora_r:
         model = add_lora(model, args, checkpoint)
     head = C._unwrap(model).get_output_embeddings()
-    if getattr(args, "fsdp", False):  # runs.wrap_model shards it: common.linear_head says no
+    if getattr(args, "fsdp", False):  # runs.wrap_model shards it: fastpath.exact_head says no
         print("--fsdp shards the LM head's weight: log-probs make the full logits (more memory)")
     if args.lora_r and type(head) is not torch.nn.Linear:  # peft wrapped it: a new module
         print("LoRA on the LM head: log-probs make the full logits (more memory)")

@@ -536,6 +536,12 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
         torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
 
 
+def fast_head(model):
+    """The head token_logprobs' fast path runs apart (fastpath.exact_head), or None."""
+    base = C._unwrap(model)
+    return fastpath.exact_head(base.get_output_embeddings(), functools.partial(C._forward, base))
+
+
 def fast_logprobs(model, ids, mask, T, temperature, entropy=False, chunk_elems=2**22):
     """token_logprobs' fast path with a chosen chunk size (fastpath.final_hidden, head_logprobs)."""
     x, targets = fastpath.final_hidden(functools.partial(C._forward, model), ids, mask, T)
@@ -842,7 +848,7 @@ def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
 
 def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsys):
     """peft wraps the LM head when it is targeted: a new module, not an nn.Linear, so
-    common.linear_head says no and token_logprobs takes its plain path (said at load), the adapter
+    fastpath.exact_head says no and token_logprobs takes its plain path (said at load), the adapter
     in it (and off inside adapters_off). LoRA elsewhere keeps the fast path, with the plain
     path's numbers."""
     tok = loading.load_tokenizer(chat_model)
@@ -854,7 +860,7 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
         model, _ = loading.load_policy(args, torch.device("cpu"))
         on_head = targets.endswith("lm_head")
         assert ("LoRA on the LM head" in capsys.readouterr().out) == on_head
-        assert (C.linear_head(model) is None) == on_head
+        assert (fast_head(model) is None) == on_head
         with torch.no_grad():
             for n, p in model.named_parameters():
                 if "lora_B" in n:
@@ -880,7 +886,7 @@ def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsy
 
 def test_the_logprob_path_is_decided_from_the_model_itself(tmp_path, tok, capsys):
     """A model whose logits are not its LM head applied to its last hidden state (Gemma 2
-    soft-caps them: c tanh(z / c)) fails common.linear_head's check (said once), so
+    soft-caps them: c tanh(z / c)) fails fastpath.exact_head's check (said once), so
     token_logprobs takes its plain path: the model's own logits, where the fast path would be
     wrong. A model built by hand, never loaded by load_model, takes the fast path: its head
     qualifies, and the numbers equal the plain path's."""
@@ -892,11 +898,11 @@ def test_the_logprob_path_is_decided_from_the_model_itself(tmp_path, tok, capsys
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gemma2")
     capped = loading.load_model(str(tmp_path / "gemma2"), "lm", torch.device("cpu"))
-    assert C.linear_head(capped) is None and C.linear_head(capped) is None  # checked once
-    assert capsys.readouterr().out.count("its logits are not a linear LM head") == 1
+    assert fast_head(capped) is None and fast_head(capped) is None  # checked once
+    assert capsys.readouterr().out.count("logits are not a linear LM head") == 1
     torch.manual_seed(1)
     by_hand = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
-    assert C.linear_head(by_hand) is by_hand.lm_head
+    assert fast_head(by_hand) is by_hand.lm_head
     for model in (capped, by_hand):
         roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
         T = roll.completion_mask.shape[1]
@@ -913,7 +919,7 @@ def test_the_logprob_path_is_decided_from_the_model_itself(tmp_path, tok, capsys
 
 def test_fsdp_policy_takes_the_plain_logprob_path(capsys, tmp_path):
     """--fsdp: FSDP2 (runs.wrap_model) shards the LM head's weight (a DTensor), so
-    common.linear_head says no and token_logprobs takes the plain path; load_policy says so (the
+    fastpath.exact_head says no and token_logprobs takes the plain path; load_policy says so (the
     2-process runs against 1 process: test_two_processes_make_the_one_process_update). A one-
     process gloo group in this process."""
     import torch.distributed as dist
@@ -922,13 +928,13 @@ def test_fsdp_policy_takes_the_plain_logprob_path(capsys, tmp_path):
                            compile=False, gradient_checkpointing=False, fsdp=True)
     model, tok = loading.load_policy(args, torch.device("cpu"))
     assert "--fsdp shards the LM head's weight" in capsys.readouterr().out
-    assert C.linear_head(model) is model.lm_head  # not sharded yet
+    assert fast_head(model) is model.lm_head  # not sharded yet
     del model.lm_head.exact_logits
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
                             world_size=1)
     try:
         fully_shard(model)
-        assert C.linear_head(model) is None
+        assert fast_head(model) is None
         assert not hasattr(model.lm_head, "exact_logits")  # no check forward: refused before
     finally:
         dist.destroy_process_group()
@@ -965,7 +971,7 @@ def test_reward_model_names_its_eval_row_pair_accuracy_not_greedy(monkeypatch, t
     """reward_model.py's held-out table row is the pair accuracy (chosen scored above rejected):
     no greedy decoding is involved."""
     seen = {}
-    monkeypatch.setattr(runs, "finish_run", lambda *a, **kw: seen.update(metric=a[2], **kw))
+    monkeypatch.setattr(runs, "finish_run", lambda *a, **kw: seen.update(metric=a[1], **kw))
     run_main(monkeypatch, reward_model, "--max_steps", 1, "--eval_every", 0, "--eval_size", 8,
              "--output_dir", tmp_path / "rm")
     assert seen["metric"] == "pair accuracy" and seen["label"] == "chosen > rejected"
