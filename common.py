@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from errors import UserError  # bad input: one line (runs.main_guard)
+from errors import UserError  # noqa: F401 -- C.UserError: bad input, one line (runs.main_guard)
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 
 try:  # optional: a symbolic answer checker (pip install math-verify), used when installed

@@ -47,6 +47,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
+import flags
+from flags import arg  # an Args field with its valid range
 import loading
 import runs as R
 import tasks
@@ -60,34 +62,34 @@ class Args:
     eval_data: str = ""  # task score: '' = built-in addition task; a file of {"prompt", "answer"}
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
-    max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
+    max_new_tokens: int = arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
     stop: list[str] = field(default_factory=list)  # stop strings for those answers
     # --- the DPO objective
     loss_type: Literal["sigmoid", "ipo"] = "sigmoid"  # DPO, or IPO on summed log-probs (TRL: means)
-    beta: float = R.arg(0.1, "> 0")  # strength of the KL to pi_ref (DPO paper 0.1-0.5; TRL 0.1)
-    label_smoothing: float = R.arg(0.0, "[0, 0.5)")  # cDPO: chance a preference is flipped (TRL 0)
+    beta: float = arg(0.1, "> 0")  # strength of the KL to pi_ref (DPO paper 0.1-0.5; TRL 0.1)
+    label_smoothing: float = arg(0.0, "[0, 0.5)")  # cDPO: chance a preference is flipped (TRL 0)
     # --- optimisation
-    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~5e-7 (DPO paper), 1e-6 (TRL)
-    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0)
+    lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~5e-7 (DPO paper), 1e-6 (TRL)
+    weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0)
     anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps
-    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
-    batch_size: int = R.arg(32, "> 0")  # prompts per step, all pairs of each (DPO paper 64)
-    max_steps: int = R.arg(150, "> 0")  # optimizer steps (2 passes over the bundled rows)
-    micro_batch_size: int = R.arg(32, "> 0")  # rows per forward; the loss is normalised per step
+    max_grad_norm: float = arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
+    batch_size: int = arg(32, "> 0")  # prompts per step, all pairs of each (DPO paper 64)
+    max_steps: int = arg(150, "> 0")  # optimizer steps (2 passes over the bundled rows)
+    micro_batch_size: int = arg(32, "> 0")  # rows per forward; the loss is normalised per step
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); pi_ref: adapters off
-    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
-    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
+    lora_r: int = arg(0, ">= 0")  # LoRA rank (pip install peft); pi_ref: adapters off
+    lora_alpha: int = arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile policy and reference: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
+    threads: int = arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
-    eval_every: int = R.arg(50, ">= 0")  # steps between held-out evals (0: only before and after)
-    eval_size: int = R.arg(500, "> 0")  # held-out prompts at most, and task prompts for the score
-    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    seed: int = arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
+    eval_every: int = arg(50, ">= 0")  # steps between held-out evals (0: only before and after)
+    eval_size: int = arg(500, "> 0")  # held-out prompts at most, and task prompts for the score
+    save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     output_dir: str = ""  # default runs/dpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 
@@ -162,14 +164,14 @@ def implicit_accuracy(model, ref, rows, args, pad_id, amp):
 
 
 def check_args(args):
-    R.check_args(args)
+    flags.check_args(args)
     if args.loss_type == "ipo" and args.label_smoothing:
         raise C.UserError("--label_smoothing is for --loss_type sigmoid (cDPO); IPO has none")
 
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = R.parse_args(Args, "dpo", __doc__)  # --resume DIR: that run's own settings
+    args = flags.parse_args(Args, "dpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
     train, held = tasks.read_preferences(args.data or tasks.PIPELINE_RANKINGS, args.eval_size)
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu

@@ -27,7 +27,6 @@ import queue
 import random
 import re
 import threading
-import time
 
 import torch
 from transformers.utils import get_json_schema

@@ -40,6 +40,8 @@ from tqdm import tqdm
 
 import common as C
 import envs as E
+import flags
+from flags import arg  # an Args field with its valid range
 import loading
 import runs as R
 import tasks
@@ -59,73 +61,73 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    group_size: int = R.arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
-    prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (G samples each)
-    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
+    group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
+    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = R.arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
-    top_p: float = R.arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = R.arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
-    max_turns: int = R.arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
+    max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the GRPO objective
-    beta: float = R.arg(0.04, ">= 0")  # KL weight in the loss; 0: no reference model (DeepSeekMath)
+    beta: float = arg(0.04, ">= 0")  # KL weight in the loss; 0: no reference model (DeepSeekMath)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: DeepSeekMath; k2: reverse KL; k1 refused
-    clip_eps: float = R.arg(0.2, "> 0")  # eps_low: the ratio is clipped below 1 - eps_low (PPO)
-    clip_eps_high: float = R.arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
-    num_iterations: int = R.arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
+    clip_eps: float = arg(0.2, "> 0")  # eps_low: the ratio is clipped below 1 - eps_low (PPO)
+    clip_eps_high: float = arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
+    num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
     loss_agg: LossAgg = "token-mean"  # normaliser, see aggregate() (DAPO and TRL: token-mean)
     scale_rewards: Literal["group", "batch", "none"] = "group"  # std in A_i; none: Dr. GRPO
     mask_truncated: bool = False  # completions with no EOS carry no loss (DAPO overlong filtering)
-    overlong_penalty: float = R.arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
-    overlong_buffer: int = R.arg(2, "> 0")  # the overlong penalty grows over these last tokens
+    overlong_penalty: float = arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
+    overlong_buffer: int = arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
-    max_resample_rounds: int = R.arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
+    max_resample_rounds: int = arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
     # --- objectives since DAPO, see per_token_loss() (TRL's names in brackets)
     policy_loss: Literal["clip", "cispo", "sapo"] = "clip"  # clip: PPO/GRPO [loss_type cispo, sapo]
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO [same name]
-    seq_clip_eps: float = R.arg(3e-4, "> 0")  # sequence level: s_i >= 1 - this (GSPO paper: 3e-4)
-    seq_clip_eps_high: float = R.arg(4e-4, "> 0")  # sequence level: s_i <= 1 + this (GSPO: 4e-4)
+    seq_clip_eps: float = arg(3e-4, "> 0")  # sequence level: s_i >= 1 - this (GSPO paper: 3e-4)
+    seq_clip_eps_high: float = arg(4e-4, "> 0")  # sequence level: s_i <= 1 + this (GSPO: 4e-4)
     # SAPO's gate sigmoid(tau (rho - 1)) 4 / tau in fp32 (max 3.4e38): at tau >= 1e-30, 4 / tau
     # times a step's advantages stays finite (1e-40: NaN losses); at tau <= 1e30, tau (rho - 1) too
-    sapo_tau_pos: float = R.arg(1.0, "[1e-30, 1e30]")  # gate temperature, A > 0 (SAPO, TRL: 1.0)
-    sapo_tau_neg: float = R.arg(1.05, "[1e-30, 1e30]")  # the same, A <= 0 (TRL: 1.05) [sapo_*]
-    tis_cap: float = R.arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
+    sapo_tau_pos: float = arg(1.0, "[1e-30, 1e30]")  # gate temperature, A > 0 (SAPO, TRL: 1.0)
+    sapo_tau_neg: float = arg(1.05, "[1e-30, 1e30]")  # the same, A <= 0 (TRL: 1.05) [sapo_*]
+    tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
-    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
-    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
-    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
-    max_steps: int = R.arg(200, "> 0")  # optimizer steps (times num_iterations)
-    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
-    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
-    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
-    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
+    lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
+    weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
+    max_grad_norm: float = arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
+    max_steps: int = arg(200, "> 0")  # optimizer steps (times num_iterations)
+    micro_batch_size: int = arg(64, "> 0")  # rows per forward; the loss is normalised per step
+    lora_r: int = arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
     sample_dtype: Literal["same", "bf16", "fp32"] = "same"  # bf16: sample in bf16, a mismatch
-    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
+    threads: int = arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
-    eval_every: int = R.arg(50, ">= 0")  # steps between held-out evals (0: before and after only)
-    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
+    seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = arg(50, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
+    eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
-    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
-    samples_every: int = R.arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
+    save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    samples_every: int = arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/grpo-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
@@ -259,7 +261,7 @@ def sample_groups(generate, score, data, rng, run, args):
 
 
 def check_args(args):
-    R.check_args(args)
+    flags.check_args(args)
     if args.group_size < 2:
         raise C.UserError("--group_size must be >= 2: a group of one has no relative advantage")
     if args.kl_estimator == "k1" and args.beta > 0:
@@ -273,7 +275,7 @@ def check_args(args):
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = R.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
+    args = flags.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name

@@ -55,6 +55,8 @@ from transformers import AutoModelForSequenceClassification
 
 import common as C
 import envs as E
+import flags
+from flags import arg  # an Args field with its valid range
 import loading
 import runs as R
 import tasks
@@ -74,66 +76,66 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    batch_size: int = R.arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
-    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
+    batch_size: int = arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = R.arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
-    top_p: float = R.arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = R.arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
-    max_turns: int = R.arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
+    max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
-    missing_eos_penalty: float = R.arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
-    kl_coef: float = R.arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
+    missing_eos_penalty: float = arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
+    kl_coef: float = arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (N, TRL, OpenRLHF: k1)
     adaptive_kl: bool = False  # Ziegler et al.'s controller adapts kl_coef (N: on; TL;DR, TRL: off)
-    kl_target: float = R.arg(6.0, "> 0")  # the controller's target KL per sequence, in nats (N: 6)
-    kl_horizon: int = R.arg(10000, "> 0")  # the controller's horizon in episodes (N: 10000)
+    kl_target: float = arg(6.0, "> 0")  # the controller's target KL per sequence, in nats (N: 6)
+    kl_horizon: int = arg(10000, "> 0")  # the controller's horizon in episodes (N: 10000)
     normalize_score: bool = True  # score -> (score - mu) / sigma on the starting policy (N details)
     whiten_rewards: bool = False  # scale per-token rewards to unit variance (N: on; TL;DR: off)
     # --- the PPO update
-    gamma: float = R.arg(1.0, "[0, 1]")  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
-    lam: float = R.arg(0.95, "[0, 1]")  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
-    clip_eps: float = R.arg(0.2, "> 0")  # the ratio is clipped to [1 - eps, 1 + eps] (PPO, TRL)
-    clip_eps_value: float = R.arg(0.2, "> 0")  # values move at most this far (TRL 0.2; verl 0.5)
-    vf_coef: float = R.arg(0.1, ">= 0")  # weight of the value loss (N, TL;DR, TRL: 0.1)
-    ent_coef: float = R.arg(0.0, ">= 0")  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
-    ppo_epochs: int = R.arg(4, "> 0, <= 100")  # passes over each batch (N, TL;DR, TRL: 4)
-    num_minibatches: int = R.arg(2, "> 0")  # optimizer steps per epoch (TL;DR, TRL 1; N 1-8)
-    target_kl: float = R.arg(0.0, ">= 0")  # end the epochs at this KL(pi_old || pi) (CleanRL 0.015)
+    gamma: float = arg(1.0, "[0, 1]")  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
+    lam: float = arg(0.95, "[0, 1]")  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
+    clip_eps: float = arg(0.2, "> 0")  # the ratio is clipped to [1 - eps, 1 + eps] (PPO, TRL)
+    clip_eps_value: float = arg(0.2, "> 0")  # values move at most this far (TRL 0.2; verl 0.5)
+    vf_coef: float = arg(0.1, ">= 0")  # weight of the value loss (N, TL;DR, TRL: 0.1)
+    ent_coef: float = arg(0.0, ">= 0")  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
+    ppo_epochs: int = arg(4, "> 0, <= 100")  # passes over each batch (N, TL;DR, TRL: 4)
+    num_minibatches: int = arg(2, "> 0")  # optimizer steps per epoch (TL;DR, TRL 1; N 1-8)
+    target_kl: float = arg(0.0, ">= 0")  # end the epochs at this KL(pi_old || pi) (CleanRL 0.015)
     # --- optimisation
-    lr: float = R.arg(2e-4, "> 0")  # tiny-model lr; real models ~3e-6 (TL;DR, TRL), 1e-6 (verl)
-    critic_lr: float = R.arg(1e-3, "> 0")  # critic lr (tiny model); real models ~1e-5 (verl)
-    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay, both models (TRL 0; verl 0.01)
+    lr: float = arg(2e-4, "> 0")  # tiny-model lr; real models ~3e-6 (TL;DR, TRL), 1e-6 (verl)
+    critic_lr: float = arg(1e-3, "> 0")  # critic lr (tiny model); real models ~1e-5 (verl)
+    weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay, both models (TRL 0; verl 0.01)
     anneal_lr: bool = True  # both lrs fall linearly to 0 over max_steps (N details)
-    adam_eps: float = R.arg(1e-5, "> 0")  # AdamW epsilon (TL;DR details)
-    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping, per model (TRL, verl, OpenRLHF)
-    max_steps: int = R.arg(120, "> 0")  # PPO steps (ppo_epochs * num_minibatches updates each)
-    micro_batch_size: int = R.arg(32, "> 0")  # rows per forward; loss normalised per minibatch
-    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
-    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
-    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
+    adam_eps: float = arg(1e-5, "> 0")  # AdamW epsilon (TL;DR details)
+    max_grad_norm: float = arg(1.0, "> 0")  # gradient clipping, per model (TRL, verl, OpenRLHF)
+    max_steps: int = arg(120, "> 0")  # PPO steps (ppo_epochs * num_minibatches updates each)
+    micro_batch_size: int = arg(32, "> 0")  # rows per forward; loss normalised per minibatch
+    lora_r: int = arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward (policy and critic)
     fsdp: bool = False  # torchrun: shard policy and critic across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
+    threads: int = arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
-    eval_every: int = R.arg(40, ">= 0")  # steps between held-out evals (0: before and after only)
-    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
+    seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = arg(40, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
+    eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
-    save_every: int = R.arg(40, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
-    samples_every: int = R.arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
+    save_every: int = arg(40, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    samples_every: int = arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/ppo-<time>
     resume: str = ""  # a previous output_dir: continue its run (policy, critic, kl_coef, RNG)
@@ -271,7 +273,7 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
 
 
 def check_args(args):
-    R.check_args(args)
+    flags.check_args(args)
     mb = args.batch_size // args.num_minibatches
     if args.batch_size % args.num_minibatches or mb % min(args.micro_batch_size, mb):
         raise C.UserError(f"--num_minibatches {args.num_minibatches} must divide --batch_size "
@@ -366,7 +368,7 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
 
 
 def main():
-    args = R.parse_args(Args, "ppo", __doc__)  # --resume DIR: that run's own settings
+    args = flags.parse_args(Args, "ppo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name

@@ -52,6 +52,8 @@ from tqdm import tqdm
 
 import common as C
 import envs as E
+import flags
+from flags import arg  # an Args field with its valid range
 import loading
 import runs as R
 import tasks
@@ -69,61 +71,61 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
-    samples_per_prompt: int = R.arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
-    prompts_per_step: int = R.arg(8, "> 0")  # prompts per optimizer step (k samples each)
-    max_new_tokens: int = R.arg(6, "> 0")  # completion length cap (the built-in task needs 4)
+    samples_per_prompt: int = arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
+    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (k samples each)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (the built-in task needs 4)
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = R.arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
-    top_p: float = R.arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = R.arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
-    max_turns: int = R.arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
+    max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the REINFORCE objective
     baseline: Literal["none", "ema", "rloo", "reinforce_pp"] = "none"  # b in A = G - b (docstring)
-    ema_decay: float = R.arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
+    ema_decay: float = arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
     whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
-    beta: float = R.arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
+    beta: float = arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
     kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
     loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
-    num_iterations: int = R.arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
-    clip_eps: float = R.arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
+    num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
+    clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
     # --- the sampler/trainer mismatch correction, see mismatch_weights() (grpo.py's flags)
-    tis_cap: float = R.arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
+    tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
-    lr: float = R.arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (TRL, OpenRLHF)
-    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
-    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
-    max_steps: int = R.arg(300, "> 0")  # optimizer steps (times num_iterations)
-    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
-    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
-    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
-    lora_dropout: float = R.arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
+    lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (TRL, OpenRLHF)
+    weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
+    max_grad_norm: float = arg(1.0, "> 0")  # gradient clipping (TRL, verl, OpenRLHF)
+    max_steps: int = arg(300, "> 0")  # optimizer steps (times num_iterations)
+    micro_batch_size: int = arg(64, "> 0")  # rows per forward; the loss is normalised per step
+    lora_r: int = arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = arg(0.0, "[0, 1)")  # adapter dropout (> 0 makes log-probs noisy)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
     compile: bool = False  # torch.compile policy and reference: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
+    threads: int = arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
-    eval_every: int = R.arg(100, ">= 0")  # steps between held-out evals (0: before and after only)
-    eval_size: int = R.arg(500, "> 0")  # held-out prompts per eval
+    seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
+    eval_every: int = arg(100, ">= 0")  # steps between held-out evals (0: before and after only)
+    eval_size: int = arg(500, "> 0")  # held-out prompts per eval
     eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
-    eval_samples: int = R.arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
+    eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
-    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
-    samples_every: int = R.arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
+    save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    samples_every: int = arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/reinforce-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
@@ -218,7 +220,7 @@ def sample_grad_probe(model):
 
 
 def check_args(args):
-    R.check_args(args)
+    flags.check_args(args)
     if args.baseline == "rloo" and args.samples_per_prompt < 2:
         raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
                           "other sample to form the leave-one-out baseline")
@@ -226,7 +228,7 @@ def check_args(args):
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = R.parse_args(Args, "reinforce", __doc__)  # --resume DIR: that run's own settings
+    args = flags.parse_args(Args, "reinforce", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name

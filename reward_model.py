@@ -39,6 +39,8 @@ from transformers.utils import logging as hf_logging
 
 import common as C
 from errors import first_line
+import flags
+from flags import arg  # an Args field with its valid range
 import loading
 import runs as R
 import tasks
@@ -53,24 +55,24 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- optimisation
-    lr: float = R.arg(3e-4, "> 0")  # tiny-model lr (1e-3 overfits); TRL 1e-4, TL;DR 3e-6
+    lr: float = arg(3e-4, "> 0")  # tiny-model lr (1e-3 overfits); TRL 1e-4, TL;DR 3e-6
     anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps (TL;DR details)
-    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
-    batch_size: int = R.arg(32, "> 0")  # prompts per step, all pairs of each (InstructGPT 64)
-    max_steps: int = R.arg(300, "> 0")  # optimizer steps (4 passes over the bundled rows)
-    micro_batch_size: int = R.arg(32, "> 0")  # rows per forward; the loss is normalised per step
+    max_grad_norm: float = arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
+    batch_size: int = arg(32, "> 0")  # prompts per step, all pairs of each (InstructGPT 64)
+    max_steps: int = arg(300, "> 0")  # optimizer steps (4 passes over the bundled rows)
+    micro_batch_size: int = arg(32, "> 0")  # rows per forward; the loss is normalised per step
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (peft): adapters on the body, the head in full
-    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
-    lora_dropout: float = R.arg(0.0, "[0, 1)")  # dropout on the adapters' input
+    lora_r: int = arg(0, ">= 0")  # LoRA rank (peft): adapters on the body, the head in full
+    lora_alpha: int = arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = arg(0.0, "[0, 1)")  # dropout on the adapters' input
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
+    threads: int = arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
-    eval_every: int = R.arg(100, ">= 0")  # steps between held-out evals (0: only before and after)
-    eval_size: int = R.arg(500, "> 0")  # held-out prompts at most (a fifth of them)
-    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    seed: int = arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
+    eval_every: int = arg(100, ">= 0")  # steps between held-out evals (0: only before and after)
+    eval_size: int = arg(500, "> 0")  # held-out prompts at most (a fifth of them)
+    save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     output_dir: str = ""  # default runs/reward_model-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 
@@ -139,8 +141,8 @@ def pair_accuracy(scorer, tok, rows, args, micro_batch=64):
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = R.parse_args(Args, "reward_model", __doc__)  # --resume DIR: that run's own settings
-    R.check_args(args)
+    args = flags.parse_args(Args, "reward_model", __doc__)  # --resume DIR: that run's own settings
+    flags.check_args(args)
     train, held = tasks.read_preferences(args.data or tasks.PIPELINE_RANKINGS, args.eval_size)
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "reward_model")  # output folder, lock, metrics.jsonl, Ctrl-C handler

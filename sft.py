@@ -44,6 +44,8 @@ import torch
 from tqdm import tqdm
 
 import common as C
+import flags
+from flags import arg  # an Args field with its valid range
 import loading
 import runs as R
 import tasks
@@ -60,32 +62,32 @@ class Args:
     last_turn_only: bool = False  # a conversation's loss on its last assistant message only
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
-    max_new_tokens: int = R.arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
+    max_new_tokens: int = arg(6, "> 0")  # the task score's greedy answers (the task needs 4)
     stop: list[str] = field(default_factory=list)  # stop strings for those answers
     # --- optimisation
-    lr: float = R.arg(3e-4, "> 0")  # tiny-model lr; real models ~2e-5 (TRL), 3e-6 (TL;DR)
-    weight_decay: float = R.arg(0.0, ">= 0")  # AdamW weight decay (TRL 0)
+    lr: float = arg(3e-4, "> 0")  # tiny-model lr; real models ~2e-5 (TRL), 3e-6 (TL;DR)
+    weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0)
     anneal_lr: bool = True  # the lr falls linearly to 0 over max_steps (TL;DR details anneal)
-    warmup_steps: int = R.arg(0, ">= 0")  # the lr rises linearly from 0 over these first steps
-    max_grad_norm: float = R.arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
-    batch_size: int = R.arg(64, "> 0")  # rows per optimizer step (tiny-model value)
-    max_steps: int = R.arg(60, "> 0")  # optimizer steps (1.5 passes over the bundled rows)
-    micro_batch_size: int = R.arg(64, "> 0")  # rows per forward; the loss is normalised per step
+    warmup_steps: int = arg(0, ">= 0")  # the lr rises linearly from 0 over these first steps
+    max_grad_norm: float = arg(1.0, "> 0")  # gradient clipping (TRL 1.0)
+    batch_size: int = arg(64, "> 0")  # rows per optimizer step (tiny-model value)
+    max_steps: int = arg(60, "> 0")  # optimizer steps (1.5 passes over the bundled rows)
+    micro_batch_size: int = arg(64, "> 0")  # rows per forward; the loss is normalised per step
     group_by_length: bool = False  # similar lengths together: less padding, less random batches
     gradient_checkpointing: bool = False  # recompute activations in backward: less memory
     fsdp: bool = False  # torchrun: shard the trained model across processes with FSDP2 (README)
-    lora_r: int = R.arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
-    lora_alpha: int = R.arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
-    lora_dropout: float = R.arg(0.0, "[0, 1)")  # dropout on the adapters' input (peft's default)
+    lora_r: int = arg(0, ">= 0")  # LoRA rank (pip install peft); 0: full fine-tuning
+    lora_alpha: int = arg(32, "> 0")  # LoRA scale: the update is alpha / r * B A (TRL examples)
+    lora_dropout: float = arg(0.0, "[0, 1)")  # dropout on the adapters' input (peft's default)
     lora_target_modules: str = "all-linear"  # comma list, or peft's every linear layer but the head
     compile: bool = False  # torch.compile the model: for CUDA; no measured gain on CPU
     dtype: Literal["auto", "bf16", "fp32"] = "auto"  # auto: bf16 autocast on CUDA, fp32 on CPU
-    threads: int = R.arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
+    threads: int = arg(0, ">= 0, <= 4 * cores")  # CPU threads; 0: 1 under 10 M params, else all
     # --- run
-    seed: int = R.arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
-    eval_every: int = R.arg(20, ">= 0")  # steps between held-out evals (0: only before and after)
-    eval_size: int = R.arg(500, "> 0")  # held-out rows for the loss, and task prompts for the score
-    save_every: int = R.arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    seed: int = arg(0, ">= 0, < 2**63")  # seeds the batch order: same seed, same run
+    eval_every: int = arg(20, ">= 0")  # steps between held-out evals (0: only before and after)
+    eval_size: int = arg(500, "> 0")  # held-out rows for the loss, and task prompts for the score
+    save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
     output_dir: str = ""  # default runs/sft-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 
@@ -147,8 +149,8 @@ def read_demonstrations(path, tok, chat_template, limit, last_turn_only=False):
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = R.parse_args(Args, "sft", __doc__)  # --resume DIR: that run's own settings
-    R.check_args(args)
+    args = flags.parse_args(Args, "sft", __doc__)  # --resume DIR: that run's own settings
+    flags.check_args(args)
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "sft")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)

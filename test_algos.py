@@ -47,6 +47,7 @@ import common as C
 import fastpath
 import dpo
 import envs as E
+from flags import parse_args
 import grpo
 import loading
 import ppo
@@ -1495,9 +1496,9 @@ def test_kl_in_grpo_loss_pulls_towards_the_kl_its_docstring_names():
 def test_grpo_refuses_k1_in_the_loss(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1"])
     with pytest.raises(C.UserError, match="zero expected gradient"):
-        grpo.check_args(runs.parse_args(grpo.Args, "grpo"))
+        grpo.check_args(parse_args(grpo.Args, "grpo"))
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1", "--beta", "0"])
-    grpo.check_args(runs.parse_args(grpo.Args, "grpo"))  # no KL term: nothing to refuse
+    grpo.check_args(parse_args(grpo.Args, "grpo"))  # no KL term: nothing to refuse
 
 
 def test_beta_zero_loads_no_reference_model(monkeypatch, tmp_path):
@@ -1971,7 +1972,7 @@ def test_adaptive_kl_moves_kl_coef_the_right_way():
 def test_ppo_refuses_adaptive_kl_from_zero_and_has_no_weight_decay_by_default(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ppo.py", "--adaptive_kl", "--kl_coef", "0"])
     with pytest.raises(C.UserError, match="from --kl_coef 0 it would stay 0"):
-        ppo.check_args(runs.parse_args(ppo.Args, "ppo"))
+        ppo.check_args(parse_args(ppo.Args, "ppo"))
     assert ppo.Args().weight_decay == 0.0  # AdamW's own default is 0.01
 
 
@@ -2480,14 +2481,14 @@ def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
 
 def test_env_calc_brings_its_defaults_and_given_flags_win(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--env", "calc", "--max_new_tokens", "40"])
-    args = runs.parse_args(grpo.Args, "grpo")
+    args = parse_args(grpo.Args, "grpo")
     assert args.model == E.CALC_MODEL and args.stop == ["</calc>"] and args.eval_sampled
     assert args.max_new_tokens == 40 and args.eval_samples == 4
     monkeypatch.setattr(sys, "argv", ["ppo.py", "--env", "calc"])
-    args = runs.parse_args(ppo.Args, "ppo")
+    args = parse_args(ppo.Args, "ppo")
     assert args.rewards == "math" and args.critic_init == "policy"
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
-    assert runs.parse_args(grpo.Args, "grpo") == grpo.Args()  # without --env: as it was
+    assert parse_args(grpo.Args, "grpo") == grpo.Args()  # without --env: as it was
 
 
 def test_micro_batching_does_not_change_the_gradient_with_observations(tok):

@@ -1,0 +1,213 @@
+"""flags.py: the command line every script shares (plumbing: an algorithm reader can skip it).
+parse_args reads a script's Args dataclass (each flag's --help is the comment beside its field;
+--resume DIR takes that run's own settings), arg() declares a field's valid range beside it, and
+check_args checks every field against its range and the flags against each other, before a run
+folder is made. Every error is one line naming the flag."""
+import argparse
+import dataclasses
+import difflib
+import inspect
+import json
+import math
+import operator
+import os
+import re
+import sys
+from dataclasses import field
+
+from transformers import HfArgumentParser
+
+import common as C
+from errors import first_line
+import envs as E
+
+SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
+                            "threads", "report_to")
+
+
+def _saved_args(resume_dir, algo):
+    """The settings of the run in resume_dir, from its checkpoint's args.json."""
+    ckpt = os.path.join(resume_dir, "checkpoint")
+    if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
+        os.replace(ckpt + ".old", ckpt)  # killed between save_checkpoint's two renames
+    path = os.path.join(ckpt, "args.json")
+    if not os.path.isfile(path):
+        raise C.UserError(f"--resume {resume_dir!r}: no checkpoint/args.json in that folder")
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except (OSError, ValueError) as e:
+        raise C.UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
+    if saved["algo"] != algo:
+        raise C.UserError(f"--resume {resume_dir!r}: that run was made by {saved['algo']}.py; "
+                          "resume it with that script")
+    return saved["args"]
+
+
+def _help(f, comment):
+    """A flag's --help line: the comment beside its Args field, its default, its valid range."""
+    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+    shown = repr(default) if default in ("", []) else default
+    valid = f"; valid: {f.metadata['valid']}" if "valid" in f.metadata else ""
+    return f"{comment} (default: {shown}{valid})".replace("%", "%%")  # argparse formats with %
+
+
+PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env", "tools")
+
+
+def _resolved(name, value):
+    """A local file or folder named by a relative path, made absolute (hub ids and missing paths
+    stay as given): the run stores where its files are, so --resume finds them from any folder
+    and compares like with like. reward_fn / env: path/to/file.py:function, comma lists too."""
+    if name not in PATH_FLAGS or not value:
+        return value
+    if isinstance(value, list):
+        return [_resolved(name, v) for v in value]
+    if name in ("reward_fn", "env", "tools"):
+        specs = [spec.rpartition(":") for spec in value.split(",")]
+        return ",".join(f"{_resolved('data', w) if w.endswith('.py') else w}{colon}{fn}"
+                        for w, colon, fn in specs)
+    return os.path.abspath(value) if os.path.exists(value) else value
+
+
+def parse_args(args_cls, algo, doc=""):
+    """HfArgumentParser over the Args dataclass; each flag's --help is the comment beside its field.
+    With --resume DIR the run's saved settings are the defaults, so it continues as it was (to its
+    own max_steps); a flag that would change a setting other than SAFE_TO_CHANGE_ON_RESUME is
+    refused, since the optimizer state and the data stream belong to the old settings."""
+    source = inspect.getsource(args_cls)
+    comments = dict(re.findall(r"^    (\w+): .*?  # (.+)$", source, re.M))
+    fields = dataclasses.fields(args_cls)
+    declared = [f.metadata for f in fields]  # e.g. {"valid": "> 0"}, from arg()
+    for f in fields:  # HfArgumentParser hands every metadata key to argparse: the help alone
+        f.metadata = {"help": _help(f, comments.get(f.name, ""))}
+    try:
+        parser = HfArgumentParser(args_cls, description=doc.split("\n\n")[0],
+                                  epilog=doc[doc.find("Run:"):] if "Run:" in doc else None,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    finally:
+        for f, metadata in zip(fields, declared):
+            f.metadata = metadata
+
+    def error(message):  # argparse would print its usage, then the message: one line instead
+        raise C.UserError(f"{message}; see --help")
+    parser.error = error
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--resume", default="")
+    pre.add_argument("--env", default="")
+    known = pre.parse_known_args()[0]
+    resume = known.resume
+    saved = _saved_args(resume, algo) if resume else {}
+    saved = {k: _resolved(k, v) for k, v in saved.items()}  # a run saved before paths were
+    names = {f.name for f in dataclasses.fields(args_cls)}  # stored absolute: from here
+    if "env" in names:  # --env calc brings its own defaults (envs.preset); given flags still win
+        parser.set_defaults(**E.preset(known.env, algo))
+    parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
+    argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
+    for a in sys.argv[1:]:
+        if argv and re.fullmatch(r"--\w+", argv[-1]) and re.fullmatch(r"-(inf|[\d.][\w.+-]*)", a):
+            argv[-1] += f"={a}"
+        else:
+            argv.append(a)
+    args, unknown = parser.parse_args_into_dataclasses(argv, return_remaining_strings=True)
+    for name in PATH_FLAGS:
+        if hasattr(args, name):
+            setattr(args, name, _resolved(name, getattr(args, name)))
+    if unknown:  # e.g. a typo, or another script's flag
+        flags = [f"--{n}" for n in names]
+        close = difflib.get_close_matches(unknown[0].split("=")[0], flags)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise C.UserError(f"unknown argument {unknown[0]!r}{hint}; see --help")
+    for name, old in saved.items():
+        new = getattr(args, name, old)
+        if name not in SAFE_TO_CHANGE_ON_RESUME and new != old:
+            safe = ", ".join(SAFE_TO_CHANGE_ON_RESUME[:3])
+            raise C.UserError(f"--{name} {new} differs from the resumed run's {old!r}: a resumed "
+                              f"run keeps its settings (only {safe} may change); start a new run "
+                              "to change it")
+    if resume and args.output_dir not in ("", saved.get("output_dir"), resume):
+        raise C.UserError("--resume DIR continues in DIR: leave --output_dir out")
+    if resume:
+        args.output_dir = resume
+    return args
+
+
+def arg(default, valid):
+    """An Args field whose valid range is declared beside it, e.g. `lr: float = arg(1e-4, "> 0")`.
+    valid: conditions, comma-separated ("> 0", ">= 0, <= 4 * cores"), or an interval ("(0, 1]");
+    the bounds are number expressions, where `cores` is this machine's CPU count. check_args
+    checks every field against its range before a run folder is made; --help shows it."""
+    return field(default=default, metadata={"valid": valid})
+
+
+def _bound(text):  # "4 * cores" -> 8: arithmetic on numbers, inf and cores, nothing else
+    return eval(text, {"__builtins__": {}}, {"inf": math.inf, "cores": os.cpu_count() or 1})
+
+
+def check_range(name, value, valid):
+    """One flag against its declared range (see arg): a one-line UserError when outside it."""
+    if valid[0] in "([":  # an interval: ( ) leave the bound out, [ ] take it in
+        lo, hi = map(_bound, valid[1:-1].split(","))
+        if not ((lo < value or valid[0] == "[" and value == lo)
+                and (value < hi or valid[-1] == "]" and value == hi)):
+            raise C.UserError(f"--{name} must be in {valid}, not {value}")
+        return
+    ops = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
+    for condition in valid.split(","):
+        op, bound = condition.split(maxsplit=1)
+        limit = _bound(bound)
+        if not ops[op](value, limit):
+            shown = int(limit) if float(limit).is_integer() else limit
+            raise C.UserError(f"--{name} must be {op} {shown}, not {value}")
+
+
+def check_args(args):
+    """Flags every script shares, and each numeric flag's range as its Args field declares it
+    (see arg): a value out of range would otherwise fail deep inside a step (NaN probabilities,
+    empty batches, a tokenizer thread pool that crashes), run for ever, or, worse, train to the
+    end on nonsense (a negative lr or max_grad_norm flips the update)."""
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise C.UserError(f"--{f.name} must be a finite number, not {value}")
+        if "valid" in f.metadata:
+            check_range(f.name, value, f.metadata["valid"])
+    world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
+    for name in ("prompts_per_step", "batch_size"):  # they count the whole step, all processes
+        if world > 1 and getattr(args, name, 0) % world:
+            raise C.UserError(f"--{name} {getattr(args, name)} counts the whole step: it must "
+                              f"divide among the {world} processes")
+    if getattr(args, "fsdp", False) and world == 1:
+        raise C.UserError("--fsdp shards the model across torchrun's processes: launch with "
+                          "torchrun --nproc_per_node N (N >= 2), or leave --fsdp out")
+    if getattr(args, "fsdp", False) and args.lora_r:  # DDP replicates LoRA's few weights cheaply
+        raise C.UserError("--fsdp with --lora_r is not supported: LoRA trains a few adapter "
+                          "weights; under torchrun without --fsdp, DDP replicates them cheaply")
+    if world > 1 and getattr(args, "dynamic_sampling", False):
+        raise C.UserError("--dynamic_sampling under torchrun is not supported yet: processes "
+                          "would keep different numbers of rows")
+    if "" in getattr(args, "stop", []):
+        raise C.UserError("--stop: an empty stop string would end every completion at once")
+    lr = max(("lr", "critic_lr"), key=lambda name: getattr(args, name, 0))  # ppo: two models
+    shrink = getattr(args, lr) * getattr(args, "weight_decay", 0)  # AdamW: w <- w (1 - lr wd) ...
+    if shrink >= 1:
+        raise C.UserError(f"--weight_decay {args.weight_decay} with --{lr} {getattr(args, lr)}: "
+                          f"AdamW multiplies every weight by 1 - lr * weight_decay "
+                          f"({1 - shrink:.3g}) at each step, so lr * weight_decay must be < 1")
+    if 0 < getattr(args, "tis_cap", 0) < 1:  # min(w, C) with C < 1 shrinks every token's weight
+        raise C.UserError(f"--tis_cap {args.tis_cap}: the cap C on pi_old / pi_sampler (1 where "
+                          "they agree) must be >= 1, or 0 (off); below 1 it scales the whole "
+                          "gradient down (1e-30: none at all)")
+    # a step's rows (the product of its sizes; times --max_new_tokens where it samples) as int64
+    # token ids must fit in this machine's memory: 10**30 would allocate until it is killed
+    sizes = [n for n in ("group_size", "samples_per_prompt", "prompts_per_step", "batch_size")
+             if hasattr(args, n)] + (["max_new_tokens"] if hasattr(args, "temperature") else [])
+    n = math.prod(getattr(args, name) for name in sizes)
+    try:  # where the OS does not say (Windows): 1 TB
+        memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        memory = 2**40
+    if 8 * n > memory:
+        raise C.UserError(f"--{' * --'.join(sizes)} = {n:.3g} token ids a step: {8 * n / 2**30:.3g}"
+                          f" GB before any model runs, more than this machine's "
+                          f"{memory / 2**30:.0f} GB; lower them")
