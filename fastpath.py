@@ -43,7 +43,7 @@ def exact_head(head, forward):
     if not hasattr(head, "exact_logits"):
         ids = torch.tensor([[0, 1]], device=head.weight.device)
         with torch.no_grad():
-            out = forward(ids, torch.ones_like(ids), ids, keep=1, hidden=True)
+            out = forward(ids, torch.ones_like(ids), ids, keep=1, hidden=True)  # positions 0, 1
             head.exact_logits = torch.equal(head(out.hidden_states[-1][:, -1:]).float(),
                                             out.logits.float())
         if not head.exact_logits:

@@ -244,12 +244,14 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
     a number (the math reward checks it).
     Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch
     keeps no state but the rng it is given, so saving that rng resumes the data stream exactly."""
-    if not spec:
-        eval_rows = [make_row(addition_row(a, b), "", **fields)
-                     for a, b in task_eval_pairs()][:eval_size]
+    if not spec:  # the built-in task: make_row changes its rows only when given fields
+        def row(a, b):
+            return make_row(addition_row(a, b), "", **fields) if any(fields.values()) else \
+                addition_row(a, b)
+        eval_rows = [row(a, b) for a, b in task_eval_pairs()][:eval_size]
 
         def next_task_batch(rng, k):
-            return [make_row(addition_row(a, b), "", **fields) for a, b in task_train_pairs(rng, k)]
+            return [row(a, b) for a, b in task_train_pairs(rng, k)]
         return SimpleNamespace(next_batch=next_task_batch, eval_rows=eval_rows, rows=eval_rows)
     rows = read_rows(spec, need_answer, split, **fields)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed

@@ -2289,7 +2289,7 @@ def test_env_gets_its_row_and_the_turns_so_far(tok):
         mine = [turns for q, turns in env.calls if q == p]
         assert [len(t) for t in mine] == list(range(1, len(mine) + 1))  # one more each call
         if mine:
-            pieces = [t for t in re.split("⟦[^⟧]*⟧", roll.transcript[i]) if t]  # (cut: ⟦⟧)
+            pieces = [t for t in re.split("⟦[^⟧]*⟧", roll.transcript[i]) if t]  # cut: ⟦⟧
             assert mine[-1] == pieces[:len(mine[-1])]
 
 
@@ -4846,6 +4846,30 @@ def test_docs_relative_links_and_anchors_resolve():
                 assert frag in {anchor(h) for h in headings}, f"{path}: no heading for {target}"
 
 
+def test_no_import_cycle_and_the_core_imports_no_plumbing():
+    """Each module imports only modules below it: the project's imports form no cycle. errors.py
+    and fastpath.py import nothing of the project, common.py only those two, and no module
+    imports an algorithm script."""
+    mods = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")
+            and not f.startswith(("test", "conftest"))}
+    graph = {}
+    for m in mods:
+        tree = ast.parse(open(os.path.join(ROOT, m + ".py"), encoding="utf-8").read())
+        graph[m] = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                    for a in n.names if a.name in mods}
+        graph[m] |= {n.module for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) and n.module in mods}
+    assert graph["errors"] == set() and graph["fastpath"] == set()
+    assert graph["common"] == {"errors", "fastpath"}
+    scripts = {"grpo", "ppo", "reinforce", "sft", "dpo", "reward_model"}
+    assert not any(graph[m] & scripts for m in mods)
+    done = set()
+    while len(done) < len(graph):  # peel off the modules whose imports are all done
+        ready = {m for m in graph if m not in done and graph[m] <= done}
+        assert ready, f"an import cycle among {sorted(set(graph) - done)}"
+        done |= ready
+
+
 def test_every_module_keeps_the_line_budget_the_readme_states():
     """README's "Reading the code" table gives each module a budget in lines: each file keeps it."""
     rows = re.findall(r"^\| `(\w+\.py)`[^|]*\|[^|]*\| (\d+) lines \|$", read_readme(), re.M)
@@ -4887,7 +4911,7 @@ KEY_SYMBOLS = {"group_advantages": ["mean", "std", "eps"],
                "aggregate": ["n_tokens", "n_seqs", "max_new_tokens"],
                "kl_returns": ["beta", "cumsum", "scores"],
                "advantages": ["returns - b", "rloo_baseline", "whiten"],
-               "reinforce_loss": ["-advantages * logprobs", "n_seqs", "clamp"],
+               "reinforce_loss": ["-advantages * logprobs", "clamp"],
                "shaped_rewards": ["kl_coef", "scores", "lengths - 1"],
                "gae": ["gamma", "lam", "advantages + values"],
                "policy_loss": ["ratio", "clamp", "torch.max"],
@@ -4899,7 +4923,7 @@ KEY_SYMBOLS = {"group_advantages": ["mean", "std", "eps"],
                "dpo_loss": ["logsigmoid", "label_smoothing", "1 / (2 * beta)", "ref_chosen"],
                "sequence_logprobs": ["token_logprobs", "sum(-1)"],
                "length_batches": ["sorted", "shuffle"],
-               "token_logprobs": ["temperature", "log_softmax", "gather"],
+               "plain_token_logprobs": ["temperature", "log_softmax", "gather"],
                "kl_estimate": ["0.5 * log_r**2", "log_r.exp() - 1 - log_r"],
                "whiten": ["mean", "rsqrt", "mask"]}
 
