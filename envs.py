@@ -184,9 +184,9 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
     common.sample and common.generate, and tools, the JSON schemas that the prompts' chat
     template renders (--tools; else None). Each row gets its own episode, built from its own
     copy of the row: a function env(row, turns) -> str | None is called with that copy; a class
-    is built as Class(row) and its step(turns) called. Every error is one line naming the env and the row: a raise (even
-    SystemExit), a result that is not a string, token ids or None, or a call slower than
-    `timeout` seconds (--env_timeout)."""
+    is built as Class(row) and its step(turns) called. Every error is one line naming the env
+    and the row: a raise (even SystemExit), a result that is not a string, token ids or None,
+    or a call slower than `timeout` seconds (--env_timeout)."""
     if spec and tools:
         raise C.UserError("give --env or --tools, not both: --tools is an env of its own")
     if tools:
