@@ -1,5 +1,74 @@
-"""pytest setup, read before test_algos.py imports transformers: the tests never use the hub, so
+"""pytest setup, read before any test file imports transformers: the tests never use the hub, so
 a hub id fails at once instead of after the hub client's network retries (46 s per case here)."""
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import signal
+
+import pytest
+import torch
+from transformers import Qwen2Config
+
+import loading
+import runs
+
+from tests.helpers import EXTRA_ROWS, ROOT, bpe_chat_tokenizer, tiny_model
+
+torch.set_num_threads(2)
+
+
+# The fixtures every test file shares (the autouse ones run around every test);
+# helpers that are plain functions are in tests/helpers.py.
+@pytest.fixture(autouse=True)
+def _keep_sigint():
+    """Scripts' main() installs a Ctrl-C handler; tests that call main() in-process must not leave
+    it behind."""
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    signal.signal(signal.SIGINT, handler)
+    runs.STOP["requested"] = False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _runs_folder_stays_as_it_was():
+    """Every script a test runs writes under tmp_path: the repo's runs/ folder gains nothing."""
+    folder = os.path.join(ROOT, "runs")
+    before = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    yield
+    after = set(os.listdir(folder)) if os.path.isdir(folder) else set()
+    assert not after - before, f"the tests left {sorted(after - before)} in {folder}"
+
+
+@pytest.fixture(scope="session")
+def tok():
+    return loading.load_tokenizer(loading.DEFAULT_POLICY)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory):
+    """A small random Qwen2 with that tokenizer, EXTRA_ROWS more embedding rows than tokens, and a
+    generation config that stops on two ids (<|im_end|> and <|endoftext|>): its folder."""
+    from transformers import Qwen2ForCausalLM
+    folder = str(tmp_path_factory.mktemp("chat-qwen2"))
+    tok = bpe_chat_tokenizer(folder)
+    end, pad = tok.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    cfg = Qwen2Config(vocab_size=len(tok) + EXTRA_ROWS, hidden_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+                      max_position_embeddings=256, eos_token_id=end, pad_token_id=pad,
+                      tie_word_embeddings=False, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg).eval()
+    with torch.no_grad():  # the extra rows are likely: unmasked, the sampler would pick them
+        model.lm_head.weight[len(tok):] = model.lm_head.weight[:len(tok)].std() * 20
+    model.generation_config.eos_token_id = [end, pad]
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def neox_dir(tmp_path_factory, tok):
+    path = tmp_path_factory.mktemp("neox")
+    tiny_model("gpt_neox").save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)

@@ -1,0 +1,1 @@
+"""minrl's tests by module; the algorithm tests are ../test_algos.py."""

@@ -1,0 +1,292 @@
+"""docs/ and the README: commands, links, the code map, docstrings, the 100-column rule."""
+import ast
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT, SCRIPTS
+
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+import check_docs  # noqa: E402  (tools/check_docs.py)
+
+
+# ---- docs/: commands, links, the tests they name
+# The README is the front page; docs/ holds one file a topic. Every command shown in either must
+# run as written: its flags exist, its links resolve, the tests it names exist.
+def read_docs():
+    """{path relative to the repo: text} of README.md and every docs/*.md."""
+    paths = ["README.md"] + sorted(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs"))
+                                   if f.endswith(".md"))
+    return {p: open(os.path.join(ROOT, p), encoding="utf-8").read() for p in paths}
+
+
+def shown_commands(text):
+    """Each `python SCRIPT ...` or `torchrun ... SCRIPT ...` command the text shows: in a code
+    block (4-space indented or fenced; a trailing backslash continues the line) or inline in
+    backticks. A trailing comment (" # ...") is dropped."""
+    lines, out, fenced = text.splitlines(), [], False
+    for i, line in enumerate(lines):
+        fenced = fenced != line.startswith("```")
+        if fenced or line.startswith("    "):
+            while line.endswith("\\") and i + 1 < len(lines):
+                i += 1
+                line = line[:-1].rstrip() + " " + lines[i].strip()
+            out.append(line.strip())
+        else:
+            out += re.findall(r"`((?:python|torchrun) [^`]+)`", line)
+    out = [part for c in out for part in c.split(" && ")]  # pip install ... && python ...
+    cmds = [re.split(r"\s+#\s", c)[0] for c in out if c.startswith(("python ", "torchrun "))]
+    return [c for c in cmds if re.search(r"\S+\.py\b", c)]
+
+
+def test_docs_commands_use_flags_their_script_has():
+    checked = 0
+    for path, text in read_docs().items():
+        for command in shown_commands(text):
+            words = command.split()
+            script = next(w for w in words if w.endswith(".py"))
+            flags = re.findall(r"(?<!\S)--(\w+)", " ".join(words[words.index(script) + 1:]))
+            name = script[:-3]
+            if name in SCRIPTS:
+                have = {f.name for f in dataclasses.fields(SCRIPTS[name].Args)} | {"help"}
+                missing = [f for f in flags if f not in have]
+            else:  # tools/ and bench/: argparse scripts, each flag spelled out in the source
+                assert os.path.isfile(os.path.join(ROOT, script)), f"{path}: no {script}: {command}"
+                source = open(os.path.join(ROOT, script), encoding="utf-8").read()
+                missing = [f for f in flags if f'"--{f}"' not in source]
+            assert not missing, f"{path}: {script} has no --{missing[0]}: {command}"
+            checked += 1
+    assert checked >= 20
+
+
+def test_check_docs_claims_quote_the_docs_and_their_commands_use_real_flags():
+    """tools/check_docs.py (a number in the docs is a claim it re-runs): each claim's text, with
+    its number, is still in its file, each command's flags exist, and a measurement drifts when
+    it differs at the quoted digits (or, for a wall time, beyond the stated factor)."""
+    assert len(check_docs.CLAIMS) >= 100
+    for file, text, command, read, tol, tags in check_docs.CLAIMS:
+        assert check_docs.holds(file, text), f"{file} no longer says {text!r}"
+        float(check_docs.quoted(text)[0].replace(",", ""))
+        for part in (p for c in check_docs.as_list(command) for p in c.split(" && ")):
+            words = part.split()
+            if words[0] == "python" and words[1] in {f"{n}.py" for n in SCRIPTS}:
+                have = {f.name for f in dataclasses.fields(SCRIPTS[words[1][:-3]].Args)}
+                flags = re.findall(r"(?<!\S)--(\w+)", part)
+                assert set(flags) <= have, (command, set(flags) - have)
+    assert not check_docs.drifted("0.954", 0.9543, 0) and check_docs.drifted("0.954", 0.932, 0)
+    assert check_docs.drifted("0.93", 0.897, 0) and not check_docs.drifted("16", 16.0, 0)
+    assert not check_docs.drifted("70", 164.6, 2.0) and check_docs.drifted("70", 230.0, 2.0)
+
+
+def test_shown_commands_finds_block_inline_and_continued_commands():
+    text = ("Run `python grpo.py --help` or\n\n"
+            "    python ppo.py --lr 1 \\\n        --seed 2  # why\n"
+            "\n```bash\ntorchrun --nproc_per_node 2 sft.py --lora_r 4\n```\n`pip install x`\n"
+            "\n    pip install x && python dpo.py --system_prompt 'after ####.' --seed 1\n")
+    assert shown_commands(text) == ["python grpo.py --help", "python ppo.py --lr 1 --seed 2",
+                                    "torchrun --nproc_per_node 2 sft.py --lora_r 4",
+                                    "python dpo.py --system_prompt 'after ####.' --seed 1"]
+
+
+def test_readme_test_command_is_the_one_ci_runs():
+    """.ci/run installs the CPU torch first, then runs exactly the README's test command."""
+    readme = read_readme()
+    command = re.search(r"Run the tests:\n\n    (.*)\n", readme).group(1)
+    install, tests = command.split(" && ")
+    ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
+    assert tests.replace("python ", "python3 ", 1) in ci
+    assert any("pip install" in line and line.endswith(install[len("pip install"):])
+               for line in ci), (install, ci)
+    # plain PyPI's torch is the CUDA build: the set-up note gives a user PyTorch's CPU index
+    note = readme[readme.index("Run the tests:"):readme.index("## The scripts")]
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in note
+
+
+def anchor(heading):
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces -> '-'."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_docs_relative_links_and_anchors_resolve():
+    docs = read_docs()
+    for path, text in docs.items():
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"\w+://", target):
+                continue
+            file, _, frag = target.partition("#")
+            where = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            assert os.path.exists(os.path.join(ROOT, where)), f"{path}: {target}: no {where}"
+            if frag:
+                headings = re.findall(r"^#+ (.*)$", docs.get(where) or open(
+                    os.path.join(ROOT, where), encoding="utf-8").read(), re.M)
+                assert frag in {anchor(h) for h in headings}, f"{path}: no heading for {target}"
+
+
+def test_no_import_cycle_and_the_core_imports_no_plumbing():
+    """Each module imports only modules below it: the project's imports form no cycle. errors.py
+    and fastpath.py import nothing of the project, common.py only those two, and no module
+    imports an algorithm script."""
+    mods = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")
+            and not f.startswith(("test", "conftest"))}
+    graph = {}
+    for m in mods:
+        tree = ast.parse(open(os.path.join(ROOT, m + ".py"), encoding="utf-8").read())
+        graph[m] = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
+                    for a in n.names if a.name in mods}
+        graph[m] |= {n.module for n in ast.walk(tree)
+                     if isinstance(n, ast.ImportFrom) and n.module in mods}
+    assert graph["errors"] == set() and graph["fastpath"] == set()
+    assert graph["common"] == {"errors", "fastpath"}
+    scripts = {"grpo", "ppo", "reinforce", "sft", "dpo", "reward_model"}
+    assert not any(graph[m] & scripts for m in mods)
+    done = set()
+    while len(done) < len(graph):  # peel off the modules whose imports are all done
+        ready = {m for m in graph if m not in done and graph[m] <= done}
+        assert ready, f"an import cycle among {sorted(set(graph) - done)}"
+        done |= ready
+
+
+def test_every_module_keeps_the_line_budget_the_readme_states():
+    """README's "Reading the code" table gives each module a budget in lines: each file keeps it."""
+    rows = re.findall(r"^\| `(\w+\.py)`[^|]*\|[^|]*\| (\d+) lines \|$", read_readme(), re.M)
+    assert len(rows) >= 12  # common, errors, fastpath, envs, the plumbing, the six scripts
+    for name, budget in rows:
+        with open(os.path.join(ROOT, name)) as f:
+            assert len(f.read().splitlines()) <= int(budget), f"{name} is over its {budget} lines"
+
+
+def test_readme_links_every_docs_file():
+    readme, docs = read_readme(), [p for p in read_docs() if p.startswith("docs/")]
+    assert docs and all(f"]({p})" in readme for p in docs), [p for p in docs if p not in readme]
+
+
+def test_readme_stays_a_front_page():
+    assert len(read_readme().splitlines()) <= 300
+
+
+def test_tests_named_in_the_docs_exist():
+    source = "".join(open(os.path.join(ROOT, f), encoding="utf-8").read()
+                     for f in each_test_file())
+    defined = set(re.findall(r"^def (test_\w+)\(", source, re.M))
+    for path, text in read_docs().items():
+        for name in re.findall(r"`(test_\w+)`", text):
+            assert name in defined, f"{path} names {name}, which no test file defines"
+
+
+def test_docs_code_references_name_functions_that_exist():
+    """`file.py: name()` anywhere in docs/ names a function defined there (with the key symbols
+    KEY_SYMBOLS lists for it)."""
+    for path, text in read_docs().items():
+        if path != "README.md":
+            check_code_map(text, ROOT, least=0)
+
+
+KEY_SYMBOLS = {"group_advantages": ["mean", "std", "eps"],
+               "per_token_loss": ["ratio", "clamp", "torch.min", "beta", "kl_estimate"],
+               "aggregate": ["n_tokens", "n_seqs", "max_new_tokens"],
+               "kl_returns": ["beta", "cumsum", "scores"],
+               "advantages": ["returns - b", "rloo_baseline", "whiten"],
+               "reinforce_loss": ["-advantages * logprobs", "clamp"],
+               "shaped_rewards": ["kl_coef", "scores", "lengths - 1"],
+               "gae": ["gamma", "lam", "advantages + values"],
+               "policy_loss": ["ratio", "clamp", "torch.max"],
+               "value_loss": ["clip_eps_value", "0.5", "torch.max"],
+               "sft_loss": ["logprobs * mask", "n_tokens"],
+               "bradley_terry_loss": ["logsigmoid", "margin", "weight", "n_rows"],
+               "ranking_pairs": ["range(i + 1, k)"],
+               "score_forward": ["rm_sequences", "rm_forward"],
+               "dpo_loss": ["logsigmoid", "label_smoothing", "1 / (2 * beta)", "ref_chosen"],
+               "sequence_logprobs": ["token_logprobs", "sum(-1)"],
+               "length_batches": ["sorted", "shuffle"],
+               "plain_token_logprobs": ["temperature", "log_softmax", "gather"],
+               "kl_estimate": ["0.5 * log_r**2", "log_r.exp() - 1 - log_r"],
+               "whiten": ["mean", "rsqrt", "mask"]}
+
+
+def check_code_map(text, folder, least=10):
+    """Every `file.py: name()` in text names a function defined in that file (found by name, so no
+    edit elsewhere in the file breaks it) whose source holds the equation's key symbols. With
+    least > 0 (the README's code map) every name must have its key symbols listed above."""
+    refs = re.findall(r"(\w+\.py): (\w+)\(\)", text)
+    assert len(refs) >= least
+    for file, name in refs:
+        source = open(os.path.join(folder, file)).read()
+        funcs = {n.name: ast.get_source_segment(source, n) for n in ast.parse(source).body
+                 if isinstance(n, ast.FunctionDef)}
+        assert name in funcs, f"the docs point at {file}: {name}(), which is not defined there"
+        assert not least or name in KEY_SYMBOLS, f"{name}: add its key symbols to KEY_SYMBOLS"
+        missing = [k for k in KEY_SYMBOLS.get(name, []) if k not in funcs[name]]
+        assert not missing, f"{file}: {name}() no longer shows {missing}"
+
+
+def read_readme(section=""):
+    """README.md, or only its `## section` (up to the next `## ` heading)."""
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    return text.split(f"\n## {section}\n")[1].split("\n## ")[0] if section else text
+
+
+def each_test_file():
+    """The test files, relative to the repo: test_algos.py, then tests/test_*.py."""
+    names = sorted(f for f in os.listdir(os.path.join(ROOT, "tests"))
+                   if f.startswith("test_") and f.endswith(".py"))
+    return ["test_algos.py"] + [f"tests/{f}" for f in names]
+
+
+# ---- the README's code map and docstrings, the 100-column rule
+# What each equation in the README must show in the code it points at: the map cannot rot.
+def test_readme_code_map_names_functions_that_compute_its_equations():
+    check_code_map(read_readme("Reading the code"), ROOT)
+
+
+def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
+    """The exercise kind of edit: three lines inserted above per_token_loss move every line
+    below."""
+    for script in ("grpo.py", "reinforce.py", "ppo.py", "sft.py", "reward_model.py", "dpo.py",
+                   "common.py"):
+        shutil.copy(os.path.join(ROOT, script), tmp_path / script)
+    source = (tmp_path / "grpo.py").read_text()
+    edit = "def rank_advantages(rewards):\n    return rewards.argsort().argsort().float()\n\n\n"
+    edited = source.replace("def per_token_loss(", edit + "def per_token_loss(")
+    (tmp_path / "grpo.py").write_text(edited)
+    check_code_map(read_readme("Reading the code"), tmp_path)
+    (tmp_path / "grpo.py").write_text(source.replace("def aggregate(", "def aggregate_renamed("))
+    with pytest.raises(AssertionError, match="aggregate"):  # and a real rot is caught
+        check_code_map(read_readme("Reading the code"), tmp_path)
+
+
+@pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "runs.py", "sft.py",
+                                    "reward_model.py", "dpo.py"])
+def test_docstring_references_name_functions_that_exist(script):
+    """`name()` in a module docstring is defined in that file (`C.name()` in common.py,
+    `tasks.name()` in tasks.py, and so on)."""
+    source = open(os.path.join(ROOT, script)).read()
+    defined = {"": source, "C.": open(os.path.join(ROOT, "common.py")).read()}
+    for module in ("tasks", "loading", "fastpath", "runs"):
+        defined[module + "."] = open(os.path.join(ROOT, module + ".py")).read()
+    pattern = r"\b(C\.|tasks\.|loading\.|fastpath\.|runs\.)?(\w+)\(\)"
+    for prefix, name in re.findall(pattern, ast.get_docstring(ast.parse(source))):
+        assert f"def {name}(" in defined[prefix], f"{script} docstring: {prefix}{name}()"
+
+
+def test_every_python_line_fits_in_100_columns():
+    """The style rule of pyproject.toml, checked without needing ruff installed."""
+    tracked = subprocess.run(["git", "ls-files", "*.py"], cwd=ROOT, capture_output=True,
+                             text=True).stdout.split()
+    files = tracked or [f for f in os.listdir(ROOT) if f.endswith(".py")]
+    long = [f"{f}:{i}" for f in files
+            for i, line in enumerate(open(os.path.join(ROOT, f), encoding="utf-8"), 1)
+            if len(line.rstrip("\n")) > 100]
+    assert not long, f"{len(long)} lines over 100 columns, e.g. {long[:5]}"
+
+
+# ---- the README's own task
+def test_readme_own_task_shows_the_fields_its_reward_reads():
+    section = read_readme("Your own task")
+    for field_name in set(re.findall(r'row\["(\w+)"\]', section)):
+        assert f'"{field_name}":' in section, f"no data row in the README shows {field_name!r}"

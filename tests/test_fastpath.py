@@ -1,0 +1,187 @@
+"""fastpath.py: which models take the fast log-prob and sampling paths, and their memory."""
+import functools
+from types import SimpleNamespace
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import common as C
+import fastpath
+import grpo
+import loading
+import runs
+
+from tests.helpers import OFF, PROMPTS, fast_logprobs, tiny_config, tiny_model
+
+
+# ---- fastpath.py: which path a model takes, what it never makes
+def fast_head(model):
+    """The head token_logprobs' fast path runs apart (fastpath.exact_head), or None."""
+    base = C._unwrap(model)
+    return fastpath.exact_head(base.get_output_embeddings(), functools.partial(C._forward, base))
+
+
+def test_sampling_puts_only_the_last_position_through_the_lm_head(chat_model):
+    """The prefill and every decode step make (rows, 1, V) logits, never (B, P, V)."""
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"))
+    tok = loading.load_tokenizer(chat_model)
+    shapes = []
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: shapes.append(tuple(o.shape)))
+    C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "Be brief.", "1+2="]), 5)
+    C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "Be brief."]), 5, share_prompts=False)
+    hook.remove()
+    assert shapes and all(s[1] == 1 for s in shapes)
+
+
+def test_logprobs_never_make_the_full_logits(chat_model, monkeypatch):
+    """With gradients, the fast path's LM head sees at most chunk_elems / V positions at a time,
+    forward and backward; values and gradients equal the plain path's."""
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"))
+    tok = loading.load_tokenizer(chat_model)
+    torch.manual_seed(0)
+    roll = C.sample(model, tok, C.encode_prompts(tok, ["1+2=", "What is the sum?"] * 3), 12)
+    T, V = roll.completion_mask.shape[1], model.config.vocab_size
+    sizes, blocks, real = [], [], fastpath.LinearHeadLogprobs.apply
+    hook = model.lm_head.register_forward_hook(lambda m, i, o: sizes.append(tuple(o.shape[:-1])))
+    monkeypatch.setattr(fastpath.LinearHeadLogprobs, "apply",  # the chunks of both passes
+                        lambda *a: blocks.append(a[6]) or real(*a))
+
+    def grads(fast):
+        model.zero_grad()
+        lp, ent = fast_logprobs(
+            model, roll.ids, roll.attention_mask, T, 0.7, True, chunk_elems=5 * V
+        ) if fast else C.plain_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+                                              True)
+        ((lp + 0.1 * ent) * roll.completion_mask).sum().backward()
+        return [lp.detach(), ent.detach()] + [p.grad.clone() for p in model.parameters()]
+    fast = grads(True)
+    # the head module: the forwards' logits_to_keep=1 only; the chunks, forward and backward:
+    # blocks of one row and <= 5 positions, covering every position
+    assert sizes and all(s[1] == 1 for s in sizes)
+    assert len(blocks) == 1
+    assert all(b[0].stop - b[0].start == 1 and b[1].stop - b[1].start <= 5 for b in blocks[0])
+    assert len(blocks[0]) == 6 * -(-T // 5)
+    hook.remove()
+    for a, b in zip(fast, grads(False)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_logprobs_with_lora_on_the_lm_head_take_the_plain_path(chat_model, capsys):
+    """peft wraps the LM head when it is targeted: a new module, not an nn.Linear, so
+    fastpath.exact_head says no and token_logprobs takes its plain path (said at load), the adapter
+    in it (and off inside adapters_off). LoRA elsewhere keeps the fast path, with the plain
+    path's numbers."""
+    tok = loading.load_tokenizer(chat_model)
+    prompts = C.encode_prompts(tok, ["1+2=", "Be brief."] * 2)  # shared prompts
+    for targets in ("q_proj,lm_head", "q_proj,v_proj"):
+        args = SimpleNamespace(model=chat_model, lora_r=4, lora_alpha=8, lora_dropout=0.0,
+                               lora_target_modules=targets, trust_remote_code=False,
+                               compile=False, gradient_checkpointing=False)
+        model, _ = loading.load_policy(args, torch.device("cpu"))
+        on_head = targets.endswith("lm_head")
+        assert ("LoRA on the LM head" in capsys.readouterr().out) == on_head
+        assert (fast_head(model) is None) == on_head
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(0, 0.05)  # adapters that change the output
+        torch.manual_seed(0)
+        roll = C.sample(model, tok, prompts, 8)
+        T = roll.completion_mask.shape[1]
+
+        def run(fast):
+            model.zero_grad()
+            logprobs = C.token_logprobs if fast else C.plain_token_logprobs
+            lp, _ = logprobs(model, roll.ids, roll.attention_mask, T)
+            (lp * roll.completion_mask).sum().backward()
+            return [lp.detach()] + [p.grad.clone() for p in model.parameters() if p.requires_grad]
+        plain = run(False)
+        for a, b in zip(run(True), plain):
+            tol = 0 if on_head else 1e-5  # the plain path itself, or the fast path's rounding
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol * 10)
+        with torch.no_grad(), runs.adapters_off(model):
+            off, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
+        assert (off - plain[0]).abs().max() > 1e-3  # the adapter was in the log-probs
+
+
+def test_the_logprob_path_is_decided_from_the_model_itself(tmp_path, tok, capsys):
+    """A model whose logits are not its LM head applied to its last hidden state (Gemma 2
+    soft-caps them: c tanh(z / c)) fails fastpath.exact_head's check (said once), so
+    token_logprobs takes its plain path: the model's own logits, where the fast path would be
+    wrong. A model built by hand, never loaded by load_model, takes the fast path: its head
+    qualifies, and the numbers equal the plain path's."""
+    from transformers import Gemma2Config
+    cfg = Gemma2Config(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, intermediate_size=64, pad_token_id=0,
+                       bos_token_id=1, eos_token_id=2, final_logit_softcapping=0.1,
+                       architectures=["Gemma2ForCausalLM"])
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "gemma2")
+    capped = loading.load_model(str(tmp_path / "gemma2"), "lm", torch.device("cpu"))
+    assert fast_head(capped) is None and fast_head(capped) is None  # checked once
+    assert capsys.readouterr().out.count("logits are not a linear LM head") == 1
+    torch.manual_seed(1)
+    by_hand = AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+    assert fast_head(by_hand) is by_hand.lm_head
+    for model in (capped, by_hand):
+        roll = C.sample(model, tok, C.encode_prompts(tok, PROMPTS), 6, temperature=0.7)
+        T = roll.completion_mask.shape[1]
+        lp, ent = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7, entropy=True)
+        want, want_ent = C.plain_token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7,
+                                                entropy=True)
+        if model is capped:  # the plain path itself
+            assert torch.equal(lp, want) and torch.equal(ent, want_ent)
+            wrong, _ = fast_logprobs(capped, roll.ids, roll.attention_mask, T, 0.7)
+            assert ((wrong - want) * roll.completion_mask).abs().max() > 1e-2
+        else:  # the fast path, to rounding
+            torch.testing.assert_close(lp, want, atol=1e-5, rtol=1e-4)
+
+
+def test_fsdp_policy_takes_the_plain_logprob_path(capsys, tmp_path):
+    """--fsdp: FSDP2 (runs.wrap_model) shards the LM head's weight (a DTensor), so
+    fastpath.exact_head says no and token_logprobs takes the plain path; load_policy says so (the
+    2-process runs against 1 process: test_two_processes_make_the_one_process_update). A one-
+    process gloo group in this process."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    args = SimpleNamespace(model=loading.DEFAULT_POLICY, lora_r=0, trust_remote_code=False,
+                           compile=False, gradient_checkpointing=False, fsdp=True)
+    model, tok = loading.load_policy(args, torch.device("cpu"))
+    assert "--fsdp shards the LM head's weight" in capsys.readouterr().out
+    assert fast_head(model) is model.lm_head  # not sharded yet
+    del model.lm_head.exact_logits
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        fully_shard(model)
+        assert fast_head(model) is None
+        assert not hasattr(model.lm_head, "exact_logits")  # no check forward: refused before
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path):
+    """Under torchrun the DDP-wrapped policy and the unwrapped reference compute log-probs alike,
+    bit for bit (neither shares prompts), so with zero advantages and policy = reference GRPO's
+    gradient is exactly 0, not rounding that Adam would turn into a full step. A one-process gloo
+    group in this process: the paths are the same as with several."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    model = tiny_model("qwen2")
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    prompts = [p for p in C.encode_prompts(tok, PROMPTS) for _ in range(4)]  # GRPO groups
+    roll = C.sample(model, tok, prompts, 8)
+    T = roll.completion_mask.shape[1]
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0,
+                            world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        ref = C.batched_logprobs(model, roll, 1.0, len(prompts), OFF)
+        lp, _ = C.token_logprobs(ddp, roll.ids, roll.attention_mask, T)
+        assert torch.equal(lp.detach() * roll.completion_mask, ref)
+        loss, *_ = grpo.per_token_loss(lp, lp.detach(), torch.zeros(len(lp)), None,
+                                       grpo.Args(), ref)
+        (loss * roll.completion_mask).sum().backward()
+        assert all(float(p.grad.abs().max()) == 0 for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

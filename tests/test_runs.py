@@ -1,0 +1,159 @@
+"""runs.py: run folders and locks, memory, charts, the --report_to trackers."""
+import builtins
+import io
+import json
+import math
+import os
+import sys
+import types
+
+import pytest
+import torch
+
+import common as C
+import grpo
+import runs
+
+from tests.helpers import FAST_GRPO, read_metrics, run_main
+
+
+# ---- runs.py: run folders, memory, charts
+def test_one_run_per_folder_and_stale_locks_are_taken(tmp_path):
+    busy, stale = tmp_path / "busy", tmp_path / "stale"
+    for folder, pid in ((busy, os.getppid()), (stale, 2**22 + 12345)):  # alive / no such process
+        folder.mkdir()
+        (folder / "run.lock").write_text(str(pid))
+    args = grpo.Args(output_dir=str(busy))
+    with pytest.raises(C.UserError, match=f"in use by a run in process {os.getppid()}"):
+        runs.start_run(args, "grpo")
+    run = runs.start_run(grpo.Args(output_dir=str(stale)), "grpo")
+    assert (stale / "run.lock").read_text() == str(os.getpid())
+    run.metrics.close()
+    run.samples.close()
+    runs._release_lock(run.dir)
+
+
+def test_peak_memory_without_proc_or_resource_is_unknown_not_a_crash(monkeypatch):
+    """Windows has neither /proc/self/status nor the `resource` module: the first step must not
+    crash on it."""
+    real_open = builtins.open
+
+    def open_without_proc(f, *a, **k):
+        if str(f).startswith("/proc/"):
+            raise FileNotFoundError(f)
+        return real_open(f, *a, **k)
+    monkeypatch.setattr(builtins, "open", open_without_proc)
+    monkeypatch.setattr(runs, "resource", None)  # as runs.py's `import resource` leaves it there
+    assert math.isnan(runs.peak_mem_mb(torch.device("cpu")))
+
+
+def test_spark_skips_nan_and_prints_ascii_where_blocks_cannot_be_encoded(monkeypatch):
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="utf-8"))
+    # a NaN step (update skipped) is left out
+    assert runs.spark([0.0, float("nan"), 1.0, 2.0]) == "▁▄█  [0 .. 2]"
+    # Windows, redirected
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="cp1252"))
+    assert runs.spark([0.0, 1.0, 2.0]) == "_~#  [0 .. 2]"
+
+
+# ---- runs.py: --report_to, the experiment trackers
+def test_report_to_sends_the_metrics_and_samples_to_a_tracker(tmp_path, monkeypatch, capsys):
+    """--report_to wandb (a fake module here): every metrics line and the samples table reach it;
+    a tracker that is not installed is one line."""
+    calls = []
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kw: calls.append(("init", kw["project"]))
+    fake.log = lambda data, step: calls.append(("log", step, sorted(data)))
+    fake.Table = lambda columns, data: ("table", columns, len(data))
+    fake.finish = lambda: calls.append(("finish",))
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--report_to", "wandb",
+             "--output_dir", out)
+    logged = [c for c in calls if c[0] == "log"]
+    assert calls[0] == ("init", "minrl") and calls[-1] == ("finish",)
+    assert [c[1] for c in logged] == [1, 2]  # one call a step; step 1 with the samples table
+    assert "reward" in logged[0][2] and "samples" in logged[0][2]
+    assert set(logged[1][2]) == set(read_metrics(out)[1]) - {"step"}
+    monkeypatch.setitem(sys.modules, "trackio", None)
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, "--report_to", "trackio", "--output_dir", tmp_path / "t",
+                 guard=True)
+    assert "needs the optional package trackio (pip install trackio)" in capsys.readouterr().err
+
+
+def test_report_to_tensorboard_writes_what_its_own_reader_reads_back(monkeypatch, tmp_path):
+    """--report_to tensorboard, against the real package: tensorboard's EventAccumulator reads
+    every number of every metrics.jsonl line back at its step (as float32), and the samples."""
+    pytest.importorskip("tensorboard", reason="--report_to tensorboard needs the tensorboard "
+                        "package (.ci/run installs it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--report_to", "tensorboard",
+             "--output_dir", out)
+    metrics = read_metrics(out)
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    keys = {k for k, v in metrics[0].items() if isinstance(v, (int, float)) and k != "step"}
+    assert set(events.Tags()["scalars"]) == keys
+    for key in keys:
+        assert [e.step for e in events.Scalars(key)] == [1, 2], key
+        assert [e.value for e in events.Scalars(key)] == pytest.approx(
+            [m[key] for m in metrics], rel=1e-6, abs=1e-12), key
+    [text] = events.Tags()["tensors"]  # add_text: the first step's samples, as JSON
+    [sample] = events.Tensors(text)
+    logged = json.loads(sample.tensor_proto.string_val[0])
+    assert sample.step == 1 and [s["prompt"] for s in logged] == \
+        [s["prompt"] for s in json.loads((out / "samples.jsonl").read_text())["samples"]]
+
+
+def wandb_history(path):
+    """The history rows of an offline wandb run file (run-*.wandb), as {key: value}: its records
+    are in LevelDB's log format (a 7-byte file header, then 32 KiB blocks of pieces, each a crc32
+    (4 bytes), a length (2) and a kind: 1 whole, 2 first, 3 middle, 4 last), each record a
+    protobuf wandb_internal_pb2.Record."""
+    from wandb.proto import wandb_internal_pb2
+    data, pos, records, piece = path.read_bytes(), 7, [], b""
+    assert data[:4] == b":W&B"
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:  # a block's last bytes, too few for a header: padding
+            pos += 32768 - pos % 32768
+            continue
+        length, kind = int.from_bytes(data[pos + 4:pos + 6], "little"), data[pos + 6]
+        piece += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            records.append(piece)
+            piece = b""
+    rows = []
+    for raw in records:
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(raw)
+        if record.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                         for i in record.history.item})
+    return rows
+
+
+def test_report_to_wandb_offline_records_the_run(monkeypatch, tmp_path):
+    """--report_to wandb against the real package, offline (WANDB_MODE=offline: nothing leaves
+    the machine): the run file it writes holds every number of every metrics.jsonl line at its
+    step, and the first step's samples table."""
+    wandb = pytest.importorskip("wandb", reason="wandb is not installed (optional: pip install "
+                                "wandb)")
+    for name, value in (("WANDB_MODE", "offline"), ("WANDB_DIR", str(tmp_path)),
+                        ("WANDB_SILENT", "true")):
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--report_to", "wandb",
+             "--output_dir", out)
+    wandb.teardown()  # its service writes the run file on its own time: wait for it to finish
+    [path] = (tmp_path / "wandb").glob("offline-run-*/run-*.wandb")
+    history, metrics = wandb_history(path), read_metrics(out)
+    assert [h["_step"] for h in history] == [m["step"] for m in metrics] == [1, 2]
+    for h, m in zip(history, metrics):
+        for key in (k for k, v in m.items() if isinstance(v, (int, float)) and k != "step"):
+            assert h[key] == pytest.approx(m[key], rel=1e-12), key
+    samples = json.loads((out / "samples.jsonl").read_text())["samples"]
+    assert history[0]["samples/_type"] == "table-file"
+    assert history[0]["samples/nrows"] == len(samples) and "samples/nrows" not in history[1]
