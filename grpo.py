@@ -211,7 +211,10 @@ def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
 
 def cat_rollouts(pieces):
     """Concatenate (rollout, kept row indices) pieces into one rollout: prompts re-left-padded,
-    completions right-padded (ids 0; masks come from lengths), other fields concatenated."""
+    completions right-padded (ids 0; masks come from lengths), other fields concatenated. One
+    piece of every row (dynamic_sampling off) is the rollout as sampled."""
+    if len(pieces) == 1 and len(pieces[0][1]) == len(pieces[0][0].ids):
+        return pieces[0][0]
     P = max(r.P for r, _ in pieces)
     T = max(r.completion_mask.shape[1] for r, _ in pieces)
     out = {"P": P}
@@ -225,6 +228,8 @@ def cat_rollouts(pieces):
                                   for r, i in pieces])
         elif torch.is_tensor(x):
             out[key] = torch.cat([getattr(r, key)[i.to(x.device)] for r, i in pieces])
+        elif key != "P":  # a field this does not know how to split by rows: say so, not drop it
+            raise TypeError(f"cat_rollouts: rollout field {key!r} is a {type(x).__name__}")
     return C.SimpleNamespace(**out)
 
 

@@ -436,6 +436,10 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
         assert x[2, getattr(b, key).shape[1]:].abs().sum() == 0
     lp = C.batched_logprobs(model, both, 1.0, 8, OFF)
     torch.testing.assert_close(lp, both.sample_logprobs, atol=2e-5, rtol=0)
+    assert grpo.cat_rollouts([(a, torch.arange(3))]) is a  # one round, every row: as sampled
+    a.note = "a field of no known kind"
+    with pytest.raises(TypeError, match="'note' is a str"):  # said, not dropped
+        grpo.cat_rollouts([(a, torch.tensor([0])), (b, torch.tensor([1]))])
 
 
 QWEN_STYLE_TEMPLATE = (  # Qwen2.5's tool-use layout, in short
