@@ -249,7 +249,7 @@ def plain_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy
 
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False):
     """plain_token_logprobs' numbers, by its fast path when the model's LM head qualifies."""
-    base = _unwrap(model)  # (DDP, LoRA) the head: a plain linear map of the final hidden state?
+    base = _unwrap(model)  # the model inside a DDP or LoRA wrapper: its LM head qualifies?
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(_forward, base))
     if head is None:
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
@@ -316,7 +316,7 @@ def whiten(x, mask, shift_mean=True, eps=1e-8, total=None):
 
 
 # --------------------------------------------------------------------------------------- rewards
-# what a text's answer states, as MATH (\\boxed{...}) and GSM8K ('#### N') write it
+# what a text's answer states, as MATH (\boxed{...}) and GSM8K ('#### N') write it
 NUMBER = r"(-?\d+(?:\.\d+)?)(?:\s*/\s*(\d+(?:\.\d+)?))?"  # 7, -2.5, 3/4: numerator, denominator
 
 
