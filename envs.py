@@ -191,9 +191,12 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
         raise C.UserError("give --env or --tools, not both: --tools is an env of its own")
     if tools:
         functions, schemas = load_tools(tools)
+        checked = []  # the tokenizers whose chat template check_tool_format passed
 
         def start(rows, tok):
-            check_tool_format(tok, schemas)  # two renderings of a short chat: cheap
+            if not any(t is tok for t in checked):  # once, not at every rollout
+                check_tool_format(tok, schemas)
+                checked.append(tok)
             return start_episodes(rows, lambda row: ToolEpisode(row, tok, functions, schemas),
                                   "--tools", tools, timeout, tok)
         return C.SimpleNamespace(tools=schemas, start=start)

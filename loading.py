@@ -265,7 +265,7 @@ def checked_reward(name, fn, completions, rows):
         raise C.UserError(what) from None
     if len(values) != len(rows):
         raise C.UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
-                        "completions: return one number per completion")
+                          "completions: return one number per completion")
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise C.UserError(f"reward {name!r} returned {v!r} for row {i}: not a number")
