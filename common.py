@@ -112,7 +112,7 @@ def eos_ids(model, tok):
 
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
-           amp=None, stop=(), share_prompts=True, env_step=None, max_turns=1):
+           amp=None, stop=(), share_prompts=True, env_step=None):
     """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
     turn ends at its first EOS or at the token that completes a `stop` string (greedy: the argmax,
     not a draw); without env_step the row is then done and leaves the batch and the cache. With
@@ -129,9 +129,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     window = max(map(len, stop), default=0) + 2  # a stop string spans <= 1 token per character
     live = torch.arange(B, device=device)  # original row index of each row still being sampled
     is_obs = torch.zeros(B, max_new_tokens, dtype=torch.bool, device=device)  # fed, not sampled
-    # multi-turn: each row's observation tokens still to feed, the column where its current turn
-    # began, and its turns so far
-    forced, begun, turns = [[] for _ in range(B)], [0] * B, [0] * B
+    # multi-turn: each row's observation tokens still to feed, and the column where its turn began
+    forced, begun = [[] for _ in range(B)], [0] * B
     with amp or torch.autocast(device.type, enabled=False):
         # the prefill: every row's prompt; share_prompts (the fast path, same numbers): each
         # distinct prompt once, its KV cache then copied to its rows (a GRPO group's G rows)
@@ -170,25 +169,19 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             sampled = ~is_obs[live, t]
             ended = torch.isin(nxt, eos) & sampled  # the model's turn ended on its EOS
             if stop:  # decode each row's last few tokens: does a stop string end at this one?
-                lo = max(0, t + 1 - window)
-                tails = tok.batch_decode(out[live, lo:t + 1])
-                for j, i in enumerate(live.tolist() if env_step else []):  # a turn that began
-                    if begun[i] > lo:  # inside the window: its own tokens only
-                        tails[j] = tok.decode(out[i, begun[i]:t + 1])
+                lo = max(0, t + 1 - window)  # a turn that began later: its own tokens only
+                tails = [tok.decode(x[max(0, begun[i] - lo):])
+                         for i, x in zip(live.tolist(), out[live, lo:t + 1].tolist())]
                 ended |= torch.tensor([any(s in x for s in stop) for x in tails],
                                       device=device) & sampled
             if env_step is not None and ended.any():  # the env answers; None ends the episode
                 rows = live[ended].tolist()
-                for i in rows:
-                    turns[i] += 1
-                asking = [i for i in rows if turns[i] < max_turns]  # none after the last turn
-                answers = dict(zip(asking, env_step([
-                    (i, out[i, begun[i]:t + 1].tolist(), max_new_tokens - t - 1,
-                     int(out[i, t]) if out[i, t] in eos else None) for i in asking])))
-                for i, obs in answers.items():
+                answers = env_step([(i, out[i, begun[i]:t + 1].tolist(), max_new_tokens - t - 1,
+                                     int(out[i, t]) if out[i, t] in eos else None) for i in rows])
+                for i, obs in zip(rows, answers):
                     if obs is not None:  # fed from the next column on; then the model's turn
                         forced[i], begun[i] = list(obs), t + 1 + len(obs)
-                ended[ended.clone()] = torch.tensor([answers.get(i) is None for i in rows],
+                ended[ended.clone()] = torch.tensor([obs is None for obs in answers],
                                                     device=device)  # an observation: it goes on
             lengths[live[ended]] = t + 1
             finished[live[ended]] = True
@@ -224,9 +217,9 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False):
     tools = env.tools if env else None  # --tools: their JSON schemas, rendered by the template
     prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
-    env_step, finish = env.start(rows, tok) if env else (None, None)
+    env_step, finish = env.start(rows, tok, args.max_turns) if env else (None, None)
     roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy, amp,
-                  args.stop, env_step=env_step, max_turns=args.max_turns if env else 1)
+                  args.stop, env_step=env_step)
     if env is None:
         return roll, decode_completions(tok, roll)
     finish(roll)  # the episodes' turns and observations: roll.final, roll.transcript, ...

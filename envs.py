@@ -180,7 +180,7 @@ def _worker():
 
 def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
     """--env (calc, FILE.py:FUNCTION, FILE.py:Class or module:name) or --tools -> the run's
-    environment, or None: a namespace with start(rows, tok) -> (env_step, finish) for
+    environment, or None: a namespace with start(rows, tok, max_turns) -> (env_step, finish) for
     common.sample and common.generate, and tools, the JSON schemas that the prompts' chat
     template renders (--tools; else None). Each row gets its own episode, built from its own
     copy of the row: a function env(row, turns) -> str | None is called with that copy; a class
@@ -193,28 +193,29 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
         functions, schemas = load_tools(tools)
         checked = []  # the tokenizers whose chat template check_tool_format passed
 
-        def start(rows, tok):
+        def start(rows, tok, max_turns):
             if not any(t is tok for t in checked):  # once, not at every rollout
                 check_tool_format(tok, schemas)
                 checked.append(tok)
             return start_episodes(rows, lambda row: ToolEpisode(row, tok, functions, schemas),
-                                  "--tools", tools, timeout, tok)
+                                  f"--tools {tools!r}", timeout, tok, max_turns)
         return C.SimpleNamespace(tools=schemas, start=start)
     if not spec:
         return None
     fn = calc if spec == "calc" else loading.load_function(
         "--env", spec, "write calc, path/to/file.py:function (or :Class) or module:function")
     make = fn if inspect.isclass(fn) else lambda row: functools.partial(fn, row)
-    return C.SimpleNamespace(tools=None, start=lambda rows, tok: start_episodes(
-        rows, make, "--env", spec, timeout, tok))
+    return C.SimpleNamespace(tools=None, start=lambda rows, tok, max_turns: start_episodes(
+        rows, make, f"--env {spec!r}", timeout, tok, max_turns))
 
 
-def start_episodes(rows, make, flag, spec, timeout, tok):
+def start_episodes(rows, make, who, timeout, tok, max_turns=1):
     """One episode per row, each made (on its first call) from a deep copy of its row and keeping
     its own turns and observations. Returns env_step(requests) for common.sample: [(row index, the
     turn's token ids, budget left, the EOS the turn ended on)] -> each row's observation ids
     (observation_ids: cut to the budget) or None, the rows' calls run at the same time
-    (call_all); and finish(roll), which puts on the rollout what the episodes saw."""
+    (call_all), and None after a row's max_turns-th turn (no call); and finish(roll), which puts
+    on the rollout what the episodes saw. who: the env, as errors name it ("--env 'calc'")."""
     copies = [copy.deepcopy(r) for r in rows]
     episodes = [None] * len(rows)  # made on the first call: a function env's row, or an object
     # each row's turns (texts), observations (as the model reads them), whether one was cut by the
@@ -233,11 +234,11 @@ def start_episodes(rows, make, flag, spec, timeout, tok):
         except C.UserError:
             raise
         except BaseException as e:  # noqa: B036 -- a SystemExit in an env must not end the run 0
-            raise C.UserError(f"{flag} {spec!r} raised {type(e).__name__}: {first_line(e)} "
+            raise C.UserError(f"{who} raised {type(e).__name__}: {first_line(e)} "
                               f"({where(i, turns)})") from None
         ids = isinstance(out, list) and all(type(x) is int for x in out)
         if out is not None and not isinstance(out, str) and not ids:
-            raise C.UserError(f"{flag} {spec!r} returned {type(out).__name__} {out!r:.40} "
+            raise C.UserError(f"{who} returned {type(out).__name__} {out!r:.40} "
                               f"({where(i, turns)}): return the observation text, or None to end")
         return out
 
@@ -245,15 +246,18 @@ def start_episodes(rows, make, flag, spec, timeout, tok):
         for i, ids, _, _ in requests:
             seen[i].turns.append(tok.decode(ids, skip_special_tokens=True))
             seen[i].begun += len(ids)
+        asking = [r for r in requests if len(seen[r[0]].turns) < max_turns]  # not after the last
         try:
             outs = call_all([functools.partial(call, i, list(seen[i].turns))
-                             for i, _, _, _ in requests], timeout)
+                             for i, _, _, _ in asking], timeout)
         except TimeoutError as e:
-            i = requests[e.args[0]][0]
-            raise C.UserError(f"{flag} {spec!r} took more than {timeout:g} s "
+            i = asking[e.args[0]][0]
+            raise C.UserError(f"{who} took more than {timeout:g} s "
                               f"{where(i, seen[i].turns)} (--env_timeout)") from None
+        outs = dict(zip((r[0] for r in asking), outs))
         answers = []
-        for out, (i, _, left, end) in zip(outs, requests):
+        for i, _, left, end in requests:
+            out = outs.get(i)
             ids, cut = (None, False) if out is None else observation_ids(tok, out, left, end)
             if ids is not None:
                 seen[i].observations.append(tok.decode(ids))
@@ -465,10 +469,9 @@ def calc_report(model, tok, n=200, k=1, seed=0):
         for mode in ("T=1", "greedy"):
             torch.manual_seed(rng.randrange(2**31))
             prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], "none")
-            env_step, finish = load_env("calc").start(rows, tok)
+            env_step, finish = load_env("calc").start(rows, tok, 3)
             roll = C.sample(model, tok, prompt_ids, CALC_DEFAULTS["max_new_tokens"],
-                            greedy=mode == "greedy", stop=["</calc>"], env_step=env_step,
-                            max_turns=3)
+                            greedy=mode == "greedy", stop=["</calc>"], env_step=env_step)
             finish(roll)  # roll.final: the text after the last observation
             right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
             called = roll.tool_calls > 0

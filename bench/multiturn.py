@@ -18,6 +18,7 @@ Run it on an otherwise idle machine, one thread (it sets torch.set_num_threads(1
 """
 import argparse
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -37,9 +38,13 @@ def run_rollout(C, E, model, tok, prompt_ids, env, rows, max_turns, budget):
     """One multi-turn rollout by whichever sampler the checkout has."""
     if hasattr(C, "rollout"):  # before the one-sampler engine: re-prefills every turn
         return C.rollout(model, tok, prompt_ids, env, rows, max_turns, budget)
-    env_step, finish = E.start_episodes(rows, lambda row: (lambda turns: env(row, turns)),
-                                        "--env", "bench", 60, tok)
-    roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns)
+    make = lambda row: (lambda turns: env(row, turns))  # noqa: E731
+    if "who" in inspect.signature(E.start_episodes).parameters:  # episodes count their turns
+        env_step, finish = E.start_episodes(rows, make, "--env 'bench'", 60, tok, max_turns)
+        roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step)
+    else:
+        env_step, finish = E.start_episodes(rows, make, "--env", "bench", 60, tok)
+        roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns)
     if callable(finish):  # the episodes' fields (roll.turns): since episodes keep their turns
         finish(roll)
     return roll

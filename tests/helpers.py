@@ -175,9 +175,9 @@ def exits_later(completions, rows):  # sys.exit(0) at its second call, after ste
 def rollout(model, tok, prompt_ids, env, rows, max_turns, budget, timeout=60, **kw):
     """The multi-turn sampler with a test env function env(row, turns): common.sample with the
     env_step that envs builds (one episode per row, its checks and deadline)."""
-    env_step, finish = E.start_episodes(rows, lambda row: functools.partial(env, row), "--env",
-                                        "test", timeout, tok)
-    roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns, **kw)
+    env_step, finish = E.start_episodes(rows, lambda row: functools.partial(env, row),
+                                        "--env 'test'", timeout, tok, max_turns)
+    roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, **kw)
     finish(roll)  # the episodes' turns and observations, on the rollout
     return roll
 

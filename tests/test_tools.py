@@ -188,9 +188,9 @@ def test_each_episode_owns_its_row_and_a_class_env_gets_one_object_per_episode(t
         def step(self, turns):
             self.calls += 1
             return f" {self.calls} "
-    env_step, finish = E.start_episodes(rows, Episode, "--env", "x.py:Episode", 60, tok)
+    env_step, finish = E.start_episodes(rows, Episode, "--env 'x.py:Episode'", 60, tok, 4)
     torch.manual_seed(0)
-    roll = C.sample(model, tok, prompts, 40, env_step=env_step, max_turns=4)
+    roll = C.sample(model, tok, prompts, 40, env_step=env_step)
     finish(roll)
     made = [e for e in roll.episodes if e is not None]
     assert len(made) == len(Episode.made) == int((roll.tool_calls > 0).sum())
@@ -579,7 +579,7 @@ def test_tools_need_a_template_that_renders_them_and_a_schema_per_function(tmp_p
     env = E.load_env("", f"{tmp_path / 'tools.py'}:add")
     plain = loading.load_tokenizer(loading.DEFAULT_POLICY)
     with pytest.raises(C.UserError, match="--tools needs a model whose chat template renders"):
-        env.start([{"prompt": "1+2="}], plain)
+        env.start([{"prompt": "1+2="}], plain, 3)
     with pytest.raises(C.UserError, match=r"--tools: 'bare' has no schema: .* type hint"):
         E.load_env("", f"{tmp_path / 'tools.py'}:add,bare")
     with pytest.raises(C.UserError, match="give --env or --tools, not both"):
@@ -587,7 +587,7 @@ def test_tools_need_a_template_that_renders_them_and_a_schema_per_function(tmp_p
     t = chat_tokenizer()
     t.chat_template = t.chat_template.replace("<tool_call>", "[CALL]")
     with pytest.raises(C.UserError, match="--tools reads calls through the tokenizer's response"):
-        env.start([{"prompt": "1+2="}], t)
+        env.start([{"prompt": "1+2="}], t, 3)
 
 
 def test_grpo_with_tools_runs_and_samples_show_the_rendered_prompt(tmp_path, monkeypatch):

@@ -118,10 +118,9 @@ def final_kl(folder, k):
     total = 0.0
     for i in range(0, len(prompt_ids), 256):
         # with env, KL at the model's tokens only: completion_mask is 0 on observations
-        env_step = env.start(rows[i:i + 256], tok)[0] if env else None
+        env_step = env.start(rows[i:i + 256], tok, args["max_turns"])[0] if env else None
         roll = C.sample(policy, tok, prompt_ids[i:i + 256], args["max_new_tokens"],
-                        args["temperature"], args["top_p"], stop=args["stop"], env_step=env_step,
-                        max_turns=args["max_turns"] if env else 1)
+                        args["temperature"], args["top_p"], stop=args["stop"], env_step=env_step)
         pos = C.positions(roll.attention_mask)
         logp = [(m(input_ids=roll.ids, attention_mask=roll.attention_mask, position_ids=pos)
                  .logits[:, roll.P - 1:-1].float() / args["temperature"]).log_softmax(-1)
