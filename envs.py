@@ -246,15 +246,15 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
         for i, ids, _, _ in requests:
             seen[i].turns.append(tok.decode(ids, skip_special_tokens=True))
             seen[i].begun += len(ids)
-        asking = [r for r in requests if len(seen[r[0]].turns) < max_turns]  # not after the last
+        asking = [i for i, _, _, _ in requests if len(seen[i].turns) < max_turns]  # not the last
         try:
-            outs = call_all([functools.partial(call, i, list(seen[i].turns))
-                             for i, _, _, _ in asking], timeout)
+            outs = call_all([functools.partial(call, i, list(seen[i].turns)) for i in asking],
+                            timeout)
         except TimeoutError as e:
-            i = asking[e.args[0]][0]
+            i = asking[e.args[0]]
             raise C.UserError(f"{who} took more than {timeout:g} s "
                               f"{where(i, seen[i].turns)} (--env_timeout)") from None
-        outs = dict(zip((r[0] for r in asking), outs))
+        outs = dict(zip(asking, outs))  # None: the episode ended (the env's None, or max_turns)
         answers = []
         for i, _, left, end in requests:
             out = outs.get(i)
