@@ -197,11 +197,10 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     T = int(lengths.max())
     real = torch.arange(T, device=device)[None] < lengths[:, None]
     completion_mask = (real & ~is_obs[:, :T]).float()  # the model's tokens, not observations
-    roll = SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
+    return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
                            attention_mask=torch.cat([prompt_mask, real.long()], 1),
                            truncated=~finished, sample_logprobs=out_lp[:, :T] * completion_mask,
                            P=P)
-    return roll
 
 
 def decode_completions(tok, roll):
@@ -407,10 +406,9 @@ def rm_scores(rm, rm_tok, prompts, completions, micro_batch=64, chat_template="a
 
 
 def compute_rewards(rows, completions, weights, fns=None):
-    """Weighted sum of reward components (B,); each component is returned too, for reward/<name>.
+    """The weighted sum of the reward components (B,), and each component (logged: reward/<name>).
     fns: the other rewards by name, f(completions, rows) -> (B,): your --reward_fn functions
-    (checked: loading.load_reward_fns) and 'rm', the reward model's rm_scores
-    (loading.load_reward_model)."""
+    (checked by loading.load_reward_fns) and 'rm', rm_scores (loading.load_reward_model)."""
     parts = {}
     for name in weights:
         if name in RULES:
