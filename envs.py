@@ -471,7 +471,7 @@ def calc_report(model, tok, n=200, k=1, seed=0):
             prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], "none")
             env_step, finish = load_env("calc").start(rows, tok, 3)
             roll = C.sample(model, tok, prompt_ids, CALC_DEFAULTS["max_new_tokens"],
-                            greedy=mode == "greedy", stop=["</calc>"], env_step=env_step)
+                            greedy=mode == "greedy", stop=CALC_DEFAULTS["stop"], env_step=env_step)
             finish(roll)  # roll.final: the text after the last observation
             right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
             called = roll.tool_calls > 0
