@@ -13,6 +13,7 @@ from tests.helpers import ROOT, SCRIPTS
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import check_docs  # noqa: E402  (tools/check_docs.py)
+import step_cost  # noqa: E402  (tools/step_cost.py)
 
 
 # ---- docs/: commands, links, the tests they name
@@ -158,6 +159,34 @@ def test_every_module_keeps_the_line_budget_the_readme_states():
     for name, budget in rows:
         with open(os.path.join(ROOT, name)) as f:
             assert len(f.read().splitlines()) <= int(budget), f"{name} is over its {budget} lines"
+
+
+def test_each_rl_step_keeps_its_reading_budget_in_four_files():
+    """tools/step_cost.py: one step of grpo, ppo and reinforce (the loop and what it reaches) stays
+    within its budget in lines, in at most four files: the script, common, fastpath, runs."""
+    for script, budget in step_cost.STEP_BUDGETS.items():
+        loop, reached = step_cost.step_cost(script)
+        assert loop + sum(reached.values()) <= budget, f"{script}: a step outgrew {budget} lines"
+        assert {m for m, _ in reached} <= {script[:-3], "common", "fastpath", "runs"}, script
+
+
+def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
+    """The counter on a two-module project: the loop, a function it calls in another module and
+    what that one calls, a nested function once (inside its parent), both methods of an
+    autograd-style class used through .apply; not a function only setup calls."""
+    (tmp_path / "lib.py").write_text(
+        "def helper(x):\n    return inner(x)\n\n\n"  # 2 lines, reaches inner
+        "def inner(x):\n    def nested():\n        return x\n    return nested()\n\n\n"  # 4
+        "class Fn:\n    def forward(ctx, x):\n        return x\n\n"  # 2
+        "    def backward(ctx, g):\n        return g\n\n\n"  # 2
+        "def setup_only():\n    return 0\n")
+    (tmp_path / "algo.py").write_text(
+        "import lib\nfrom lib import Fn\n\n\ndef main():\n    lib.setup_only()\n"
+        "    for step in range(3):\n        lib.helper(step)\n        Fn.apply(step)\n")
+    loop, reached = step_cost.step_cost("algo.py", root=str(tmp_path))
+    assert loop == 3
+    assert reached == {("lib", "helper"): 2, ("lib", "inner"): 4, ("lib", "Fn.forward"): 2,
+                       ("lib", "Fn.backward"): 2}
 
 
 def test_readme_links_every_docs_file():

@@ -1,0 +1,119 @@
+"""tools/step_cost.py: what a reader meets in one training step of an RL script, in lines.
+
+    python tools/step_cost.py grpo.py        # lines, functions, files
+    python tools/step_cost.py grpo.py -v     # and each function reached, longest first
+
+The count is the lines of main()'s `for step in ...` loop plus every function of the project's
+modules (the .py files at the top of the repo) that the loop reaches: called or passed as a value,
+transitively, over every branch; a function nested in one that is reached counts inside it, and a
+class that is reached counts all its methods (an autograd Function: forward AND backward).
+Comments and docstrings count. Static, from the code's own imports: a function reached only
+through a value built before the loop (the data's next_batch, an env's start, a --reward_fn) is
+not seen, so the README says what each option adds. tests/test_docs.py holds each script's step
+to the budget in STEP_BUDGETS.
+"""
+import ast
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEP_BUDGETS = {"grpo.py": 807, "ppo.py": 807, "reinforce.py": 775}  # held by a test
+
+
+def project_functions(root=ROOT):
+    """{(module, dotted name): ast node} of every function and method; {module: {name: target}}
+    of each module's imports of the project (a module name, or a (module, name) pair)."""
+    mods = [f[:-3] for f in os.listdir(root) if f.endswith(".py")
+            and not f.startswith(("test", "conftest"))]
+    funcs, imports = {}, {}
+
+    def collect(mod, node, prefix):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if not isinstance(child, ast.ClassDef):
+                    funcs[(mod, prefix + child.name)] = child
+                collect(mod, child, prefix + child.name + ".")
+            else:
+                collect(mod, child, prefix)
+
+    for mod in mods:
+        with open(os.path.join(root, mod + ".py"), encoding="utf-8") as f:
+            tree = ast.parse(f.read())
+        collect(mod, tree, "")
+        imports[mod] = {}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                imports[mod].update({a.asname or a.name: a.name for a in node.names
+                                     if a.name in mods})
+            elif isinstance(node, ast.ImportFrom) and node.module in mods:
+                imports[mod].update({a.asname or a.name: (node.module, a.name)
+                                     for a in node.names})
+    return funcs, imports
+
+
+def lines(node):
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    return node.end_lineno - first + 1
+
+
+def step_cost(script, root=ROOT):
+    """(loop lines, {(module, name): lines} of each function the step reaches) for script."""
+    funcs, imports = project_functions(root)
+    me = script[:-3]
+    loop = next(n for n in ast.walk(funcs[(me, "main")]) if isinstance(n, ast.For)
+                and isinstance(n.target, ast.Name) and n.target.id == "step")
+
+    def targets(mod, name, scope):
+        """The functions a name (or `a.b`) used in function `scope` of mod stands for."""
+        head, _, attr = name.partition(".")
+        imported = imports[mod].get(head)
+        if attr and isinstance(imported, str):  # module.function, module.Class
+            mod, name, scope = imported, attr.split(".")[0], ""
+        elif attr and head == "self":  # a method of the class `scope` is in
+            return [(mod, scope.split(".")[0] + "." + attr.split(".")[0])]
+        elif isinstance(imported, tuple):  # from module import function
+            mod, name, scope = imported[0], imported[1], ""
+        else:
+            name = head
+        while True:  # the innermost enclosing scope that defines it, out to the module
+            qual = f"{scope}.{name}" if scope else name
+            found = [k for k in funcs if k[0] == mod and (k[1] == qual
+                                                         or k[1].startswith(qual + "."))]
+            if found or not scope:
+                return found
+            scope = scope.rpartition(".")[0]
+
+    def used(node):
+        for n in ast.walk(node):
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load):
+                yield n.id
+            elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
+                yield f"{n.value.id}.{n.attr}"
+
+    seen, todo = set(), [(me, "main", stmt) for stmt in loop.body]
+    while todo:
+        mod, scope, node = todo.pop()
+        for name in used(node):
+            for key in targets(mod, name, scope):
+                if key in funcs and key not in seen:
+                    seen.add(key)
+                    todo.append((key[0], key[1], funcs[key]))
+    # a function counts once: not again inside a reached function that encloses it
+    outer = {k for k in seen if k[1] != "main" and not any(
+        o[0] == k[0] and o[1] != "main" and k[1].startswith(o[1] + ".") for o in seen)}
+    return loop.end_lineno - loop.lineno + 1, {k: lines(funcs[k]) for k in outer}
+
+
+def main():
+    script = sys.argv[1]
+    loop, reached = step_cost(os.path.basename(script))
+    files = {script} | {m + ".py" for m, _ in reached}
+    print(f"{script}: {loop + sum(reached.values())} lines (loop {loop}, "
+          f"{len(reached)} functions) in {len(files)} files; budget {STEP_BUDGETS.get(script)}")
+    if "-v" in sys.argv:
+        for (mod, name), n in sorted(reached.items(), key=lambda kv: -kv[1]):
+            print(f"  {n:4} {mod}.{name}")
+
+
+if __name__ == "__main__":
+    main()
