@@ -240,7 +240,7 @@ def sample_groups(generate, score, data, rng, run, args):
     (rewards, reward parts)."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
-    pieces, rows_kept, texts_kept, rewards_kept, seen = [], [], [], [], []
+    pieces, kept, seen = [], 0, []  # (rollout, its kept rows), how many, each round's rewards
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(G)]
@@ -251,18 +251,17 @@ def sample_groups(generate, score, data, rng, run, args):
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
         seen.append((rewards, parts))
+        roll.rows, roll.texts, roll.rewards = rows, texts, rewards  # kept with their rows
         keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)  # groups with a signal
-        idx = keep.repeat_interleave(G).nonzero().squeeze(-1)[:want - len(rows_kept)]
+        idx = keep.repeat_interleave(G).nonzero().squeeze(-1)[:want - kept]
         pieces.append((roll, idx))
-        rows_kept += [rows[i] for i in idx.tolist()]
-        texts_kept += [texts[i] for i in idx.tolist()]
-        rewards_kept.append(rewards[idx])
-        if len(rows_kept) >= want:
+        kept += len(idx)
+        if kept >= want:
             break
-    if not rows_kept:  # no group had a signal even after resampling: keep the last round (A = 0)
+    if not kept:  # no group had a signal even after resampling: keep the last round (A = 0)
         pieces = [(roll, torch.arange(len(rows)))]
-        rows_kept, texts_kept, rewards_kept = rows, texts, [rewards]
-    return cat_rollouts(pieces), rows_kept, texts_kept, torch.cat(rewards_kept), seen
+    roll = cat_rollouts(pieces)
+    return roll, roll.rows, roll.texts, roll.rewards, seen
 
 
 def check_args(args):
