@@ -469,7 +469,7 @@ def calc_report(model, tok, n=200, k=1, seed=0):
         for mode in ("T=1", "greedy"):
             torch.manual_seed(rng.randrange(2**31))
             prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], "none")
-            env_step, finish = load_env("calc").start(rows, tok, 3)
+            env_step, finish = load_env("calc").start(rows, tok, max_turns=3)  # call, answer, spare
             roll = C.sample(model, tok, prompt_ids, CALC_DEFAULTS["max_new_tokens"],
                             greedy=mode == "greedy", stop=CALC_DEFAULTS["stop"], env_step=env_step)
             finish(roll)  # roll.final: the text after the last observation
