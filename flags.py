@@ -17,6 +17,7 @@ from dataclasses import field
 
 from transformers import HfArgumentParser
 
+import chat_sums
 import common as C
 from errors import first_line
 import envs as E
@@ -95,6 +96,7 @@ def parse_args(args_cls, algo, doc=""):
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--resume", default="")
     pre.add_argument("--env", default="")
+    pre.add_argument("--data", default="")
     known = pre.parse_known_args()[0]
     resume = known.resume
     saved = _saved_args(resume, algo) if resume else {}
@@ -102,6 +104,8 @@ def parse_args(args_cls, algo, doc=""):
     names = {f.name for f in dataclasses.fields(args_cls)}  # stored absolute: from here
     if "env" in names:  # --env calc brings its own defaults (envs.preset); given flags still win
         parser.set_defaults(**E.preset(known.env, algo))
+    sums = chat_sums.preset(known.data, algo)  # --data chat-sums: a real model's defaults
+    parser.set_defaults(**{k: v for k, v in sums.items() if k in names})
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
     for a in sys.argv[1:]:

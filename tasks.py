@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import torch
 
+import chat_sums
 import common as C
 from errors import first_line
 
@@ -239,9 +240,9 @@ def read_rows(spec, need_answer=False, split="train", **fields):
 
 
 def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", **fields):
-    """'' -> the built-in task; a file or 'hf:...' -> its rows (read_rows). fields: make_row's
-    prompt_field, answer_field and system_prompt. need_answer: every row must have an answer with
-    a number (the math reward checks it).
+    """'' -> the built-in task; 'chat-sums' -> chat_sums.py's; a file or 'hf:...' -> its rows
+    (read_rows). fields: make_row's prompt_field, answer_field and system_prompt. need_answer:
+    every row must have an answer with a number (the math reward checks it).
     Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch
     keeps no state but the rng it is given, so saving that rng resumes the data stream exactly."""
     if not spec:  # the built-in task: make_row changes its rows only when given fields
@@ -253,6 +254,14 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
         def next_task_batch(rng, k):
             return [row(a, b) for a, b in task_train_pairs(rng, k)]
         return SimpleNamespace(next_batch=next_task_batch, eval_rows=eval_rows, rows=eval_rows)
+    if spec == chat_sums.NAME:  # the real-model task (chat_sums.py), held out by problem
+        train, test = chat_sums.split()
+        eval_rows = [make_row(chat_sums.row(*x), "", **fields) for x in test[:eval_size]]
+
+        def next_sums_batch(rng, k):
+            return [make_row(chat_sums.row(*rng.choice(train)), "", **fields)
+                    for _ in range(k)]
+        return SimpleNamespace(next_batch=next_sums_batch, eval_rows=eval_rows, rows=eval_rows)
     rows = read_rows(spec, need_answer, split, **fields)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
     n_eval = min(eval_size, len(rows) // 5)

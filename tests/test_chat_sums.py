@@ -1,0 +1,53 @@
+"""chat_sums.py: the real-model task (--data chat-sums): its split, its reward, its defaults."""
+import random
+import sys
+
+import pytest
+
+import chat_sums
+from flags import parse_args
+import grpo
+import loading
+import ppo
+import reinforce
+import tasks
+
+
+def test_held_out_by_problem_in_every_phrasing():
+    train, test = chat_sums.split()
+    problem = {(min(a, b), max(a, b)) for a, b, _ in test}
+    assert len(problem) == chat_sums.HELD_OUT
+    assert not any((min(a, b), max(a, b)) in problem for a, b, _ in train)  # 3+5 nor 5+3
+    assert {p for _, _, p in test} == set(range(len(chat_sums.PHRASINGS)))
+    assert len(train) + len(test) == 99 * len(chat_sums.PHRASINGS)  # all but the example 2+2
+    data = tasks.load_data(chat_sums.NAME, 50)
+    seen = {r["prompt"][-1]["content"] for r in data.next_batch(random.Random(0), 2000)}
+    assert len(data.eval_rows) == 50 and not seen & {r["prompt"][-1]["content"]
+                                                     for r in data.eval_rows}
+    row = data.eval_rows[0]
+    assert [m["role"] for m in row["prompt"]] == ["user", "assistant", "user"]
+    assert row["prompt"][-1]["content"].endswith("Answer with just the number.")
+
+
+@pytest.mark.parametrize("completion,reward", [
+    ("8", 1.0), (" 8.\n", 1.0), ("3 + 5 = 8.", 0.5), ("The answer is 8", 0.5), ("9", 0.0),
+    ("8 apples, or 9", 0.0), ("", 0.0), ("88", 0.0)])
+def test_the_reward_checks_what_the_prompt_asks(completion, reward):
+    assert chat_sums.asked_answer([completion], [chat_sums.row(3, 5, 0)]) == [reward]
+
+
+def test_data_chat_sums_brings_its_defaults_and_given_flags_win(monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--data", "chat-sums", "--lr", "1e-5"])
+    args = parse_args(grpo.Args, "grpo")
+    assert args.lr == 1e-5 and args.temperature == 0.7 and args.max_new_tokens == 10
+    assert args.beta == 0 and args.group_size == 8 and args.reward_fn == ["chat_sums:asked_answer"]
+    grpo.check_args(args)  # micro-batch divides the step
+    fns = loading.load_reward_fns(args.reward_fn)  # importable by that name
+    assert fns["asked_answer"](["8", "x"], [{"answer": "8"}] * 2).tolist() == [1.0, 0.0]
+    for script in (reinforce, ppo):
+        monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--data=chat-sums"])
+        args = parse_args(script.Args, script.__name__)
+        assert args.lr == 2e-5 and args.reward_fn == ["chat_sums:asked_answer"]
+        script.check_args(args) if hasattr(script, "check_args") else None
+    monkeypatch.setattr(sys, "argv", ["grpo.py"])
+    assert parse_args(grpo.Args, "grpo") == grpo.Args()  # without it: as it was
