@@ -1,39 +1,42 @@
 """chat_sums.py: the real-model task, --data chat-sums (plumbing: an algorithm reader can skip it).
 
-One-digit sums asked in chat, in 8 phrasings, each ending "Answer with just the number.", after
-one worked example (2 + 2 -> "4") that shows the form: [..., {"role": "user", "content": "What is
-3 + 5? Answer with just the number."}] -> "8". Generated, so nothing is downloaded. The held-out
-split is by problem: a sum a + b held out (either order) is never trained on, in any phrasing.
-The reward, asked_answer, checks what the prompt asks: 1 for the right number alone ("8", "8."),
-0.5 for the right number in a sentence ("3 + 5 = 8."; the math reward, logged as gold, counts
-that as right), 0 otherwise. A pretrained chat model answers in sentences and often wrongly, so
-RL has a visible job: SmolLM2-135M-Instruct's held-out score rises by tens of points in minutes
-on a laptop CPU (docs/real_model.md). PRESET: the flags' defaults for a real model on it.
+One-digit sums asked in chat, in 8 phrasings, each ending "Answer with just the equation.", after
+one worked example that shows the form (What is 2 + 2? ... -> "2 + 2 = 4"): [..., {"role": "user",
+"content": "Add 3 and 5. Answer with just the equation."}] -> "3 + 5 = 8". Generated, so nothing
+is downloaded. The held-out split is by problem: a sum a + b held out (either order) is never
+trained on, in any phrasing. The reward, asked_answer, checks what the prompt asks: 1 for the
+right equation alone ("3 + 5 = 8", "3+5=8."), 0 for a wrong sum, a sentence or a bare "8" (the
+math reward, logged as gold, reads only the last number). SmolLM2-135M-Instruct often answers
+with a sentence or a wrong sum, so RL has a visible job (docs/real_model.md). PRESET: the flags'
+defaults for a real model on it, chosen by measurement.
 """
 import random
 import re
-
-import common as C
+from types import SimpleNamespace
 
 NAME = "chat-sums"  # --data chat-sums
 PHRASINGS = ("What is {a} + {b}?", "Add {a} and {b}.", "Compute {a} + {b}.",
              "What is the sum of {a} and {b}?", "{a} + {b} = ?", "How much is {a} plus {b}?",
              "Find the total of {a} and {b}.",
              "I have {a} apples and get {b} more. How many apples do I have?")
-ASK = " Answer with just the number."
+ASK = " Answer with just the equation."
 EVAL_SEED = 4545
 EXAMPLE = (2, 2, 0)  # the worked example before each question: not a problem of the task
 HELD_OUT = 18  # of the 54 other problems {a, b}: 18 held out (33 ordered sums, 264 prompts)
 # --data chat-sums sets these defaults for the RL scripts (explicit flags still win): measured on
-# SmolLM2-135M-Instruct, 2 CPU cores (docs/real_model.md). An answer is 1-2 tokens and its
-# sentence about 8, so 10 new tokens cut nothing; T 0.7 gives groups mixed rewards; beta 0 needs
-# no reference model (its KL is not computed: kl logs 0)
+# SmolLM2-135M-Instruct, 2 CPU cores (docs/real_model.md). An equation is 7-8 tokens and its EOS
+# one more, so 10 new tokens cut no answer (a sentence, 13: cut, scores 0 anyway); T 0.7 gives
+# groups mixed rewards; beta 0 needs no reference model (its KL is not computed: kl logs 0)
 PRESET = {"reward_fn": ["chat_sums:asked_answer"], "eval_reward": "rewards",
           "max_new_tokens": 10, "temperature": 0.7, "lr": 2e-5, "beta": 0.0,
-          "prompts_per_step": 4, "micro_batch_size": 32, "eval_size": 264,
-          "max_steps": 16, "eval_every": 4, "save_every": 0, "samples_every": 4}
-PRESET_ALGO = {"grpo": {"group_size": 8}, "reinforce": {"samples_per_prompt": 8},
-               "ppo": {"batch_size": 32, "critic_init": "policy", "kl_coef": 0.0}}
+          "prompts_per_step": 4, "micro_batch_size": 32, "eval_size": 128,
+          "max_steps": 16, "eval_every": 8, "save_every": 0, "samples_every": 4}
+# reinforce: RLOO, since every reward here is >= 0 (no baseline would push up every sample); ppo:
+# a critic made from the policy (there is no reward model) at verl's critic lr for real models
+PRESET_ALGO = {"grpo": {"group_size": 8},
+               "reinforce": {"samples_per_prompt": 8, "baseline": "rloo"},
+               "ppo": {"batch_size": 32, "micro_batch_size": 16, "critic_init": "policy",
+                       "critic_lr": 1e-5}}
 
 
 def preset(data, algo):
@@ -47,9 +50,14 @@ def question(a, b, phrasing):
     return {"role": "user", "content": PHRASINGS[phrasing].format(a=a, b=b) + ASK}
 
 
+def equation(a, b):
+    return f"{a} + {b} = {a + b}"
+
+
 def row(a, b, phrasing):
-    example = [question(*EXAMPLE), {"role": "assistant", "content": str(sum(EXAMPLE[:2]))}]
-    return {"prompt": [*example, question(a, b, phrasing)], "answer": str(a + b)}
+    example = [question(*EXAMPLE), {"role": "assistant", "content": equation(*EXAMPLE[:2])}]
+    return {"prompt": [*example, question(a, b, phrasing)], "answer": str(a + b),
+            "equation": equation(a, b)}
 
 
 def split():
@@ -63,8 +71,24 @@ def split():
     return [x for x in every if (min(x[:2]), max(x[:2])) not in held], test
 
 
+def load(eval_size, make_row):
+    """tasks.load_data's answer: next_batch(rng, k) -> k training rows, eval_rows (held out, the
+    first eval_size) and rows. make_row((a, b, phrasing)) -> a data row (with tasks.make_row)."""
+    train, test = split()
+    eval_rows = [make_row(x) for x in test[:eval_size]]
+
+    def next_batch(rng, k):
+        return [make_row(rng.choice(train)) for _ in range(k)]
+    return SimpleNamespace(next_batch=next_batch, eval_rows=eval_rows, rows=eval_rows)
+
+
 def asked_answer(completions, rows):
-    """1 for the answer alone (spaces and a final '.' allowed), 0.5 for the answer as the text's
-    last number (common.math_reward), else 0."""
-    return [1.0 if re.sub(r"\.$", "", c.strip()) == r["answer"] else 0.5 * C.math_reward(c, r)
-            for c, r in zip(completions, rows)]
+    """1 when the completion is the row's equation alone, a + b = c or b + a = c (spaces and a
+    final '.' aside), else 0."""
+    def bare(text):
+        return re.sub(r"\s|\.$", "", text.strip())
+
+    def right(text, equation):
+        a, b, c = re.findall(r"\d+", equation)
+        return bare(text) in (f"{a}+{b}={c}", f"{b}+{a}={c}")
+    return [float(right(c, r["equation"])) for c, r in zip(completions, rows)]

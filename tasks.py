@@ -255,13 +255,7 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
             return [row(a, b) for a, b in task_train_pairs(rng, k)]
         return SimpleNamespace(next_batch=next_task_batch, eval_rows=eval_rows, rows=eval_rows)
     if spec == chat_sums.NAME:  # the real-model task (chat_sums.py), held out by problem
-        train, test = chat_sums.split()
-        eval_rows = [make_row(chat_sums.row(*x), "", **fields) for x in test[:eval_size]]
-
-        def next_sums_batch(rng, k):
-            return [make_row(chat_sums.row(*rng.choice(train)), "", **fields)
-                    for _ in range(k)]
-        return SimpleNamespace(next_batch=next_sums_batch, eval_rows=eval_rows, rows=eval_rows)
+        return chat_sums.load(eval_size, lambda x: make_row(chat_sums.row(*x), "", **fields))
     rows = read_rows(spec, need_answer, split, **fields)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
     n_eval = min(eval_size, len(rows) // 5)

@@ -26,12 +26,12 @@ def test_held_out_by_problem_in_every_phrasing():
                                                      for r in data.eval_rows}
     row = data.eval_rows[0]
     assert [m["role"] for m in row["prompt"]] == ["user", "assistant", "user"]
-    assert row["prompt"][-1]["content"].endswith("Answer with just the number.")
+    assert row["prompt"][-1]["content"].endswith("Answer with just the equation.")
 
 
 @pytest.mark.parametrize("completion,reward", [
-    ("8", 1.0), (" 8.\n", 1.0), ("3 + 5 = 8.", 0.5), ("The answer is 8", 0.5), ("9", 0.0),
-    ("8 apples, or 9", 0.0), ("", 0.0), ("88", 0.0)])
+    ("3 + 5 = 8", 1.0), (" 3+5=8.\n", 1.0), ("5 + 3 = 8", 1.0), ("3 + 5 = 9", 0.0), ("8", 0.0),
+    ("The answer is 3 + 5 = 8", 0.0), ("3 + 5 = 8 apples", 0.0), ("", 0.0), ("3 + 5 = 88", 0.0)])
 def test_the_reward_checks_what_the_prompt_asks(completion, reward):
     assert chat_sums.asked_answer([completion], [chat_sums.row(3, 5, 0)]) == [reward]
 
@@ -43,7 +43,8 @@ def test_data_chat_sums_brings_its_defaults_and_given_flags_win(monkeypatch):
     assert args.beta == 0 and args.group_size == 8 and args.reward_fn == ["chat_sums:asked_answer"]
     grpo.check_args(args)  # micro-batch divides the step
     fns = loading.load_reward_fns(args.reward_fn)  # importable by that name
-    assert fns["asked_answer"](["8", "x"], [{"answer": "8"}] * 2).tolist() == [1.0, 0.0]
+    rows = [chat_sums.row(1, 7, 0)] * 2
+    assert fns["asked_answer"](["1 + 7 = 8", "8"], rows).tolist() == [1.0, 0.0]
     for script in (reinforce, ppo):
         monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--data=chat-sums"])
         args = parse_args(script.Args, script.__name__)
