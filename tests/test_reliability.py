@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
+import flags
 import grpo
 import loading
 import reinforce as R
@@ -423,3 +424,41 @@ def test_sanity_checks_multi_turn_transcripts(tmp_path, monkeypatch, capsys):
         run_main(monkeypatch, grpo, "--env", "calc", "--sanity", "--output_dir", tmp_path / "r")
     assert e.value.code == 0 and "sanity: all checks passed" in capsys.readouterr().out
     assert (seen[0][0].tool_calls > 0).any() and (seen[0][0].completion_mask == 0).any()
+
+
+# ---- a run folder that cannot run code
+PLANTED = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")  # runs when the module is imported
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class PlantedConfig(LlamaConfig):
+    pass
+
+
+class PlantedModel(LlamaForCausalLM):
+    config_class = PlantedConfig
+'''
+
+
+def test_resume_takes_trust_remote_code_from_the_command_line_only(tmp_path, monkeypatch):
+    """A run folder whose args.json says trust_remote_code true and whose checkpoint config names
+    code (an auto_map, and the file) runs nothing on --resume: the setting comes from the command
+    line alone, where it may differ from the saved one."""
+    run = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run)
+    marker, ckpt = tmp_path / "ran", run / "checkpoint"
+    (ckpt / "planted.py").write_text(PLANTED.format(marker=str(marker)))
+    config = json.loads((ckpt / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "planted.PlantedConfig",
+                          "AutoModelForCausalLM": "planted.PlantedModel"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    saved = json.loads((ckpt / "args.json").read_text())
+    saved["args"]["trust_remote_code"] = True
+    (ckpt / "args.json").write_text(json.dumps(saved))
+    run_main(monkeypatch, grpo, "--resume", run, "--max_steps", "2")
+    assert not marker.exists() and [m["step"] for m in read_metrics(run)] == [1, 2]
+    for given in ([], ["--trust_remote_code"]):  # what the command line says, never refused
+        monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(run), *given])
+        assert flags.parse_args(grpo.Args, "grpo").trust_remote_code == bool(given)
