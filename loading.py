@@ -228,6 +228,10 @@ def load_function(flag, spec, usage):
     except Exception as e:
         raise C.UserError(f"{flag} {spec!r}: importing {where!r} failed: "
                           f"{type(e).__name__}: {first_line(e)}") from None
+    except SystemExit as e:  # it would end the run with its code (0: as if all went well)
+        raise C.UserError(f"{flag} {spec!r}: importing {where!r} called sys.exit({e.code!r}): "
+                          "the file is imported, not run (put its script part under "
+                          "if __name__ == '__main__':)") from None
     if not callable(getattr(module, name, None)):
         raise C.UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
     return getattr(module, name)
@@ -253,7 +257,10 @@ def checked_reward(name, fn, completions, rows):
     """Your reward on the batch, checked: one number per completion, (B,). NaN/inf pass through:
     the training step is then skipped. An error names the first row that fails alone."""
     try:
-        values = list(fn(completions, rows))
+        values = fn(completions, rows)
+        kind = type(values).__name__  # a list, a tuple, a generator, a tensor: one number each
+        if not isinstance(values, (str, bytes, dict)) and hasattr(values, "__iter__"):
+            values = list(values)  # (a str would be one value per character)
     except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in it: one line too
         what = f"reward {name!r} raised {type(e).__name__}: {first_line(e)}"
         for i in range(len(rows)) if isinstance(e, Exception) else ():  # which row? each alone
@@ -263,6 +270,9 @@ def checked_reward(name, fn, completions, rows):
                 prompt = C.as_text(rows[i]["prompt"])[:40]
                 raise C.UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
         raise C.UserError(what) from None
+    if not isinstance(values, list):
+        raise C.UserError(f"reward {name!r} returned a {kind}, not a list of numbers: return one "
+                          "number per completion")
     if len(values) != len(rows):
         raise C.UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
                           "completions: return one number per completion")

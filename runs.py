@@ -51,6 +51,7 @@ import loading
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
+STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
 
 
@@ -58,6 +59,7 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors
 def main_guard(main):
     """Run main(). Bad input exits 2 with one line; out of memory exits 1 with what to change;
     anything else keeps its traceback. The last checkpoint and metrics stay intact either way."""
+    STARTED["run"] = None
     try:
         try:
             main()
@@ -82,8 +84,12 @@ def main_guard(main):
               "(activations and logits grow with it) or add --gradient_checkpointing; the last "
               "checkpoint is intact", file=sys.stderr)
         sys.exit(1)
-    except KeyboardInterrupt:  # a second Ctrl-C, maybe inside a save (atomic: see save_checkpoint)
-        print("\ninterrupted: the last complete checkpoint is intact", file=sys.stderr)
+    except KeyboardInterrupt:  # before the run began, or a second Ctrl-C (maybe inside a save,
+        run = STARTED["run"]  # which is atomic: see save_checkpoint)
+        kept = ("the last complete checkpoint is intact" if run and run.saved_step else
+                "no checkpoint was saved yet")
+        print("\ninterrupted before the run began: nothing was written" if run is None else
+              f"\ninterrupted: {kept}", file=sys.stderr)
         sys.exit(130)
 
 
@@ -184,8 +190,10 @@ def start_run(args, algo):
     if rank > 0:
         state = _load_state(folder, args.max_steps) if args.resume else None
         signal.signal(signal.SIGINT, _on_sigint)
-        return Run(dir=folder, algo=algo, args=args, state=state, metrics=None, samples=None,
-                   rank=rank, world=world, saved_step=state["step"] if state else 0)
+        STARTED["run"] = Run(dir=folder, algo=algo, args=args, state=state, metrics=None,
+                             samples=None, rank=rank, world=world,
+                             saved_step=state["step"] if state else 0)
+        return STARTED["run"]
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.add(folder)
@@ -205,11 +213,12 @@ def start_run(args, algo):
     if state:
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
-    return Run(dir=folder, algo=algo, args=args, state=state, history=history,
-               saved_step=state["step"] if state else 0, world=world,  # line-buffered files:
-               metrics=open(metrics_path, "a", buffering=1),  # each line is written at once
-               samples=open(samples_path, "a", buffering=1),
-               tracker=open_tracker(args, folder))
+    STARTED["run"] = Run(dir=folder, algo=algo, args=args, state=state, history=history,
+                         saved_step=state["step"] if state else 0, world=world,  # line-buffered
+                         metrics=open(metrics_path, "a", buffering=1),  # files: each line is
+                         samples=open(samples_path, "a", buffering=1),  # written at once
+                         tracker=open_tracker(args, folder))
+    return STARTED["run"]
 
 
 def open_tracker(args, folder):

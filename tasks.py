@@ -279,6 +279,9 @@ def implicit_prompt(raw, where):
     common run of first messages. Text: their longest common start, cut back to the last space
     before it (the completions keep that space, as in the text)."""
     chosen, rejected = raw.get("chosen"), raw.get("rejected")
+    if chosen == rejected and chosen is not None:  # all of it would be the shared prompt
+        raise C.UserError(f"{where}: fields 'chosen' and 'rejected' are identical: a pair needs "
+                          "two different completions")
     prompt = ""
     if isinstance(chosen, list) and isinstance(rejected, list):
         chosen = check_messages(chosen, where, "chosen")
@@ -394,8 +397,8 @@ def template_turns(tok, messages, k, tools, where):
     for text, train, i in [(prompt, 0, k)] + cuts:
         if not whole.startswith(text):  # (a template that rewrites earlier turns)
             raise C.UserError(f"{where}: the chat template does not render the conversation up "
-                              "to each assistant message as the start of the whole: train with "
-                              "--last_turn_only")
+                              "to each assistant message as the start of the whole: "
+                              + _template_advice(render, messages, k))
         end = max(start, len(text.rstrip()) if train else len(text))
         pieces.append((whole[start:end], train))
         start = end
@@ -407,6 +410,16 @@ def template_turns(tok, messages, k, tools, where):
     if tok.eos_token and whole[:start].endswith(tok.eos_token):  # the end tag is the EOS: it
         pieces[-1] = (pieces[-1][0][:-len(tok.eos_token)], 1)  # is the EOS token appended
     return prompt, pieces
+
+
+def _template_advice(render, messages, k):
+    """What to do about a template that rewrites earlier turns (a thinking model's drops their
+    reasoning): --last_turn_only where the last turn alone renders as the start of the whole."""
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    if k < last and render(len(messages), False).startswith(render(last, True)):
+        return "train with --last_turn_only"
+    return ("give the tokenizer a chat template that keeps each turn as written (a training "
+            "template, as TRL's trl/chat_templates/*_training.jinja), or --chat_template none")
 
 
 def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, where=""):

@@ -153,6 +153,14 @@ def words(completions, rows):
     return ["good" for _ in completions]
 
 
+def text(completions, rows):
+    return "abc"
+
+
+def scalar(completions, rows):
+    return 1.0
+
+
 def quits(completions, rows):
     sys.exit(0)
 

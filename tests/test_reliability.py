@@ -462,3 +462,25 @@ def test_resume_takes_trust_remote_code_from_the_command_line_only(tmp_path, mon
     for given in ([], ["--trust_remote_code"]):  # what the command line says, never refused
         monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(run), *given])
         assert flags.parse_args(grpo.Args, "grpo").trust_remote_code == bool(given)
+
+
+@pytest.mark.parametrize("flag", ["--env", "--reward_fn", "--tools"])
+def test_a_file_that_exits_or_is_interrupted_while_imported_gets_one_line(flag, tmp_path,
+                                                                          monkeypatch, capsys):
+    """sys.exit(0) at a file's top level would end the run with exit 0 and no word: one line,
+    exit 2. Ctrl-C there (faked: KeyboardInterrupt) comes before any run folder: it says so."""
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n\n\ndef f(*a):\n    pass\n")
+    (tmp_path / "stops.py").write_text("raise KeyboardInterrupt\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, flag, f"{tmp_path / 'quits.py'}:f", "--output_dir", out,
+                 guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and f"error: {flag} " in line, line
+    assert "quits.py' called sys.exit(0): the file is imported, not run" in line
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, flag, f"{tmp_path / 'stops.py'}:f", "--output_dir", out,
+                 guard=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 130 and err == ["interrupted before the run began: nothing was written"]
+    assert not out.exists()
