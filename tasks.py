@@ -13,6 +13,7 @@ import math
 import os
 import random
 import re
+import sys
 from types import SimpleNamespace
 
 import torch
@@ -144,6 +145,9 @@ def jsonl_objects(path):
                 raise C.UserError(f"{where}: not UTF-8 text") from None
             except json.JSONDecodeError as e:
                 raise C.UserError(f"{where}: not valid JSON ({e.msg})") from None
+            except RecursionError:  # Python's JSON reader recurses once per level
+                raise C.UserError(f"{where}: JSON nested too deeply to read (about "
+                                  f"{sys.getrecursionlimit()} levels or more)") from None
             yield where, obj
 
 
@@ -168,7 +172,12 @@ def file_records(path):
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is fine
             if ext == ".csv":
+                csv.field_size_limit(2**31 - 1)  # not 128 KB: a long prompt is one field
                 reader = csv.DictReader(f)
+                repeated = [k for k in reader.fieldnames or () if reader.fieldnames.count(k) > 1]
+                if repeated:  # DictReader would keep the last column of that name, silently
+                    raise C.UserError(f"data file {path!r}: the header line names column "
+                                      f"{repeated[0]!r} twice; rename one")
                 out = [(f"{path}, line {reader.line_num}", r) for r in reader]
                 bad = next((w for w, r in out if None in r or None in r.values()), None)
                 if bad:
@@ -179,6 +188,9 @@ def file_records(path):
         raise C.UserError(f"data file {path!r}: not UTF-8 text") from None
     except json.JSONDecodeError:  # JSON lines in a .json file: read a line at a time below
         whole = None
+    except RecursionError:  # Python's JSON reader recurses once per level
+        raise C.UserError(f"data file {path!r}: JSON nested too deeply to read (about "
+                          f"{sys.getrecursionlimit()} levels or more)") from None
     if isinstance(whole, dict):  # one object alone: one row
         whole = [whole]
     if isinstance(whole, list):

@@ -484,3 +484,41 @@ def test_a_file_that_exits_or_is_interrupted_while_imported_gets_one_line(flag, 
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 130 and err == ["interrupted before the run began: nothing was written"]
     assert not out.exists()
+
+
+# ---- data files that would be a traceback, a silent mistake, or minutes of tokenizing
+def test_data_files_with_long_fields_repeated_columns_or_deep_nesting(tmp_path):
+    """A CSV field over csv's 128 KB default reads; a repeated header column (DictReader would
+    keep the last, silently) and JSON nested past Python's recursion limit are one line."""
+    (tmp_path / "long.csv").write_text("prompt,answer\n" + "1" * 200_000 + "+1=,2\n1+1=,2\n")
+    rows = tasks.read_rows(str(tmp_path / "long.csv"))
+    assert [len(r["prompt"]) for r in rows] == [200_003, 4]
+    (tmp_path / "twice.csv").write_text("prompt,answer,prompt\n1+1=,2,3+3=\n")
+    with pytest.raises(C.UserError, match=r"twice.csv': the header line names column 'prompt' "
+                                          "twice; rename one$"):
+        tasks.read_rows(str(tmp_path / "twice.csv"))
+    deep = '{"prompt": "1+1=", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    write_jsonl(tmp_path / "deep.jsonl", [{"prompt": "1+1="}, deep])
+    (tmp_path / "deep.json").write_text(f'[{{"prompt": "1+1="}}, {deep}]')
+    for name, where in (("deep.jsonl", "deep.jsonl, line 2"), ("deep.json", "deep.json'")):
+        with pytest.raises(C.UserError, match=f"{where}: JSON nested too deeply to read"):
+            tasks.read_rows(str(tmp_path / name))
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(tmp_path, monkeypatch, capsys):
+    """A token stands for at most as many characters as its text in the vocabulary, so a prompt
+    longer than that many per token of the context is refused without tokenizing it (a 20 MB row
+    took 90 s and 4 GB): the tokenizer never sees it."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+            for a, b in tasks.task_train_pairs(random.Random(0), 30)]
+    huge = {"prompt": "1+2 " * 500_000, "answer": "3"}
+    path = write_jsonl(tmp_path / "huge.jsonl", rows + [huge])
+    seen, real = [], C.encode_prompts
+    monkeypatch.setattr(C, "encode_prompts", lambda tok, prompts, *a, **k: seen.append(
+        max(len(C.as_text(p)) for p in prompts)) or real(tok, prompts, *a, **k))
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--data", path, "--output_dir", tmp_path / "o",
+                 guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "a prompt of 2,000,000 characters is too long" in line, line
+    assert "exceeds the model's context of 64 tokens" in line and max(seen, default=0) < 100
