@@ -43,6 +43,10 @@ try:
     import resource  # this process's peak memory on a CPU (peak_mem_mb)
 except ImportError:  # Windows has none
     resource = None
+try:
+    import numpy  # its global RNG, which your env and reward functions may draw from
+except ImportError:  # optional: torch runs without it
+    numpy = None
 
 import common as C
 from errors import first_line
@@ -276,9 +280,25 @@ def seed_everything(seed):
     """Seeds sampling (each torchrun process its own: they must not draw the same completions)
     and returns the data stream's rng: the same in every process, which each takes its share of
     (rows[rank::world], or my_share), and saved in checkpoints."""
-    random.seed(seed)
+    random.seed(seed)  # Python's and numpy's global RNGs: your env and reward functions may draw
+    if numpy is not None:  # from them (saved in checkpoints too: see user_rngs)
+        numpy.random.seed(seed % 2**32)  # (numpy takes seeds below 2^32)
     torch.manual_seed(seed + 100003 * get_rank())  # rank 0: seed itself, as in one process
     return random.Random(seed)
+
+
+def user_rngs(states=None):
+    """The states of Python's and numpy's global RNGs, which your env and reward functions may
+    draw from, as plain tuples and lists (trainer_state.pt is read with weights_only=True); with
+    states, sets them again, so that a resumed run draws what the straight run drew."""
+    if states is None:  # numpy's: (kind, keys: 624 uint32, pos, has_gauss, cached_gaussian)
+        state = numpy.random.get_state() if numpy is not None else None
+        return random.getstate(), (state[0], state[1].tolist(), *state[2:]) if state else None
+    python, numpy_state = states
+    random.setstate(python)
+    if numpy_state is not None and numpy is not None:
+        kind, keys, *rest = numpy_state
+        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), *rest))
 
 
 def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
@@ -300,11 +320,13 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
                                  options=StateDictOptions(full_state_dict=True))
     else:
         opt.load_state_dict(s["optimizer"])
-    if len(s.get("rngs", ())) == run.world:  # a (CPU, CUDA) state per process; else reseeded
-        cpu_rng, cuda_rng = s["rngs"][run.rank]
+    if len(s.get("rngs", ())) == run.world:  # a (CPU, CUDA, Python and numpy) state per
+        cpu_rng, cuda_rng, *user = s["rngs"][run.rank]  # process; else reseeded
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(cuda_rng)
+        if user:  # (a checkpoint from before they were saved has none)
+            user_rngs(user)
     rng.setstate(s["data_rng"])
     run.nonfinite = s["nonfinite"]
     if run.rank == 0:
@@ -420,7 +442,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     if global_sum(bad):  # NaN/inf weights, in any process: keep the last good checkpoint
         stop_run(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rngs = [(torch.get_rng_state(), cuda_rng)] * run.world
+    rngs = [(torch.get_rng_state(), cuda_rng, *user_rngs())] * run.world
     if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
         dist.all_gather_object(rngs, rngs[0])
     weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state

@@ -522,3 +522,37 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(tmp_path, monkeypatch, 
     line = one_error_line(capsys)
     assert e.value.code == 2 and "a prompt of 2,000,000 characters is too long" in line, line
     assert "exceeds the model's context of 64 tokens" in line and max(seen, default=0) < 100
+
+
+USER_RANDOMNESS = '''
+import random
+
+import numpy
+
+
+def noisy(row, turns):  # an observation drawn from Python's and numpy's global RNGs
+    return f" {random.randrange(10)}{numpy.random.randint(10)} " if len(turns) == 1 else None
+
+
+def luck(completions, rows):
+    return [random.random() + numpy.random.rand() for _ in completions]
+'''
+
+
+def test_resume_is_exact_with_an_env_and_a_reward_that_use_random(tmp_path, monkeypatch):
+    """Python's and numpy's global RNG states are saved beside torch's: a run resumed at step 2
+    logs exactly the metrics and samples of the same run made straight to step 4."""
+    (tmp_path / "mine.py").write_text(USER_RANDOMNESS)
+    mine = str(tmp_path / "mine.py")
+    common = [*FAST_GRPO, "--env", f"{mine}:noisy", "--max_turns", "2", "--reward_fn",
+              f"{mine}:luck", "--save_every", "2", "--lr", "1e-3"]
+    run_main(monkeypatch, grpo, *common, "--output_dir", tmp_path / "a", "--max_steps", "4")
+    run_main(monkeypatch, grpo, *common, "--output_dir", tmp_path / "b", "--max_steps", "2")
+    random.seed(7)  # what the process draws between runs does not matter
+    run_main(monkeypatch, grpo, "--resume", tmp_path / "b", "--max_steps", "4")
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert len(a) == len(b) == 4 and a[3]["tool_calls"] > 0
+    for key in ("reward", "loss", "grad_norm", "kl"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    assert (tmp_path / "a" / "samples.jsonl").read_text() == \
+        (tmp_path / "b" / "samples.jsonl").read_text()
