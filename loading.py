@@ -200,19 +200,15 @@ def check_prompts(tok, model, rows, args):
     limit = getattr(model.config, "max_position_embeddings", None)
     if not limit:
         return
-    # a token stands for at most `longest` characters (its text in the vocabulary; byte-level
-    # BPE writes a token as its bytes), so a prompt read as more than longest * room characters
-    # has more than room tokens: refused before tokenizing it (a 20 MB row took 90 s and 4 GB)
-    longest, room = max(map(len, tok.get_vocab())), limit - args.max_new_tokens
-    templated = args.chat_template != "none" and tok.chat_template
-    for p in (r["prompt"] for r in rows if len(C.as_text(r["prompt"])) > longest * room):
-        text = tok.apply_chat_template(C.as_messages(p), tokenize=False,  # as encode_prompts
-                                       add_generation_prompt=True) if templated else C.as_text(p)
-        if len(text) > longest * room:  # (a template may drop some of it: Qwen3's <think>)
-            raise C.UserError(f"a prompt of {len(text):,} characters is too long: prompt + "
-                              f"max_new_tokens ({args.max_new_tokens}) exceeds the model's "
-                              f"context of {limit} tokens (one token is {longest} characters "
-                              "at most)")
+    # a token stands for at most `longest` characters (its text in the vocabulary: byte-level
+    # BPE's is its bytes), so a prompt of more characters than longest * (limit - max_new_tokens)
+    # cannot fit: refused before it is tokenized (a 20 MB row took 90 s and 4 GB to tokenize)
+    longest = max(map(len, tok.get_vocab()))
+    chars = max(len(C.as_text(r["prompt"])) for r in rows)
+    if chars > longest * (limit - args.max_new_tokens):
+        raise C.UserError(f"a prompt of {chars:,} characters is too long: prompt + max_new_tokens "
+                          f"({args.max_new_tokens}) exceeds the model's context of {limit} "
+                          f"tokens (one token is {longest} characters at most)")
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     lens = [len(s) for s in prompt_ids]
     too_long = sum(n + args.max_new_tokens > limit for n in lens)

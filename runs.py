@@ -15,6 +15,7 @@ A run folder holds:
 import atexit
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -78,23 +79,39 @@ def main_guard(main):
                        for f in files):
                     shutil.rmtree(folder, ignore_errors=True)
     except C.UserError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every process says the same
-            print(f"error: {e}", file=sys.stderr)
+        say_once(f"error: {e}")
         sys.exit(2)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise  # a CPU allocation that fails is a RuntimeError (DefaultCPUAllocator)
-        print(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
-              "(activations and logits grow with it) or add --gradient_checkpointing; the last "
-              "checkpoint is intact", file=sys.stderr)
+        say_once(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
+                 "(activations and logits grow with it) or add --gradient_checkpointing; the "
+                 "last checkpoint is intact")
         sys.exit(1)
     except KeyboardInterrupt:  # before the run began, or a second Ctrl-C (maybe inside a save,
         run = STARTED["run"]  # which is atomic: see save_checkpoint)
         kept = ("the last complete checkpoint is intact" if run and run.saved_step else
                 "no checkpoint was saved yet")
-        print("\ninterrupted before the run began: nothing was written" if run is None else
-              f"\ninterrupted: {kept}", file=sys.stderr)
+        say_once("\ninterrupted before the run began: nothing was written" if run is None else
+                 f"\ninterrupted: {kept}")
         sys.exit(130)
+
+
+def say_once(line):
+    """line on stderr. Under torchrun, every process that fails says why, and processes that
+    fail alike (a bad flag: all of them) say it once: the first to make a file named for the line
+    in torchrun's folder for this launch (beside its error files) prints it, the others see the
+    file and say nothing."""
+    launch = os.path.dirname(os.path.dirname(os.environ.get("TORCHELASTIC_ERROR_FILE", "")))
+    if launch and os.path.isdir(launch):
+        said = os.path.join(launch, f"minrl-said-{hashlib.sha1(line.encode()).hexdigest()}")
+        try:
+            os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        except OSError:  # a folder we cannot write in: say it, maybe twice
+            pass
+    print(line, file=sys.stderr)
 
 
 # ----------------------------------------------------------------- the output folder and its files
@@ -281,20 +298,16 @@ def seed_everything(seed):
     and returns the data stream's rng: the same in every process, which each takes its share of
     (rows[rank::world], or my_share), and saved in checkpoints."""
     random.seed(seed)  # Python's and numpy's global RNGs: your env and reward functions may draw
-    if numpy is not None:  # from them (saved in checkpoints too: see user_rngs)
+    if numpy is not None:  # from them (saved in checkpoints too: see set_user_rngs)
         numpy.random.seed(seed % 2**32)  # (numpy takes seeds below 2^32)
     torch.manual_seed(seed + 100003 * get_rank())  # rank 0: seed itself, as in one process
     return random.Random(seed)
 
 
-def user_rngs(states=None):
-    """The states of Python's and numpy's global RNGs, which your env and reward functions may
-    draw from, as plain tuples and lists (trainer_state.pt is read with weights_only=True); with
-    states, sets them again, so that a resumed run draws what the straight run drew."""
-    if states is None:  # numpy's: (kind, keys: 624 uint32, pos, has_gauss, cached_gaussian)
-        state = numpy.random.get_state() if numpy is not None else None
-        return random.getstate(), (state[0], state[1].tolist(), *state[2:]) if state else None
-    python, numpy_state = states
+def set_user_rngs(python, numpy_state):
+    """Python's and numpy's global RNGs (your env and reward functions may draw from them) as a
+    checkpoint saved them (save_checkpoint; numpy's keys as a list: weights_only loads no array),
+    so that a resumed run draws what the straight run drew."""
     random.setstate(python)
     if numpy_state is not None and numpy is not None:
         kind, keys, *rest = numpy_state
@@ -326,7 +339,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
         if cuda_rng is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(cuda_rng)
         if user:  # (a checkpoint from before they were saved has none)
-            user_rngs(user)
+            set_user_rngs(*user)
     rng.setstate(s["data_rng"])
     run.nonfinite = s["nonfinite"]
     if run.rank == 0:
@@ -442,7 +455,9 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     if global_sum(bad):  # NaN/inf weights, in any process: keep the last good checkpoint
         stop_run(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rngs = [(torch.get_rng_state(), cuda_rng, *user_rngs())] * run.world
+    np_rng = numpy.random.get_state() if numpy is not None else None  # your functions' RNGs
+    np_rng = np_rng and (np_rng[0], np_rng[1].tolist(), *np_rng[2:])  # too (set_user_rngs)
+    rngs = [(torch.get_rng_state(), cuda_rng, random.getstate(), np_rng)] * run.world
     if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
         dist.all_gather_object(rngs, rngs[0])
     weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state

@@ -13,7 +13,6 @@ import math
 import os
 import random
 import re
-import sys
 from types import SimpleNamespace
 
 import torch
@@ -143,11 +142,9 @@ def jsonl_objects(path):
                 obj = json.loads(line)
             except UnicodeDecodeError:
                 raise C.UserError(f"{where}: not UTF-8 text") from None
-            except json.JSONDecodeError as e:
-                raise C.UserError(f"{where}: not valid JSON ({e.msg})") from None
-            except RecursionError:  # Python's JSON reader recurses once per level
-                raise C.UserError(f"{where}: JSON nested too deeply to read (about "
-                                  f"{sys.getrecursionlimit()} levels or more)") from None
+            except (json.JSONDecodeError, RecursionError) as e:  # (it recurses once a level)
+                why = getattr(e, "msg", "nested too deeply to read")
+                raise C.UserError(f"{where}: not valid JSON ({why})") from None
             yield where, obj
 
 
@@ -186,11 +183,8 @@ def file_records(path):
             whole = json.load(f) if ext == ".json" else None
     except UnicodeDecodeError:
         raise C.UserError(f"data file {path!r}: not UTF-8 text") from None
-    except json.JSONDecodeError:  # JSON lines in a .json file: read a line at a time below
-        whole = None
-    except RecursionError:  # Python's JSON reader recurses once per level
-        raise C.UserError(f"data file {path!r}: JSON nested too deeply to read (about "
-                          f"{sys.getrecursionlimit()} levels or more)") from None
+    except (json.JSONDecodeError, RecursionError):  # JSON lines in a .json file, or nested
+        whole = None  # too deeply to read: a line at a time below (which says where)
     if isinstance(whole, dict):  # one object alone: one row
         whole = [whole]
     if isinstance(whole, list):
@@ -407,10 +401,14 @@ def template_turns(tok, messages, k, tools, where):
             if messages[i]["role"] == "assistant" for t in (0, 1)]
     whole, start, pieces = cuts[-1][0], len(prompt), []
     for text, train, i in [(prompt, 0, k)] + cuts:
-        if not whole.startswith(text):  # (a template that rewrites earlier turns)
+        if not whole.startswith(text):  # (a template that rewrites earlier turns: a thinking
+            last = cuts[-1][2]  # model's drops their reasoning) the last assistant message
+            fix = "train with --last_turn_only" if k < last and whole.startswith(
+                render(last, True)) else ("give the tokenizer a chat template that keeps each "
+                "turn as written (a training template, as TRL's trl/chat_templates/"
+                "*_training.jinja), or --chat_template none")
             raise C.UserError(f"{where}: the chat template does not render the conversation up "
-                              "to each assistant message as the start of the whole: "
-                              + _template_advice(render, messages, k))
+                              f"to each assistant message as the start of the whole: {fix}")
         end = max(start, len(text.rstrip()) if train else len(text))
         pieces.append((whole[start:end], train))
         start = end
@@ -422,16 +420,6 @@ def template_turns(tok, messages, k, tools, where):
     if tok.eos_token and whole[:start].endswith(tok.eos_token):  # the end tag is the EOS: it
         pieces[-1] = (pieces[-1][0][:-len(tok.eos_token)], 1)  # is the EOS token appended
     return prompt, pieces
-
-
-def _template_advice(render, messages, k):
-    """What to do about a template that rewrites earlier turns (a thinking model's drops their
-    reasoning): --last_turn_only where the last turn alone renders as the start of the whole."""
-    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
-    if k < last and render(len(messages), False).startswith(render(last, True)):
-        return "train with --last_turn_only"
-    return ("give the tokenizer a chat template that keeps each turn as written (a training "
-            "template, as TRL's trl/chat_templates/*_training.jinja), or --chat_template none")
 
 
 def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, where=""):

@@ -500,8 +500,8 @@ def test_data_files_with_long_fields_repeated_columns_or_deep_nesting(tmp_path):
     deep = '{"prompt": "1+1=", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}"
     write_jsonl(tmp_path / "deep.jsonl", [{"prompt": "1+1="}, deep])
     (tmp_path / "deep.json").write_text(f'[{{"prompt": "1+1="}}, {deep}]')
-    for name, where in (("deep.jsonl", "deep.jsonl, line 2"), ("deep.json", "deep.json'")):
-        with pytest.raises(C.UserError, match=f"{where}: JSON nested too deeply to read"):
+    for name, where in (("deep.jsonl", "deep.jsonl, line 2"), ("deep.json", "deep.json, line 1")):
+        with pytest.raises(C.UserError, match=f"{where}: not valid JSON .nested too deeply"):
             tasks.read_rows(str(tmp_path / name))
 
 
