@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 
 @dataclass

@@ -51,12 +51,12 @@ import torch
 from tqdm import tqdm
 
 import common as C
-import envs as E
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from plumbing import envs as E
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 
 @dataclass

@@ -38,12 +38,12 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 import common as C
-from errors import first_line
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from common import first_line
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 
 

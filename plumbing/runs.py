@@ -45,8 +45,8 @@ except ImportError:  # Windows has none
     resource = None
 
 import common as C
-from errors import first_line
-import loading
+from common import first_line
+from plumbing import loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
