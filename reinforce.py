@@ -346,11 +346,8 @@ def main():
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+            if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
-                run.nonfinite_in_row = 0
-            else:
-                R.skip_update(run, "loss or gradient")
             opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         valid = mask.bool()
