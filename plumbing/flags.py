@@ -18,8 +18,8 @@ from dataclasses import field
 from transformers import HfArgumentParser
 
 import common as C
-from errors import first_line
-import envs as E
+from common import first_line
+from plumbing import calc
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to")
@@ -105,8 +105,8 @@ def parse_args(args_cls, algo, doc=""):
     # _resolved: a run saved before paths were stored absolute (relative to where it ran)
     saved = {k: _resolved(k, v) for k, v in saved.items() if k not in COMMAND_LINE_ONLY}
     names = {f.name for f in dataclasses.fields(args_cls)}
-    if "env" in names:  # --env calc brings its own defaults (envs.preset); given flags still win
-        parser.set_defaults(**E.preset(known.env, algo))
+    if "env" in names:  # --env calc brings its own defaults (calc.preset); given flags still win
+        parser.set_defaults(**calc.preset(known.env, algo))
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
     for a in sys.argv[1:]:
