@@ -476,7 +476,7 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     messages = [{"role": "user", "content": "1234+5678="}]
     call = '<tool_call>{"a": 1234, "b": 5678}</tool_call>'
     result = "6912 <|im_end|>"
-    obs = E.chat_observation(t, messages, call, result)
+    obs = E.chat_observation(t, messages, result)
     im_end = t.convert_tokens_to_ids("<|im_end|>")
     assert obs[0] == im_end and obs.count(im_end) == 2  # the turn's end tag and the message's
     assert t.decode(obs) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912 <|im_end|>\n"
@@ -490,7 +490,7 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     model = scripted_model(t, [prompt], [completion], [kinds])
 
     def env(row, turns):
-        return E.chat_observation(t, row["prompt"], turns[-1], result) if len(turns) == 1 \
+        return E.chat_observation(t, row["prompt"], result) if len(turns) == 1 \
             else None
     stop = ["</tool_call>"] if ends_on == "stop" else []
     roll = rollout(model, t, [prompt], env, [{"prompt": messages}], 3, 200, greedy=True,

@@ -1,0 +1,198 @@
+"""--tools on the chat templates people train with: Qwen2.5, Qwen3, Qwen3.5, Llama 3.1 (the real
+templates, tests/chat_templates/) and a Hermes-style one; model turns of every shape."""
+import os
+from types import SimpleNamespace
+
+import pytest
+
+import common as C
+import envs as E
+import loading
+import runs
+
+from tests.helpers import OFF, ROOT, scripted_model
+
+TOOLS = '''
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def shout(text: str) -> str:
+    """Refuse loudly.
+
+    Args:
+        text: what to refuse
+    """
+    raise ValueError("no " + text)
+'''
+
+HERMES_STYLE_TEMPLATE = (  # NousResearch Hermes-2-Pro's tool_use layout, in short: a 'tool' role,
+    # and a tool message that ends differently when it is the last message
+    "{%- if tools %}<|im_start|>system\nYou are a function calling AI model. You are provided "
+    "with function signatures within <tools></tools> XML tags. <tools> {% for tool in tools %}"
+    "{{ tool | tojson }}{% endfor %} </tools> For each function call return a json object with "
+    "function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    "{\"arguments\": <args-dict>, \"name\": <function-name>}\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for message in messages %}{%- if message.role != 'tool' %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+    "{%- else %}{%- if loop.previtem and loop.previtem.role != 'tool' %}"
+    "{{- '<|im_start|>tool\\n' }}{%- endif %}{{- '<tool_response>\\n' + message.content }}"
+    "{%- if not loop.last %}{{- '\\n</tool_response>\\n' }}{%- else %}"
+    "{{- '\\n</tool_response>' }}{%- endif %}"
+    "{%- if not loop.last and loop.nextitem.role != 'tool' %}{{- '<|im_end|>' }}"
+    "{%- elif loop.last %}{{- '<|im_end|>' }}{%- endif %}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+ERR = "error: ValueError: no x"  # shout's result
+CHATML = ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n"
+          "<|im_start|>assistant\n")
+TWO = "{}\n</tool_response>\n<tool_response>\n{}"  # two results in one user message (Qwen)
+# each template's observation after a call turn: its end tag, the tool message(s), the next header
+WANT = {"qwen2_5": CHATML, "qwen3": CHATML, "qwen3_5_think": CHATML + "<think>\n",
+        "llama3_1": '<|eot_id|><|start_header_id|>ipython<|end_header_id|>\n\n"{}"<|eot_id|>'
+                    "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "hermes": "<|im_end|>\n<|im_start|>tool\n<tool_response>\n{}\n</tool_response><|im_end|>"
+                  "<|im_start|>assistant\n"}
+JSON_ADD = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+JSON_SHOUT = '<tool_call>\n{"name": "shout", "arguments": {"text": "x"}}\n</tool_call>'
+XML_ADD = ("<tool_call>\n<function=add>\n<parameter=a>\n2\n</parameter>\n<parameter=b>\n3\n"
+           "</parameter>\n</function>\n</tool_call>")
+XML_SHOUT = ("<tool_call>\n<function=shout>\n<parameter=text>\nx\n</parameter>\n</function>\n"
+             "</tool_call>")
+LLAMA_ADD = '{"name": "add", "parameters": {"a": 2, "b": 3}}'
+# model turns as sampled (after the generation prompt) -> the results they get; Qwen3.5's
+# generation prompt opens the think block, so its turns start inside it
+SHAPES = {
+    "qwen": {"no think": (JSON_ADD, ["5"]),
+             "empty think": ("<think>\n\n</think>\n\n" + JSON_ADD, ["5"]),
+             "think": ("<think>\nI add.\n</think>\n\n" + JSON_ADD, ["5"]),
+             "odd whitespace": ("\n<think>I add.</think>" + JSON_ADD + " \n ", ["5"]),
+             "two calls": ("<think>\nBoth.\n</think>\n\n" + JSON_ADD + "\n" + JSON_SHOUT,
+                           ["5", ERR]),
+             "no call": ("<think>\nEasy.\n</think>\n\n5", None)},
+    "qwen3_5": {"empty think": ("\n</think>\n\n" + XML_ADD, ["5"]),
+                "think left open": (XML_ADD, ["5"]),
+                "think": ("I add.\n</think>\n\n" + XML_ADD, ["5"]),
+                "odd whitespace": ("I add.</think>" + XML_ADD + "  ", ["5"]),
+                "json call": ("I add.\n</think>\n\n" + JSON_ADD, ["5"]),
+                "two calls": ("Both.\n</think>\n\n" + XML_ADD + "\n" + XML_SHOUT, ["5", ERR]),
+                "no call": ("Easy.\n</think>\n\n5", None)},
+    "llama": {"call": (LLAMA_ADD, ["5"]), "odd whitespace": (" \n" + LLAMA_ADD + " ", ["5"]),
+              "arguments key": (LLAMA_ADD.replace("parameters", "arguments"), ["5"]),
+              "no call": ("The sum is 5.", None)},
+    "hermes": {"call": ('<tool_call>\n{"arguments": {"a": 2, "b": 3}, "name": "add"}\n</tool_call>',
+                        ["5"]),
+               "two calls": (JSON_ADD + "\n" + JSON_SHOUT, ["5", ERR]),
+               "no call": ("5", None)}}
+FAMILY = {"qwen2_5": "qwen", "qwen3": "qwen", "qwen3_5_think": "qwen3_5", "llama3_1": "llama",
+          "hermes": "hermes"}
+# the shapes whose turn the template shows as the model wrote it, so that the conversation so far
+# is a prefix of the conversation with the tool message: there the transcript is the template's
+# own rendering, token for token. Elsewhere token in, token out keeps the model's tokens as they
+# were sampled: Qwen3 drops an empty think block and rewrites the newlines around one, Qwen3.5
+# trims a turn and closes a think block the model left open (a block it adds to the turn)
+PREFIX_PRESERVING = {"qwen2_5": set(SHAPES["qwen"]),
+                     "qwen3": {"no think", "think", "two calls", "no call"},
+                     "qwen3_5_think": set(SHAPES["qwen3_5"]) - {"odd whitespace",
+                                                                "think left open"},
+                     "llama3_1": {"call", "arguments key", "no call"},
+                     "hermes": set(SHAPES["hermes"])}
+
+
+def template_tokenizer(name):
+    """The bundled (one character a token) tokenizer with a real chat template and its markers as
+    tokens: ChatML's <|im_start|> / <|im_end|> (the EOS) or Llama 3's headers and <|eot_id|>."""
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    llama = name.startswith("llama")
+    t.add_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                  "<|python_tag|>"] if llama else ["<|im_start|>", "<|im_end|>"],
+                 special_tokens=True)
+    t.add_tokens(["\n", "<think>", "</think>", "<tool_call>", "</tool_call>"])
+    t.eos_token, t.bos_token = ("<|eot_id|>", "<|begin_of_text|>") if llama else ("<|im_end|>",
+                                                                                   t.bos_token)
+    t.model_max_length = 10**6
+    t.chat_template = HERMES_STYLE_TEMPLATE if name == "hermes" else open(
+        os.path.join(ROOT, "tests", "chat_templates", f"{name}.jinja")).read()
+    return t
+
+
+def render(t, messages, schemas, generation_prompt=True):
+    return t.apply_chat_template(messages, tools=schemas, tokenize=False,
+                                 add_generation_prompt=generation_prompt)
+
+
+@pytest.mark.parametrize("name", list(FAMILY))
+def test_tool_observations_on_real_templates_for_every_turn_shape(name, tmp_path):
+    """Each template, each turn shape (empty or full think block, odd whitespace, two calls, a
+    JSON call where XML is usual, no call): the calls are read in the model's format and run,
+    and the observation is the template's own end tag + tool message(s) + next header, the
+    results as text. Where the template shows the turn as written (prefix-preserving), prompt +
+    turn + observation is the template's rendering of the whole conversation, exactly; Qwen3 and
+    Qwen3.5 re-render turns (the old prefix check stopped those runs), and there the observation
+    is the same text, after the model's own tokens."""
+    (tmp_path / "tools.py").write_text(TOOLS)
+    functions, schemas = E.load_tools(f"{tmp_path / 'tools.py'}:add,shout")
+    t = template_tokenizer(name)
+    E.check_tool_format(t, schemas)
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+3?"}]
+    preserving = set()
+    for shape, (turn, results) in SHAPES[FAMILY[name]].items():
+        episode = E.ToolEpisode({"prompt": messages}, t, functions, schemas, budget=200)
+        obs = episode.step([turn])
+        if results is None:
+            assert obs is None and episode.calls == [], shape
+            continue
+        assert [m["content"] for m in episode.messages[3:]] == results, shape
+        assert [ok for _, ok in episode.calls] == [r == "5" for r in results], shape
+        want = WANT[name].format(TWO.format(*results) if len(results) == 2 else results[0])
+        assert t.decode(obs) == want, (shape, t.decode(obs))
+        assert obs == t(want, add_special_tokens=False, split_special_tokens=False)["input_ids"]
+        whole = render(t, messages + [{"role": "assistant", "content": turn}]
+                       + [{"role": "tool", "content": r} for r in results], schemas)
+        head = render(t, messages, schemas) + turn
+        if whole.startswith(head):
+            preserving.add(shape)
+            assert head + t.decode(obs) == whole, shape
+    assert preserving | {"no call"} == PREFIX_PRESERVING[name]
+
+
+@pytest.mark.parametrize("name,shape", [("qwen3", "empty think"), ("qwen3", "odd whitespace"),
+                                        ("qwen3_5_think", "think left open"),
+                                        ("qwen3_5_think", "two calls"),
+                                        ("llama3_1", "odd whitespace"), ("hermes", "two calls")])
+def test_a_tool_episode_through_the_sampler_keeps_the_models_tokens(name, shape, tmp_path):
+    """A scripted model writes a call turn of a shape the template re-renders (the runs that
+    stopped at their first such call), then its answer: the rollout is the prompt, the model's
+    own tokens, the observation (the template's end tag replaced by the model's EOS) and the
+    answer; the masks mark the model's tokens; the metrics count each tool's calls and errors."""
+    (tmp_path / "tools.py").write_text(TOOLS)
+    env = E.load_env("", f"{tmp_path / 'tools.py'}:add,shout", budget=2000)
+    t = template_tokenizer(name)
+    messages = [{"role": "user", "content": "2+3?"}]
+    prompt = C.encode_prompts(t, [messages], tools=env.tools)[0]
+    turn, results = SHAPES[FAMILY[name]][shape]
+    functions, schemas = E.load_tools(f"{tmp_path / 'tools.py'}:add,shout")
+    obs = E.ToolEpisode({"prompt": messages}, t, functions, schemas).step([turn])
+    enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = t.eos_token_id
+    assert obs[0] == eos  # the template's end tag: the model's own EOS stands for it
+    completion = enc(turn) + [eos] + obs[1:] + enc("5") + [eos]
+    kinds = [1] * (len(enc(turn)) + 1) + [0] * (len(obs) - 1) + [1, 1]
+    model = scripted_model(t, [prompt], [completion], [kinds])
+    args = SimpleNamespace(max_new_tokens=2000, temperature=1.0, top_p=1.0, stop=[], max_turns=3,
+                           chat_template="auto", system_prompt="")
+    roll, texts = C.generate(model, t, [{"prompt": messages, "answer": "5"}], args, OFF, env,
+                             greedy=True)
+    n = int(roll.attention_mask[0].sum())
+    assert roll.ids[0, -n:].tolist() == prompt + completion and texts == ["5"]
+    assert roll.completion_mask[0, :len(kinds)].tolist() == kinds
+    m = runs.tool_metrics(roll, env)
+    assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
+    assert m["tool_calls/shout"] == len(results) - 1 == m["tool_errors/shout"]
+    assert m["tool_errors"] == (len(results) - 1) / len(results) and m["tool_calls_unknown"] == 0
