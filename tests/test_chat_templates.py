@@ -1,9 +1,11 @@
 """--tools on the chat templates people train with: Qwen2.5, Qwen3, Qwen3.5, Llama 3.1 (the real
 templates, tests/chat_templates/) and a Hermes-style one; model turns of every shape."""
 import os
+import time
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 import common as C
 import envs as E
@@ -196,3 +198,194 @@ def test_a_tool_episode_through_the_sampler_keeps_the_models_tokens(name, shape,
     assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
     assert m["tool_calls/shout"] == len(results) - 1 == m["tool_errors/shout"]
     assert m["tool_errors"] == (len(results) - 1) / len(results) and m["tool_calls_unknown"] == 0
+
+
+BAD_TOOLS = TOOLS + '''
+
+def loop(n: int) -> dict:
+    """A result that holds itself.
+
+    Args:
+        n: ignored
+    """
+    d = {}
+    d["me"] = d
+    return d
+
+
+def deep(n: int) -> list:
+    """A result nested deeper than Python recurses.
+
+    Args:
+        n: ignored
+    """
+    x = []
+    for _ in range(100_000):
+        x = [x]
+    return x
+
+
+def keyed(n: int) -> dict:
+    """A result whose keys JSON cannot hold.
+
+    Args:
+        n: ignored
+    """
+    return {(1, 2): n}
+'''
+
+
+def test_calls_and_results_that_cannot_be_read_or_written_are_error_messages(tmp_path):
+    """A call whose name is a list or a dict, whose JSON nests deeper than Python recurses, an
+    unknown tool, and results that hold themselves, nest too deeply or have keys JSON cannot
+    hold: each becomes an 'error: ...' tool message (the run goes on), is counted as a failed
+    call, and names that are no tool are counted in tool_calls_unknown."""
+    (tmp_path / "tools.py").write_text(BAD_TOOLS)
+    names = "add,loop,deep,keyed"
+    functions, schemas = E.load_tools(f"{tmp_path / 'tools.py'}:{names}")
+    t = template_tokenizer("qwen2_5")
+    calls = ['{"name": ["add"], "arguments": {}}', '{"name": {"a": 1}, "arguments": {}}',
+             '{"name": "add", "arguments": ' + "[" * 100_000 + "]" * 100_000 + "}",
+             '{"name": "mul", "arguments": {}}', '{"name": "loop", "arguments": {"n": 1}}',
+             '{"name": "deep", "arguments": {"n": 1}}',
+             '{"name": "keyed", "arguments": {"n": 1}}',
+             '{"name": "add", "arguments": {"a": 2, "b": 3}}']
+    episode = E.ToolEpisode({"prompt": "2+3?"}, t, functions, schemas, budget=200)
+    obs = episode.step(["".join(f"<tool_call>{c}</tool_call>" for c in calls)])
+    results = [m["content"] for m in episode.messages[2:]]
+    assert all(r.startswith("error: ") for r in results[:-1]) and results[-1] == "5", results
+    assert "Circular reference" in results[4] and "keys must be" in results[6], results
+    assert [ok for _, ok in episode.calls] == [False] * 7 + [True]
+    assert t.decode(obs).count("<tool_response>") == 8
+    roll = SimpleNamespace(episodes=[episode, None], tool_calls=torch.tensor([8, 0]),
+                           turns=torch.tensor([2, 1]), observations=[[t.decode(obs)], []],
+                           obs_truncated=torch.tensor([False, False]))
+    m = runs.tool_metrics(roll, SimpleNamespace(tools=schemas))
+    # per completion (2): unknown are the two names that are no text, the call too deep to read
+    # and 'mul'
+    assert m["tool_errors"] == 7 / 8 and m["tool_calls_unknown"] == 4 / 2
+    assert m["tool_calls/add"] == 1 / 2 and m["tool_errors/add"] == 0
+    assert m["tool_errors/loop"] == m["tool_errors/deep"] == m["tool_errors/keyed"] == 1
+
+
+def test_tools_of_one_file_share_it_and_a_repeated_tool_is_refused(tmp_path):
+    (tmp_path / "tools.py").write_text(TOOLS + "\nIMPORTS = []\nIMPORTS.append(1)\n")
+    functions, _ = E.load_tools(f"{tmp_path / 'tools.py'}:add, shout")
+    assert functions["add"].__globals__ is functions["shout"].__globals__  # one module
+    assert functions["add"].__globals__["IMPORTS"] == [1]  # imported once
+    with pytest.raises(C.UserError, match=r"--tools '.*tools.py:add,add' names the tool 'add' "
+                                          r"twice: list each once"):
+        E.load_tools(f"{tmp_path / 'tools.py'}:add,add")
+    with pytest.raises(C.UserError, match="name one function"):
+        loading.load_function("--env", f"{tmp_path / 'tools.py'}:add,shout", "write ...")
+
+
+def test_a_tool_result_is_cut_as_text_before_it_is_rendered_or_tokenized(tmp_path, monkeypatch):
+    """A 1 MB result: the tokenizer never sees more than the budget's worth of characters, the
+    observation is longer than the budget (so the sampler cuts it and counts it in
+    obs_truncated), and 32 such calls take well under a second."""
+    (tmp_path / "tools.py").write_text(TOOLS + "\ndef big(n: int) -> str:\n    \"\"\"A megabyte."
+                                       "\n\n    Args:\n        n: ignored\n    \"\"\"\n"
+                                       "    return '9' * 1_000_000\n")
+    functions, schemas = E.load_tools(f"{tmp_path / 'tools.py'}:big")
+    t = template_tokenizer("qwen3")
+    seen = []
+    real = type(t).__call__
+    monkeypatch.setattr(type(t), "__call__", lambda self, text, *a, **k: (
+        seen.append(len(text)), real(self, text, *a, **k))[1])
+    t0 = time.time()
+    for _ in range(32):
+        episode = E.ToolEpisode({"prompt": "hi"}, t, functions, schemas, budget=100)
+        obs = episode.step(['<tool_call>{"name": "big", "arguments": {"n": 1}}</tool_call>'])
+    assert time.time() - t0 < 5 and max(seen) < 32 * 100 + 1000 and len(obs) > 100
+    ids, cut = E.observation_ids(t, obs, 100)
+    assert cut and len(ids) == 100
+
+
+def test_env_token_ids_outside_the_vocabulary_and_a_huge_timeout_are_one_line(
+        tok, tmp_path, monkeypatch, capsys):
+    from tests.helpers import FAST_GRPO, one_error_line, rollout, tiny_model
+    import grpo
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
+    prompts = C.encode_prompts(tok, ["1+2="] * 2)
+    for bad in (len(tok), -1, 10**30):
+        with pytest.raises(C.UserError, match=rf"--env 'test' returned token id {bad}, outside "
+                                              rf"the vocabulary \(0 to {len(tok) - 1}\) \(on the"):
+            rollout(model, tok, prompts, lambda row, turns: [5, bad], [{"prompt": "1+2="}] * 2,
+                    2, 20)
+    from tests.helpers import run_main
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--env", "calc", "--env_timeout", "1e10",
+                 "--output_dir", tmp_path / "x", guard=True)
+    assert one_error_line(capsys).startswith("error: --env_timeout must be <= 86400, not 1")
+
+
+REFUSING_TEMPLATE = (  # Gemma's refusal of a system message, and a template that takes no tools
+    "{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+    "{% endif %}{% if tools %}{{ raise_exception('This model takes no tools') }}{% endif %}"
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture
+def refusing_model(tmp_path):
+    """A tiny llama and the bundled tokenizer with REFUSING_TEMPLATE: its folder."""
+    from tests.helpers import tiny_model
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    t.chat_template = REFUSING_TEMPLATE
+    tiny_model("llama").save_pretrained(tmp_path / "refusing")
+    t.save_pretrained(tmp_path / "refusing")
+    return str(tmp_path / "refusing")
+
+
+def test_a_template_that_refuses_is_one_line_in_every_script(refusing_model, tmp_path,
+                                                               monkeypatch, capsys):
+    """A chat template's raise_exception (Gemma's 'System role not supported', one that takes no
+    tools) is one line naming the template and its message, exit 2, before any step: grpo with
+    --system_prompt or --tools, sft on a conversation with a system message, dpo on such a
+    prompt."""
+    import dpo
+    import grpo
+    import sft
+    from tests.helpers import FAST_GRPO, one_error_line, run_main, write_jsonl
+    (tmp_path / "tools.py").write_text(TOOLS)
+    name = repr(refusing_model)
+    system = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2="}]
+    write_jsonl(tmp_path / "sft.jsonl", [{"messages": system + [
+        {"role": "assistant", "content": "3"}]}] * 10)
+    write_jsonl(tmp_path / "dpo.jsonl", [{"prompt": system, "chosen": "3", "rejected": "4"}]
+                * 10)
+    for script, flags, want in (
+            (grpo, ["--system_prompt", "Be brief.", *FAST_GRPO],
+             "System role not supported (--system_prompt puts a system message first)"),
+            (grpo, ["--tools", f"{tmp_path / 'tools.py'}:add", *FAST_GRPO],
+             "This model takes no tools"),
+            (sft, ["--data", tmp_path / "sft.jsonl"], "System role not supported"),
+            (dpo, ["--data", tmp_path / "dpo.jsonl"], "System role not supported")):
+        out = tmp_path / f"run-{script.__name__}"
+        with pytest.raises(SystemExit) as e:
+            run_main(monkeypatch, script, "--model", refusing_model, "--max_new_tokens", "8",
+                     *flags, "--output_dir", out, guard=True)
+        line = one_error_line(capsys)
+        assert e.value.code == 2 and line.endswith(
+            f"the chat template of {name} refuses the conversation: {want}"), line
+        assert script is not sft or "sft.jsonl, line 1: " in line
+        assert not out.exists()
+
+
+def test_check_prompts_counts_the_tool_schemas(tmp_path):
+    """A prompt that fits the context alone but not with the tools the template shows in it gets
+    the "too long" line (it was an IndexError in the position embeddings, mid-run)."""
+    (tmp_path / "tools.py").write_text(TOOLS)
+    _, schemas = E.load_tools(f"{tmp_path / 'tools.py'}:add")
+    t = template_tokenizer("qwen2_5")
+    rows = [{"prompt": "1+2="}]
+    alone = len(C.encode_prompts(t, ["1+2="])[0])
+    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=alone + 100))
+    args = SimpleNamespace(chat_template="auto", max_new_tokens=100, system_prompt="")
+    loading.check_prompts(t, model, rows, args)  # fits without the tools
+    with pytest.raises(C.UserError, match=r"1 of 1 prompts are too long: .* context of \d+ tokens"
+                                          r" \(longest prompt: \d+ tokens, the tools shown in it "
+                                          r"included\)"):
+        loading.check_prompts(t, model, rows, args, schemas)

@@ -598,6 +598,7 @@ def test_grpo_with_tools_runs_and_samples_show_the_rendered_prompt(tmp_path, mon
     t = chat_tokenizer()
     cfg = tiny_config("qwen2", vocab=len(t))
     cfg.architectures = ["Qwen2ForCausalLM"]
+    cfg.max_position_embeddings = 1024  # the prompts with the tools shown: 628 tokens
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
     t.save_pretrained(tmp_path / "model")
