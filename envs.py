@@ -393,8 +393,8 @@ def load_tools(spec):
     which transformers' get_json_schema writes the schema the chat template shows the model. The
     file is imported once: its tools share its module state."""
     functions, schemas = {}, []
-    for fn in loading.load_functions("--tools", spec,
-                                     "write path/to/file.py:name[,name...] or module:name[,name]"):
+    for fn in loading.load_function("--tools", spec, "write path/to/file.py:name[,name...] or "
+                                    "module:name[,name]", several=True):
         try:
             schemas.append(get_json_schema(fn))
         except Exception as e:  # no type hints, no docstring, an argument it does not describe

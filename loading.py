@@ -229,24 +229,17 @@ def template_errors(tok, prefix="", suffix=""):
                           f"conversation: {first_line(e)[:200]}{suffix}") from None
 
 
-def load_function(flag, spec, usage):
+def load_function(flag, spec, usage, several=False):
     """The function that `flag` names as path/to/file.py:function or package.module:function
-    (--reward_fn, --env), imported; every error one line: `usage` says how to write it. The file
-    is code you choose to run, like any script."""
-    if "," in spec.rpartition(":")[2]:
-        raise C.UserError(f"{flag} {spec!r}: name one function: {usage}")
-    return load_functions(flag, spec, usage)[0]
-
-
-def load_functions(flag, spec, usage):
-    """The functions that `flag` names as path/to/file.py:a,b or package.module:a,b (--tools), the
-    file imported once (its functions share its module state); errors as load_function's."""
+    (--reward_fn, --env), imported; several (--tools): FILE.py:a,b -> a list of functions, the
+    file imported once (they share its module state). Every error is one line: `usage` says how
+    to write it. The file is code you choose to run, like any script."""
     where, _, names = spec.rpartition(":")
     if not where or not names:
         raise C.UserError(f"{flag} {spec!r}: {usage}")
     if where.endswith(".py") and not os.path.isfile(where):
         raise C.UserError(f"{flag} {spec!r}: file {where!r} not found")
-    names = [n.strip() for n in names.split(",")]
+    names = [n.strip() for n in names.split(",")] if several else [names]
     try:
         if where.endswith(".py"):
             found = importlib.util.spec_from_file_location(f"{flag[2:]}_{names[0]}", where)
@@ -260,7 +253,7 @@ def load_functions(flag, spec, usage):
     for name in names:
         if not callable(getattr(module, name, None)):
             raise C.UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
-    return [getattr(module, name) for name in names]
+    return [getattr(module, name) for name in names] if several else getattr(module, names[0])
 
 
 def load_reward_fns(specs):

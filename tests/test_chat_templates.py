@@ -276,8 +276,6 @@ def test_tools_of_one_file_share_it_and_a_repeated_tool_is_refused(tmp_path):
     with pytest.raises(C.UserError, match=r"--tools '.*tools.py:add,add' names the tool 'add' "
                                           r"twice: list each once"):
         E.load_tools(f"{tmp_path / 'tools.py'}:add,add")
-    with pytest.raises(C.UserError, match="name one function"):
-        loading.load_function("--env", f"{tmp_path / 'tools.py'}:add,shout", "write ...")
 
 
 def test_a_tool_result_is_cut_as_text_before_it_is_rendered_or_tokenized(tmp_path, monkeypatch):
