@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import common as C
-import envs as E
-import loading
-import runs
+from plumbing import envs as E
+from plumbing import loading
+from plumbing import runs
 
 from tests.helpers import OFF, ROOT, scripted_model
 
