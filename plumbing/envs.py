@@ -275,6 +275,7 @@ def chat_observation(tok, messages, results, tools=None, names=None):
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes, Qwen2.5 to 3.5
 FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)  # Qwen3.5's XML calls
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", re.S)
+LLAMA_CALL = re.compile(r'\s*\{\s*"name"\s*:')  # Llama 3.1 / 3.2: a turn that starts a call
 
 
 def load_tools(spec):
@@ -362,8 +363,8 @@ def parse_calls(tok, text, schemas):
             return [(c.get("name"), c.get("arguments", {})) for c in found]
         except Exception as e:
             return [(None, f"the call could not be parsed: {first_line(e)[:200]}")]
-    if form == "json":  # Llama 3.1: a turn that is one JSON object is a call, else the answer
-        return [read_call(text.strip(), schemas)] if text.strip().startswith("{") else []
+    if form == "json":  # Llama 3.1: a turn that is one JSON object {"name": ...} is a call
+        return [read_call(text.strip(), schemas)] if LLAMA_CALL.match(text) else []
     return [read_call(body, schemas) for body in TOOL_CALL.findall(text)]
 
 

@@ -87,7 +87,7 @@ SHAPES = {
                 "no call": ("Easy.\n</think>\n\n5", None)},
     "llama": {"call": (LLAMA_ADD, ["5"]), "odd whitespace": (" \n" + LLAMA_ADD + " ", ["5"]),
               "arguments key": (LLAMA_ADD.replace("parameters", "arguments"), ["5"]),
-              "no call": ("The sum is 5.", None)},
+              "no call": ("The sum is 5.", None), "json answer": ('{"sum": 5}', None)},
     "hermes": {"call": ('<tool_call>\n{"arguments": {"a": 2, "b": 3}, "name": "add"}\n</tool_call>',
                         ["5"]),
                "two calls": (JSON_ADD + "\n" + JSON_SHOUT, ["5", ERR]),
