@@ -193,8 +193,11 @@ def load_reward_model(args, device):
     rows) -> (B,), the model's score of each prompt + completion (common.rm_scores)."""
     model = load_model(args.reward_model, "rm", device, True, args.trust_remote_code)
     tok = load_tokenizer(args.reward_model, args.trust_remote_code)
-    return lambda completions, rows: C.rm_scores(model, tok, [r["prompt"] for r in rows],
-                                                 completions).cpu()
+
+    def rm(completions, rows):  # its own chat template may refuse them: one line, not a traceback
+        with template_errors(tok, "--reward_model: "):
+            return C.rm_scores(model, tok, [r["prompt"] for r in rows], completions).cpu()
+    return rm
 
 
 def check_prompts(tok, model, rows, args, tools=None):

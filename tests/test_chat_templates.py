@@ -387,3 +387,24 @@ def test_check_prompts_counts_the_tool_schemas(tmp_path):
                                           r" \(longest prompt: \d+ tokens, the tools shown in it "
                                           r"included\)"):
         loading.check_prompts(t, model, rows, args, schemas)
+
+
+def test_a_reward_models_template_that_refuses_is_one_line(tmp_path, monkeypatch, capsys):
+    """grpo --system_prompt with a reward model whose own chat template has no system role:
+    one line naming the reward model's template, exit 2, and no run folder left."""
+    import grpo
+    from tests.helpers import FAST_GRPO, one_error_line, run_main, tiny_rm
+    rm_dir = tmp_path / "rm"
+    tiny_rm().save_pretrained(rm_dir)
+    t = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    t.chat_template = REFUSING_TEMPLATE
+    t.save_pretrained(rm_dir)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--system_prompt", "Be brief.", "--reward_model",
+                 rm_dir, "--rewards", "rm", "--max_new_tokens", "8", "--output_dir", out,
+                 guard=True)
+    assert e.value.code == 2 and one_error_line(capsys) == (
+        f"error: --reward_model: the chat template of {str(rm_dir)!r} refuses the "
+        "conversation: System role not supported")
+    assert not out.exists()
