@@ -429,20 +429,25 @@ def log_step(run, metrics, bar, samples, opt):
 
 def tool_metrics(roll, env):
     """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
-    tool_errors (the fraction of observations that start with 'error', as calc's do),
-    obs_truncated (completions with an observation cut by the budget); --tools: calls per
-    completion and the fraction that failed, per tool (tool_calls/NAME, tool_errors/NAME)."""
-    n = sum(len(o) for o in roll.observations)
-    errors = sum(x.strip().startswith("error") for o in roll.observations for x in o)
+    tool_errors (the fraction of calls that failed: --tools' error results, else observations
+    that start with 'error', as calc's do), obs_truncated (completions with an observation cut by
+    the budget); --tools: per tool, calls per completion and the fraction that failed
+    (tool_calls/NAME, tool_errors/NAME), and calls of no tool or unreadable (tool_calls_unknown)."""
+    calls = [c for e in roll.episodes if env.tools and e is not None for c in e.calls]  # (name, ok)
+    failed = [not ok for _, ok in calls] if env.tools else [
+        x.strip().startswith("error") for o in roll.observations for x in o]
     out = {"tool_calls": float(roll.tool_calls.float().mean()),
            "frac_tool": float((roll.tool_calls > 0).float().mean()),
-           "turns": float(roll.turns.float().mean()), "tool_errors": errors / max(n, 1),
+           "turns": float(roll.turns.float().mean()),
+           "tool_errors": sum(failed) / max(len(failed), 1),
            "obs_truncated": float(roll.obs_truncated.float().mean())}
-    for schema in env.tools or []:  # every tool's keys at every step (torchrun averages them)
-        name = schema["function"]["name"]
-        calls = [ok for e in roll.episodes if e is not None for tool, ok in e.calls if tool == name]
-        out[f"tool_calls/{name}"] = len(calls) / len(roll.episodes)
-        out[f"tool_errors/{name}"] = calls.count(False) / max(len(calls), 1)
+    names = [schema["function"]["name"] for schema in env.tools or []]
+    for name in names:  # every tool's keys at every step (torchrun averages them)
+        mine = [ok for tool, ok in calls if tool == name]
+        out[f"tool_calls/{name}"] = len(mine) / len(roll.episodes)
+        out[f"tool_errors/{name}"] = mine.count(False) / max(len(mine), 1)
+    if names:
+        out["tool_calls_unknown"] = sum(t not in names for t, _ in calls) / len(roll.episodes)
     return out
 
 

@@ -477,7 +477,7 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     messages = [{"role": "user", "content": "1234+5678="}]
     call = '<tool_call>{"a": 1234, "b": 5678}</tool_call>'
     result = "6912 <|im_end|>"
-    obs = E.chat_observation(t, messages, call, result)
+    obs = E.chat_observation(t, messages, result)
     im_end = t.convert_tokens_to_ids("<|im_end|>")
     assert obs[0] == im_end and obs.count(im_end) == 2  # the turn's end tag and the message's
     assert t.decode(obs) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912 <|im_end|>\n"
@@ -491,7 +491,7 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     model = scripted_model(t, [prompt], [completion], [kinds])
 
     def env(row, turns):
-        return E.chat_observation(t, row["prompt"], turns[-1], result) if len(turns) == 1 \
+        return E.chat_observation(t, row["prompt"], result) if len(turns) == 1 \
             else None
     stop = ["</tool_call>"] if ends_on == "stop" else []
     roll = rollout(model, t, [prompt], env, [{"prompt": messages}], 3, 200, greedy=True,
@@ -599,6 +599,7 @@ def test_grpo_with_tools_runs_and_samples_show_the_rendered_prompt(tmp_path, mon
     t = chat_tokenizer()
     cfg = tiny_config("qwen2", vocab=len(t))
     cfg.architectures = ["Qwen2ForCausalLM"]
+    cfg.max_position_embeddings = 1024  # the prompts with the tools shown: 628 tokens
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
     t.save_pretrained(tmp_path / "model")
