@@ -4,7 +4,7 @@
   python bench/trl_real.py --steps 4 --rounds 2    # grpo.py, TRL, grpo.py, TRL; then a profile
   python bench/trl_real.py --only profile          # where one grpo.py step's time goes
 
-Same settings for both, chat_sums.PRESET's (grpo.py takes them from --data chat-sums): 4 prompts
+Same settings for both, PRESET in plumbing/chat_sums.py (grpo.py's --data chat-sums): 4 prompts
 x 8 completions a step, at most 10 new tokens, temperature 0.7, constant lr 2e-5, beta 0 (no
 reference model), eps 0.2, group-std reward scaling, token-mean loss ("dapo" in TRL), one update
 per batch, grad clip 1.0, no weight decay; the reward chat_sums.asked_answer; the prompts rendered
@@ -32,10 +32,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import chat_sums  # noqa: E402
 import common as C  # noqa: E402
-import loading  # noqa: E402
-import tasks  # noqa: E402
+from plumbing import chat_sums, loading, tasks  # noqa: E402
 
 P = chat_sums.PRESET
 PROMPTS, GROUP = P["prompts_per_step"], chat_sums.PRESET_ALGO["grpo"]["group_size"]

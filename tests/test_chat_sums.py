@@ -1,16 +1,14 @@
-"""chat_sums.py: the real-model task (--data chat-sums): its split, its reward, its defaults."""
+"""plumbing/chat_sums.py, the real-model task (--data chat-sums): its split, reward, defaults."""
 import random
 import sys
 
 import pytest
 
-import chat_sums
-from flags import parse_args
 import grpo
-import loading
+from plumbing import chat_sums, loading, tasks
+from plumbing.flags import parse_args
 import ppo
 import reinforce
-import tasks
 
 
 def test_held_out_by_problem_in_every_phrasing():
@@ -40,7 +38,8 @@ def test_data_chat_sums_brings_its_defaults_and_given_flags_win(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--data", "chat-sums", "--lr", "1e-5"])
     args = parse_args(grpo.Args, "grpo")
     assert args.lr == 1e-5 and args.temperature == 0.7 and args.max_new_tokens == 10
-    assert args.beta == 0 and args.group_size == 8 and args.reward_fn == ["chat_sums:asked_answer"]
+    assert args.beta == 0 and args.group_size == 8
+    assert args.reward_fn == chat_sums.PRESET["reward_fn"]
     grpo.check_args(args)  # micro-batch divides the step
     fns = loading.load_reward_fns(args.reward_fn)  # importable by that name
     rows = [chat_sums.row(1, 7, 0)] * 2
@@ -48,7 +47,7 @@ def test_data_chat_sums_brings_its_defaults_and_given_flags_win(monkeypatch):
     for script in (reinforce, ppo):
         monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--data=chat-sums"])
         args = parse_args(script.Args, script.__name__)
-        assert args.lr == 2e-5 and args.reward_fn == ["chat_sums:asked_answer"]
+        assert args.lr == 2e-5 and args.reward_fn == chat_sums.PRESET["reward_fn"]
         script.check_args(args) if hasattr(script, "check_args") else None
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
     assert parse_args(grpo.Args, "grpo") == grpo.Args()  # without it: as it was

@@ -27,7 +27,7 @@ HELD_OUT = 18  # of the 54 other problems {a, b}: 18 held out (33 ordered sums, 
 # SmolLM2-135M-Instruct, 2 CPU cores (docs/real_model.md). An equation is 7-8 tokens and its EOS
 # one more, so 10 new tokens cut no answer (a sentence, 13: cut, scores 0 anyway); T 0.7 gives
 # groups mixed rewards; beta 0 needs no reference model (its KL is not computed: kl logs 0)
-PRESET = {"reward_fn": ["chat_sums:asked_answer"], "eval_reward": "rewards",
+PRESET = {"reward_fn": ["plumbing.chat_sums:asked_answer"], "eval_reward": "rewards",
           "max_new_tokens": 10, "temperature": 0.7, "lr": 2e-5, "beta": 0.0,
           "prompts_per_step": 4, "micro_batch_size": 32, "eval_size": 128,
           "max_steps": 16, "eval_every": 8, "save_every": 0, "samples_every": 4}
@@ -39,11 +39,12 @@ PRESET_ALGO = {"grpo": {"group_size": 8},
                        "critic_lr": 1e-5}}
 
 
-def preset(data, algo):
-    """The flags' defaults for --data chat-sums in algo's script ({} for other data)."""
+def preset(data, algo, names):
+    """The flags' defaults for --data chat-sums in algo's script, those of its flags (names) only;
+    {} for other data."""
     if data != NAME or algo not in PRESET_ALGO:
         return {}
-    return {**PRESET, **PRESET_ALGO[algo]}
+    return {k: v for k, v in {**PRESET, **PRESET_ALGO[algo]}.items() if k in names}
 
 
 def question(a, b, phrasing):
