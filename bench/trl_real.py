@@ -177,8 +177,8 @@ def main():
     if a.only:  # one run in this process: its JSON line on stdout's last line
         with tempfile.TemporaryDirectory() as tmp:
             a.tmp = tmp
-            run = {"grpo": lambda: run_grpo_py(a, os.path.join(tmp, "run")), "trl": run_trl,
-                   "profile": profile}[a.only]
+            run = {"grpo": lambda: run_grpo_py(a, os.path.join(tmp, "run")),
+                   "trl": lambda: run_trl(a), "profile": lambda: profile(a)}[a.only]
             print(json.dumps({**run(), "steps": a.steps, "seed": a.seed, "threads": a.threads}))
         return
     results = []
