@@ -23,7 +23,11 @@ Switches: Dr. GRPO (Liu et al. 2025) = --scale_rewards none --loss_agg seq-sum-n
 DAPO (Yu et al. 2025) = --clip_eps_high 0.28 --loss_agg token-mean --dynamic_sampling
 --overlong_penalty 1 --beta 0. Since DAPO (docs/policy_losses.md): GSPO =
 --importance_sampling_level sequence --beta 0; CISPO = --policy_loss cispo; SAPO = --policy_loss
-sapo; sampler/trainer mismatch correction (TIS) = --tis_cap 2.
+sapo; sampler/trainer mismatch correction (TIS) = --tis_cap 2; DPPO with prime-rl's sampler
+penalty = --policy_loss dppo --sampler_kl_coef 1e-3 --beta 0; DeepSeek-V3.2 = --off_policy_mask
+0.5 --unbiased_kl; GDPO = --multi_objective_aggregation normalize_then_sum; LUSPO =
+--importance_sampling_level sequence --loss_agg seq-sum; VESPO = --policy_loss vespo; MaxRL =
+--scale_rewards mean.
 
 Run:  python grpo.py                     # bundled tiny model and task, CPU, under a minute
       python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl --max_new_tokens 256 \\
@@ -48,6 +52,7 @@ import runs as R
 import tasks
 
 LOG_1E8 = math.log(1e-8)  # VESPO: the floor of its log-weights (its code, and TRL's)
+Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --rewards: TRL's
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"]  # aggregate()
 
 
@@ -115,8 +120,7 @@ class Args:
     off_policy_mask: float = arg(0.0, ">= 0")  # (TRL's example: 0.5) [off_policy_mask_threshold]
     unbiased_kl: bool = False  # beta's KL term times rho (DeepSeek-V3.2) [use_bias_correction_kl]
     sampler_kl_coef: float = arg(0.0, ">= 0")  # kappa (log pi_theta/pi_sampler)^2 (prime-rl: 1e-3)
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = (
-        "sum_then_normalize")  # several --rewards: normalize_then_sum is GDPO's (TRL's name)
+    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
     weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
@@ -173,13 +177,11 @@ def zero_std_groups(rewards, group_size):
 def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=None,
                    is_weight=1.0, sample_logprobs=None):
     """The policy loss per token plus beta * k to the reference (GRPO: KL in the loss). logprobs,
-    old_logprobs, ref_logprobs, sample_logprobs (pi_sampler's, common.sample), mask (B, T);
-    advantages A (B,); args: the objective's switches (Args: clip_eps*, policy_loss,
-    importance_sampling_level, sapo_tau_*, vespo_*, off_policy_mask, beta, kl_estimator,
-    unbiased_kl, sampler_kl_coef). k2's gradient pulls along the reverse KL(pi_theta || pi_ref),
-    k3's the forward KL(pi_ref || pi_theta) (docs/algorithms.md). is_weight: mismatch_weights'.
-    Returns the loss (B, T) and what to log, each (B, T): ratio, kl, clip_frac (where a clip or
-    mask acted) and each switch's own (docs/policy_losses.md)."""
+    old_logprobs, ref_logprobs, sample_logprobs (the sampler's), mask (B, T); advantages A (B,);
+    args: the objective's switches (Args). k2's gradient pulls along the reverse
+    KL(pi_theta || pi_ref), k3's the forward KL(pi_ref || pi_theta) (docs/algorithms.md).
+    is_weight: mismatch_weights'. Returns the loss (B, T) and what to log, (B, T) each: ratio, kl,
+    clip_frac (where a clip or a mask acted) and a switch's own (docs/policy_losses.md)."""
     log_ratio = logprobs - old_logprobs  # log rho = log pi_theta - log pi_old, per token
     eps = (args.clip_eps, args.clip_eps_high)  # eps_low, eps_high
     if args.importance_sampling_level == "sequence":  # GSPO: s_i = exp(mean of o_i's log rho)
@@ -207,12 +209,10 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
         is_clipped = ((adv > 0) & (moved > eps[1]) | (adv < 0) & (moved < -eps[0])).float()
         loss = -(1 - is_clipped) * torch.exp(logprobs - sample_logprobs) * adv
     else:  # VESPO: -sg(phi(w_i)) A log pi_theta, phi(w) = w^k exp(lambda (1 - w)), phi(1) = 1
-        # w_i = prod_t rho_i,t (times is_weight, in it rather than on the loss), in log space,
-        # clamped as VESPO's code and TRL's: log w in [log 1e-8, 20]
-        log_w = (log_ratio.detach().clamp(-20, 20) * mask).sum(-1, keepdim=True)
-        log_is = torch.log(torch.as_tensor(is_weight)).clamp(LOG_1E8, 20)  # 0 when TIS is off
-        log_w = log_w + log_is.sum(-1, keepdim=True)
-        log_w, is_weight = log_w.clamp(LOG_1E8, 20), 1.0
+        # log w_i = sum_t log rho_i,t (+ TIS's log weight, 0 when off), clamped as VESPO and TRL
+        log_is = torch.log(torch.as_tensor(is_weight)).clamp(LOG_1E8, 20).sum(-1, keepdim=True)
+        log_w = (log_ratio.detach().clamp(-20, 20) * mask).sum(-1, keepdim=True) + log_is
+        log_w, is_weight = log_w.clamp(LOG_1E8, 20), 1.0  # the mismatch weight is inside w
         k = torch.where(adv >= 0, args.vespo_k_pos, args.vespo_k_neg)
         lam = torch.where(adv >= 0, args.vespo_lambda_pos, args.vespo_lambda_neg)
         phi = torch.exp(lam + k * log_w - lam * log_w.exp())  # (B, 1), detached

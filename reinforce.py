@@ -61,6 +61,9 @@ import runs as R
 import tasks
 
 
+Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --rewards: TRL's
+
+
 @dataclass
 class Args:
     # --- model and data
@@ -94,8 +97,7 @@ class Args:
     baseline: Literal["none", "ema", "rloo", "reinforce_pp", "maxrl"] = "none"  # b in A = G - b
     ema_decay: float = arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
     whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
-    multi_objective_aggregation: Literal["sum_then_normalize", "normalize_then_sum"] = (
-        "sum_then_normalize")  # several --rewards: normalize_then_sum is GDPO's (grpo.py's flag)
+    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
     beta: float = arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
     kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
