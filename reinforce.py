@@ -36,7 +36,9 @@ Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO pape
 num_iterations > 1 turns on a PPO-style clipped token ratio. --whiten whitens the advantages after
 any baseline (TRL RLOO's normalize_advantages; with beta = 0, --baseline rloo --whiten is exactly
 REINFORCE++-baseline: leave-one-out and group-mean advantages differ by the factor k/(k-1), which
-whitening removes).
+whitening removes). With several --rewards, --multi_objective_aggregation normalize_then_sum
+(GDPO, docs/policy_losses.md) makes s_i each reward normalised within its prompt's k samples, summed
+and normalised over the batch.
 
 Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-core CPU, ~15 s
       python reinforce.py --baseline none --reward_fn one.py:one --rewards math=1,one=1  # +1
