@@ -1,7 +1,7 @@
 """common.py: the algorithmic core that every training script shares, and must share identically:
 sampling (one turn, or a multi-turn episode with a tool: one decode loop) -> log-probs and KL
 -> rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
-algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py (never imported here).
+algorithm reader can skip in the folder plumbing/ (never imported here).
 
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
@@ -26,13 +26,21 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from errors import UserError  # noqa: F401 -- C.UserError: bad input, one line (runs.main_guard)
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 
 try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
     import math_verify
 except ImportError:
     math_verify = None
+
+
+class UserError(Exception):
+    """Bad input: shown as one line on stderr, exit code 2, no traceback (runs.main_guard)."""
+
+
+def first_line(e):
+    """An exception's message, its first line only (or its type's name when it has none)."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -419,10 +427,10 @@ def compute_rewards(rows, completions, weights, fns=None):
 
 
 def normalize_then_sum(parts, weights, group_size, eps=1e-4, std=torch.std):
-    """GDPO's advantages with several rewards (arXiv 2601.05242; TRL multi_objective_aggregation=
-    "normalize_then_sum"): each reward normalised within its group of contiguous rows first, then
-    the weighted sum normalised over the batch (std: runs.global_std under torchrun). Summing
-    first lets one reward's spread drown another's. parts {name: (B,)}, weights -> (B,)."""
+    """GDPO's advantages from several rewards (arXiv 2601.05242; TRL's "normalize_then_sum"): each
+    reward normalised within its group of contiguous rows first (summed first, one reward's spread
+    drowns another's), then the weighted sum over the batch (std: runs.global_std under torchrun).
+    parts {name: (B,)}, weights {name: w} -> (B,)."""
     total = 0.0
     for name, w in weights.items():
         r = parts[name].float().view(-1, group_size)

@@ -12,13 +12,14 @@ from transformers import LlamaForSequenceClassification
 
 import common as C
 import dpo
-import envs as E
-import loading
+from plumbing import calc
+from plumbing import envs as E
+from plumbing import loading
 import ppo
 import reward_model
-import runs
+from plumbing import runs
 import sft
-import tasks
+from plumbing import tasks
 from tools.build_models import column_sum, wrong_answer
 from tools.merge_lora import merge as merge_lora
 
@@ -461,7 +462,7 @@ def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcri
     """Without a chat template a calculator conversation is exactly what common.sample builds
     when the model writes those turns with --env calc: the same ids, and the loss mask is the
     rollout's completion_mask (the observation ' 46 ' masked, the EOS in). The same text as one
-    completion (envs.calc_demo's) has the same ids, every one of them trained."""
+    completion (calc.calc_demo's) has the same ids, every one of them trained."""
     t = loading.load_tokenizer(loading.DEFAULT_POLICY)
     conversation = chat(("user", "12+34="), ("assistant", "<calc>12+34</calc>"), ("tool", " 46 "),
                         ("assistant", "46"))
@@ -471,12 +472,12 @@ def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcri
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     completion = enc("<calc>12+34</calc>") + enc(" 46 ") + enc("46") + [t.eos_token_id]
     model = scripted_model(t, [prompt], [completion], [[1] * 18 + [0] * 4 + [1] * 3])
-    roll = rollout(model, t, [prompt], E.calc, [tasks.addition_row(12, 34)], 3, 48, greedy=True,
+    roll = rollout(model, t, [prompt], calc.calc, [tasks.addition_row(12, 34)], 3, 48, greedy=True,
                    stop=["</calc>"])
     assert roll.observations == [[" 46 "]] and roll.final == ["46"]
     assert roll.ids[0, roll.P:].tolist() == ids
     assert roll.completion_mask[0].long().tolist() == mask == [1] * 18 + [0] * 4 + [1] * 3
-    flat = E.calc_demo(12, 34, random.Random(0), column_sum, tool=1.0)
+    flat = calc.calc_demo(12, 34, random.Random(0), column_sum, tool=1.0)
     assert tasks.encode_demonstration(t, tasks.demonstration(
         {"prompt": "12+34=", "completion": flat}, "row")) == (prompt, ids, [1] * len(ids))
 

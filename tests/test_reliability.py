@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM
 
 import common as C
 import grpo
-import loading
+from plumbing import loading
 import reinforce as R
-import runs
-import tasks
+from plumbing import runs
+from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, PROMPTS, REWARD_FILE, ROOT, _offline, one_error_line,
                            read_metrics, run_main, run_script, tiny_config, write_jsonl)

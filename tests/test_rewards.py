@@ -10,8 +10,8 @@ import torch
 
 import common as C
 import grpo
-import loading
-import tasks
+from plumbing import loading
+from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, REWARD_FILE, one_error_line, read_metrics, run_main,
                            run_script, tiny_rm)

@@ -14,14 +14,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
-import envs as E
-from flags import parse_args
+from plumbing import calc
+from plumbing import envs as E
+from plumbing.flags import parse_args
 import grpo
-import loading
+from plumbing import loading
 import ppo
 import reinforce as R
-import runs
-import tasks
+from plumbing import runs
+from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, PROMPTS, ROOT, read_metrics, rollout, run_main,
                            run_processes, run_script, scripted_model, tiny_config, tiny_model)
@@ -248,18 +249,18 @@ def test_an_observation_is_text_never_special_tokens_and_is_cut_before_it_is_tok
 
 
 def test_calc_env_reads_calls_and_ends_on_an_answer():
-    assert E.calc({}, ["<calc>1234+5678</calc>"]) == " 6912 "
-    assert E.calc({}, ["a", "b<calc>12*3</calc>  "]) == " 36 "
-    assert E.calc({}, ["<calc>7-9</calc>"]) == " -2 "
-    assert E.calc({}, ["<calc>12+</calc>"]) == " error "
-    assert E.calc({}, ["<calc>12+34</calc>", "46"]) is None  # the answer: the episode ends
-    assert E.calc({}, ["<calc>12+34"]) is None  # no closing tag: not a call
-    pairs = E.calc_eval_pairs()
-    assert len(pairs) == 500 and pairs == E.calc_eval_pairs()
+    assert calc.calc({}, ["<calc>1234+5678</calc>"]) == " 6912 "
+    assert calc.calc({}, ["a", "b<calc>12*3</calc>  "]) == " 36 "
+    assert calc.calc({}, ["<calc>7-9</calc>"]) == " -2 "
+    assert calc.calc({}, ["<calc>12+</calc>"]) == " error "
+    assert calc.calc({}, ["<calc>12+34</calc>", "46"]) is None  # the answer: the episode ends
+    assert calc.calc({}, ["<calc>12+34"]) is None  # no closing tag: not a call
+    pairs = calc.calc_eval_pairs()
+    assert len(pairs) == 500 and pairs == calc.calc_eval_pairs()
     assert all(100 <= a < 10000 and 100 <= b < 10000 for a, b in pairs)
-    train = E.calc_train_pairs(random.Random(0), 2000)
+    train = calc.calc_train_pairs(random.Random(0), 2000)
     assert not set(train) & set(pairs)
-    demos = E.calc_demo_pairs(random.Random(0), 2000)
+    demos = calc.calc_demo_pairs(random.Random(0), 2000)
     assert not set(demos) & (set(pairs) | set(tasks.task_eval_pairs()))
 
 
@@ -346,7 +347,7 @@ def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
 def test_env_calc_brings_its_defaults_and_given_flags_win(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--env", "calc", "--max_new_tokens", "40"])
     args = parse_args(grpo.Args, "grpo")
-    assert args.model == E.CALC_MODEL and args.stop == ["</calc>"] and args.eval_sampled
+    assert args.model == calc.CALC_MODEL and args.stop == ["</calc>"] and args.eval_sampled
     assert args.max_new_tokens == 40 and args.eval_samples == 4
     monkeypatch.setattr(sys, "argv", ["ppo.py", "--env", "calc"])
     args = parse_args(ppo.Args, "ppo")
@@ -633,7 +634,7 @@ def test_env_calc_runs_every_script_with_its_metrics(tmp_path, monkeypatch):
         assert {"tool_calls", "frac_tool", "turns", "tool_errors"} <= set(m[0])
         assert all(0 <= x["frac_tool"] <= x["tool_calls"] <= 2 for x in m)
         s = json.loads((out / "summary.json").read_text())
-        assert s["args"]["model"] == E.CALC_MODEL and {"eval_greedy", "eval_pass@4"} <= set(
+        assert s["args"]["model"] == calc.CALC_MODEL and {"eval_greedy", "eval_pass@4"} <= set(
             s["evals"]["before"])
         shown = [x["completion"] for line in (out / "samples.jsonl").read_text().splitlines()
                  for x in json.loads(line)["samples"]]
@@ -678,7 +679,7 @@ def test_compare_task_calc_runs_the_scripts_with_env_calc(tmp_path):
         row = next(line for line in table.splitlines() if line.startswith(name + " "))
         assert models in row and "failed" not in row, row
         args = json.loads((out / f"{name}-s0" / "summary.json").read_text())["args"]
-        assert args["env"] == "calc" and args["model"] == E.CALC_MODEL
+        assert args["env"] == "calc" and args["model"] == calc.CALC_MODEL
 
 
 def test_calc_task_learns(tmp_path):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import common as C
 import grpo
 import ppo
-import runs
+from plumbing import runs
 
 from tests.helpers import read_metrics, run_main, run_processes
 

@@ -101,9 +101,9 @@ def final_kl(folder, k):
     from transformers.utils import logging
     sys.path.insert(0, ROOT)
     import common as C
-    import envs as E
-    import loading
-    import tasks
+    from plumbing import calc, envs as E
+    from plumbing import loading
+    from plumbing import tasks
     logging.disable_progress_bar()
     args, device = P.run_args(folder), torch.device("cpu")
     env = E.load_env(args.get("env", ""))  # the calc task: multi-turn rollouts, its own rows
@@ -111,7 +111,7 @@ def final_kl(folder, k):
     policy = loading.load_model(os.path.join(folder, "checkpoint"), "lm", device, frozen=True)
     ref = loading.load_model(args["model"], "lm", device, frozen=True)
     tok = loading.load_tokenizer(args["model"])
-    data = E.calc_data(args["eval_size"]) if env else tasks.load_data("", args["eval_size"])
+    data = calc.calc_data(args["eval_size"]) if env else tasks.load_data("", args["eval_size"])
     rows = data.eval_rows
     rows = [r for r in rows for _ in range(k)]
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args["chat_template"])

@@ -15,8 +15,8 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
-from errors import first_line  # noqa: E402
-import loading  # noqa: E402
+from common import first_line  # noqa: E402
+from plumbing import loading  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 

@@ -45,8 +45,8 @@ except ImportError:  # Windows has none
     resource = None
 
 import common as C
-from errors import first_line
-import loading
+from common import first_line
+from plumbing import loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
@@ -304,6 +304,16 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 
 
 # ------------------------------------------------------------------------- during the loop
+def finite_update(run, *grad_norms):
+    """True when every gradient norm is finite: the update may go ahead (and a row of skipped ones
+    ends); else the update is skipped and counted (skip_update)."""
+    if all(torch.isfinite(n) for n in grad_norms):
+        run.nonfinite_in_row = 0
+        return True
+    skip_update(run, "loss or gradient")
+    return False
+
+
 def skip_update(run, what):
     """Count an update skipped for NaN/inf; 10 in a row stop the run (a good one resets the row)."""
     run.nonfinite += 1

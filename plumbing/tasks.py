@@ -18,12 +18,12 @@ from types import SimpleNamespace
 import torch
 
 import common as C
-from errors import first_line
+from common import first_line
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # the pipeline's preference data (tools/make_pipeline_data.py)
-PIPELINE_RANKINGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                 "rankings.jsonl")
+PIPELINE_RANKINGS = os.path.join(ROOT, "data", "rankings.jsonl")
 
 
 # ------------------------------------------------------------------------------------------ data

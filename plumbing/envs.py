@@ -1,4 +1,4 @@
-"""envs.py: environments for multi-turn (tool-use) episodes, --tools, and the calculator task.
+"""envs.py: environments for multi-turn (tool-use) episodes, and --tools (plumbing: skip it).
 
 An environment answers the model after each turn. It is a plain function env(row, turns) ->
 str | None, called with its own copy of the data row and the model's turns so far (decoded
@@ -6,25 +6,16 @@ texts); or a class, built once per episode as Class(row), whose step(turns) answ
 is the observation (a tool's output, as text, which is tokenized as text: never a special
 token), or token ids (chat_observation: a chat template's own markers), or None to end the
 episode. common.sample feeds the observation through the same KV cache and the model goes on.
-Pick one with --env FILE.py:NAME (or package.module:name), or --env calc for the calculator below;
+Pick one with --env FILE.py:NAME (or package.module:name), or --env calc (the calculator, calc.py);
 or give --tools FILE.py:NAME,... : plain Python functions that the model's chat template shows it,
 whose calls are parsed in the model's own format (ToolEpisode). docs/tool_use.md has the details.
-
-The calculator task (--env calc): sums of 3- and 4-digit numbers, which the bundled 1 M-parameter
-model cannot do in its head. A turn that ends in <calc>1234+5678</calc> gets the observation
-" 6912 "; the model's next turn is its answer, and the reward reads only that final turn (text
-after the last observation), so copying the observation is the skill, not a free reward.
-The policy, models/tiny-calc, is tiny-adder warm-started by sft.py on demonstrations of which 30%
-call the tool (tools/build_models.py), so RL has a habit to strengthen.
 """
 import concurrent.futures
 import copy
 import functools
 import inspect
 import json
-import os
 import queue
-import random
 import re
 import threading
 
@@ -32,110 +23,9 @@ import torch
 from transformers.utils import get_json_schema
 
 import common as C
-from errors import first_line
-import loading
-import tasks
-
-CALC_MODEL = os.path.join(loading.ROOT, "models", "tiny-calc")  # built by tools/build_models.py
-CALC_SHAPES = ((3, 3), (3, 4), (4, 3), (4, 4))  # (digits of a, digits of b) of the task's sums
-CALC_EVAL_SEED = 2828
-CALC_EVAL_SIZE = 500
-# --env calc changes these defaults (explicit flags still win): the model, a budget that fits one
-# call (a 4-digit call, its observation and the answer are 35 tokens), the call's closing tag ends
-# a turn, the held-out score is sampled (docs/tool_use.md), and a short run (GRPO's held-out
-# score is flat after about 40 steps)
-CALC_DEFAULTS = {"model": CALC_MODEL, "max_new_tokens": 48, "stop": ["</calc>"],
-                 "eval_samples": 4, "eval_sampled": True, "max_steps": 60, "eval_every": 20}
-CALC_PPO = {"rewards": "math", "critic_init": "policy"}  # ppo.py's default score is an RM's
-
-
-def preset(env, algo):
-    """The flags' defaults for --env (only calc has its own) in algo's script."""
-    if env != "calc":
-        return {}
-    return {**CALC_DEFAULTS, **(CALC_PPO if algo == "ppo" else {})}
-
-
-# --------------------------------------------------------------------------- the calculator
-def calc_pair(rng, shape):
-    da, db = shape
-    return rng.randrange(10**(da - 1), 10**da), rng.randrange(10**(db - 1), 10**db)
-
-
-def calc_eval_pairs():
-    """The fixed held-out sums (shapes in turn): no warm start and no RL run trains on them."""
-    rng = random.Random(CALC_EVAL_SEED)
-    return [calc_pair(rng, CALC_SHAPES[i % len(CALC_SHAPES)]) for i in range(CALC_EVAL_SIZE)]
-
-
-@functools.lru_cache(maxsize=1)
-def calc_held():
-    return frozenset(calc_eval_pairs())
-
-
-def calc_train_pairs(rng, k, shapes=CALC_SHAPES):
-    """k fresh sums of random shapes, none of them held out."""
-    held = calc_held()
-    out = []
-    while len(out) < k:
-        pair = calc_pair(rng, rng.choice(shapes))
-        if pair not in held:
-            out.append(pair)
-    return out
-
-
-def calc_demo(a, b, rng, column_sum, tool=0.3, drop=0.8):
-    """A warm-start demonstration for a + b: with probability `tool` the tool transcript
-    '<calc>a+b</calc> S S' (the observation ' S ' then the answer; sft.py adds the EOS), else a
-    direct answer: right for 2-digit sums, column addition forgetting each carry with
-    probability `drop` for longer ones (column_sum: tools/build_models.py)."""
-    if rng.random() < tool:
-        return f"<calc>{a}+{b}</calc> {a + b} {a + b}"
-    return str(column_sum(a, b, rng, 0.0 if max(a, b) < 100 else drop))
-
-
-def calc_demo_pairs(rng, k):
-    """The warm start's prompts: 25% 2-digit (the bundled task's), 25% 3+3, 35% 4+4, 15% 3+4 or
-    4+3 digits, none of them held out."""
-    out = []
-    for _ in range(k):
-        u = rng.random()
-        if u < 0.25:
-            out += tasks.task_train_pairs(rng, 1)
-        else:
-            shape = (3, 3) if u < 0.5 else (4, 4) if u < 0.85 else rng.choice([(3, 4), (4, 3)])
-            out += calc_train_pairs(rng, 1, [shape])
-    return out
-
-
-CALL = re.compile(r"<calc>(.*)</calc>\s*$", re.S)  # a turn that ends with a call
-EXPR = re.compile(r"\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*")
-
-
-def calc(row, turns):
-    """The calculator: when the model's last turn ends with <calc>a+b</calc> (or a-b, a*b), the
-    observation is the result with a space on each side, the layout of the warm-start
-    demonstrations; a call it cannot read gets ' error '. A turn without a call ends the
-    episode (it was the answer)."""
-    call = CALL.search(turns[-1])
-    if call is None:
-        return None
-    m = EXPR.fullmatch(call.group(1).split("<calc>")[-1])
-    if m is None or max(len(m.group(1)), len(m.group(3))) > 12:
-        return " error "
-    a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
-    return f" {a + b if op == '+' else a - b if op == '-' else a * b} "
-
-
-def calc_data(eval_size=CALC_EVAL_SIZE):
-    """The calculator task's rows, as tasks.load_data returns them: next_batch(rng, k) gives k
-    fresh training sums, eval_rows the held-out ones."""
-    eval_rows = [tasks.addition_row(a, b) for a, b in calc_eval_pairs()][:eval_size]
-
-    def next_batch(rng, k):
-        return [tasks.addition_row(a, b) for a, b in calc_train_pairs(rng, k)]
-    return C.SimpleNamespace(next_batch=next_batch, eval_rows=eval_rows, rows=eval_rows)
-
+from common import first_line
+from plumbing import loading
+from plumbing import calc
 
 # ------------------------------------------------------------------ --env: loading, checking
 ENV_TIMEOUT_S = 10.0  # --env_timeout's default: a call slower than this stops the run
@@ -202,7 +92,7 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
         return C.SimpleNamespace(tools=schemas, start=start)
     if not spec:
         return None
-    fn = calc if spec == "calc" else loading.load_function(
+    fn = calc.calc if spec == "calc" else loading.load_function(
         "--env", spec, "write calc, path/to/file.py:function (or :Class) or module:function")
     make = fn if inspect.isclass(fn) else lambda row: functools.partial(fn, row)
     return C.SimpleNamespace(tools=None, start=lambda rows, tok, max_turns: start_episodes(
@@ -307,7 +197,7 @@ def observation_ids(tok, obs, left, end=None):
 
 def task_data(args, data):
     """--env calc without --data: the calculator's sums, else the data as loaded."""
-    return calc_data(args.eval_size) if args.env == "calc" and not args.data else data
+    return calc.calc_data(args.eval_size) if args.env == "calc" and not args.data else data
 
 
 def from_args(args):
@@ -448,66 +338,3 @@ class ToolEpisode:
         self.messages = self.messages + [{"role": "assistant", "content": turns[-1]}] + [
             {"role": "tool", "name": name, "content": r} for (name, _), r in zip(calls, results)]
         return obs
-
-
-# -------------------------------------------------------------- the calculator's tool-use report
-CALC_REPORT_SHAPES = ((2, 2), (3, 3), (4, 4))
-
-
-def calc_report(model, tok, n=200, k=1, seed=0):
-    """Per sum shape (2+2, 3+3, 4+4 digits), sampled at T = 1 (k per prompt) and greedy: how often
-    the model calls the tool, how often it is right when it calls and when it does not, overall,
-    and how often a call's observation is the last thing in the transcript (nothing after it).
-    Held-out pairs for 3-4 digits; 2-digit ones from the bundled task's held-out split. As
-    --env calc samples: 48 new tokens, 3 turns."""
-    out, rng = {}, random.Random(seed)
-    for shape in CALC_REPORT_SHAPES:
-        pairs = tasks.task_eval_pairs()[:n] if shape == (2, 2) else [
-            p for p in calc_eval_pairs() if (len(str(p[0])), len(str(p[1]))) == shape][:n]
-        pairs = [(a, b) for a, b in pairs if min(a, b) >= 10] if shape == (2, 2) else pairs
-        rows = [tasks.addition_row(a, b) for a, b in pairs for _ in range(k)]
-        for mode in ("T=1", "greedy"):
-            torch.manual_seed(rng.randrange(2**31))
-            prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], "none")
-            env_step, finish = load_env("calc").start(rows, tok, max_turns=3)  # call, answer, spare
-            roll = C.sample(model, tok, prompt_ids, CALC_DEFAULTS["max_new_tokens"],
-                            greedy=mode == "greedy", stop=CALC_DEFAULTS["stop"], env_step=env_step)
-            finish(roll)  # roll.final: the text after the last observation
-            right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
-            called = roll.tool_calls > 0
-            out[f"{shape[0]}+{shape[1]} {mode}"] = {
-                "calls": float(called.float().mean()),
-                "right when calling": float(right[called].mean()) if called.any() else None,
-                "right when not": float(right[~called].mean()) if (~called).any() else None,
-                "overall": float(right.mean()),
-                "says nothing after": float(torch.tensor([  # the observation, of those calling
-                    f.strip() == "" for f, c in zip(roll.final, called) if c]).float().mean())
-                if called.any() else None}
-    return out
-
-
-def main():
-    """python envs.py MODEL [K]: the calculator report (calc_report) of a model or checkpoint."""
-    import sys
-    k = sys.argv[2] if len(sys.argv) == 3 else "1"
-    if len(sys.argv) not in (2, 3) or not (k.isdigit() and 1 <= int(k) <= 1000):
-        print("error: usage: python envs.py MODEL [K]: a model or checkpoint folder, or a hub id; "
-              "K: 1 to 1000 samples per prompt", file=sys.stderr)
-        sys.exit(2)
-    try:
-        model = loading.load_model(sys.argv[1], "lm", torch.device("cpu"), frozen=True)
-        tok = loading.load_tokenizer(sys.argv[1])
-    except C.UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    torch.set_num_threads(1)
-    rep = calc_report(model, tok, k=int(k))
-    cols = ["calls", "right when calling", "right when not", "overall", "says nothing after"]
-    print(f"{'':12}" + "".join(f"{c:>19}" for c in cols))
-    for name, r in rep.items():
-        print(f"{name:12}" + "".join(f"{'-' if r[c] is None else f'{r[c]:.3f}':>19}"
-                                     for c in cols))
-
-
-if __name__ == "__main__":
-    main()

@@ -22,9 +22,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
-from errors import first_line
+from common import first_line
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
 DEFAULT_REWARD_MODEL = os.path.join(ROOT, "models", "tiny-adder-rm")
 

@@ -18,8 +18,8 @@ from dataclasses import field
 from transformers import HfArgumentParser
 
 import common as C
-from errors import first_line
-import envs as E
+from common import first_line
+from plumbing import calc
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to")
@@ -100,8 +100,8 @@ def parse_args(args_cls, algo, doc=""):
     saved = _saved_args(resume, algo) if resume else {}
     saved = {k: _resolved(k, v) for k, v in saved.items()}  # a run saved before paths were
     names = {f.name for f in dataclasses.fields(args_cls)}  # stored absolute: from here
-    if "env" in names:  # --env calc brings its own defaults (envs.preset); given flags still win
-        parser.set_defaults(**E.preset(known.env, algo))
+    if "env" in names:  # --env calc brings its own defaults (calc.preset); given flags still win
+        parser.set_defaults(**calc.preset(known.env, algo))
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
     for a in sys.argv[1:]:
