@@ -6,6 +6,7 @@ its GDPO aggregation is a block inside _generate_and_score_completions, which th
 TRL's source and runs as it is. Each case draws a random batch and random settings, and compares
 the step's loss and its gradient with respect to the log-probs (float64; they agree to ~1e-15).
 .ci/run installs the pinned trl==1.16.0; without TRL these tests skip."""
+import functools
 import inspect
 import textwrap
 from collections import defaultdict
@@ -147,17 +148,23 @@ def test_the_earlier_objectives_still_equal_trls(kind):
         assert_same(want, got, lp)
 
 
-def trl_normalize_then_sum(rewards_per_func, weights, num_generations):
-    """TRL's GDPO block, cut from GRPOTrainer._generate_and_score_completions and run as it is."""
+@functools.cache
+def trl_gdpo_block():
+    """TRL's GDPO block, cut from GRPOTrainer._generate_and_score_completions, compiled."""
     source = textwrap.dedent(inspect.getsource(TRL._generate_and_score_completions))
     start = source.index('elif self.multi_objective_aggregation == "normalize_then_sum":')
     indent = start - source.rindex("\n", 0, start) - 1  # the elif's, and its else's
     block = source[start:source.index("\n" + " " * indent + "else:", start)].split("\n", 1)[1]
+    return compile(textwrap.dedent(block), "trl_gdpo_block", "exec")
+
+
+def trl_normalize_then_sum(rewards_per_func, weights, num_generations):
+    """TRL's GDPO block run as it is on these rewards (G = num_generations)."""
     scope = {"rewards_per_func": rewards_per_func, "num_generations": num_generations,
              "unscorable_mask": torch.zeros(len(rewards_per_func), dtype=torch.bool),
              "device": "cpu", "torch": torch, "nanstd": trl_grpo.nanstd,
              "self": SimpleNamespace(reward_funcs=weights, reward_weights=torch.tensor(weights))}
-    exec(textwrap.dedent(block), scope)
+    exec(trl_gdpo_block(), scope)
     return scope["advantages"]
 
 
