@@ -87,12 +87,16 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
     whole multi-turn sequence by one plain HF forward, at the model's positions, equal the
     sampler's own and the training forward's; observation positions hold the observation's
     tokens; and the positions the model forwards are the ideal: each distinct prompt once, and
-    each completion token once (but each row's last, which nothing reads)."""
+    each completion token once, up to each row's last sampled one (nothing reads what comes
+    after it: its EOS, an observation cut by the budget). (Counted: the
+    positions a forward feeds with attention 1; rows that ride along as padding, attention 0,
+    are not tokens.)"""
     model = tiny_model(arch, seed=2)
     model.generation_config.eos_token_id = list(range(2, 99, 9))  # turns of ~9 tokens
     forwarded = []
     hook = model.register_forward_pre_hook(
-        lambda m, a, kw: forwarded.append(kw["input_ids"].numel()), with_kwargs=True)
+        lambda m, a, kw: forwarded.append(int(kw["attention_mask"][
+            :, -kw["input_ids"].shape[1]:].sum())), with_kwargs=True)
     torch.manual_seed(0)
     prompts = C.encode_prompts(tok, PROMPTS * 2)
     env = always_env(" 12 ")
@@ -101,7 +105,9 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
     assert (roll.tool_calls >= 3).any() and (mask[:, :-1] < mask[:, 1:]).any()  # 0 -> 1: obs
     lengths = roll.attention_mask[:, roll.P:].sum(-1)
-    assert sum(forwarded) == len(PROMPTS) * roll.P + int((lengths - 1).sum())
+    # each row forwards every token before its last sampled one: nothing reads what follows
+    last = [int(m.nonzero().max()) for m in mask]
+    assert sum(forwarded) == sum(map(len, set(map(tuple, prompts)))) + sum(last)
     obs = tok(" 12 ", add_special_tokens=False)["input_ids"]
     for i in range(len(prompts)):  # row i: runs of model tokens and observation tokens
         n = int(lengths[i])
@@ -112,7 +118,8 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
             runs_[-1][1].append(x)
         assert all(ids == obs[:len(ids)] for m, ids in runs_ if m == 0)  # the last may be cut
         assert sum(m for m, _ in runs_) == int(roll.turns[i])
-        assert len(runs_) - int(roll.turns[i]) == int(roll.tool_calls[i])
+        shown = sum(1 for o in roll.observations[i] if o)  # (one at the budget's end is empty)
+        assert len(runs_) - int(roll.turns[i]) == shown
     ids, am = roll.ids, roll.attention_mask
     logits = model(input_ids=ids, attention_mask=am, position_ids=C.positions(am)).logits
     plain = logits[:, -T - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -T:, None])[..., 0]
