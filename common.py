@@ -112,8 +112,7 @@ def eos_ids(model, tok):
     return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
 
 
-class Request(NamedTuple):
-    """What sample() hands env_step for a row whose turn just ended."""
+class Request(NamedTuple):  # what sample() hands env_step for a row whose turn just ended
     row: int  # the row's index in the batch
     turn: list  # the turn's token ids, as sampled
     budget: int  # tokens left for the observation and all that follows it
@@ -121,13 +120,10 @@ class Request(NamedTuple):
 
 
 @dataclass
-class RowState:
-    """One row of sample() (nanochat's engine keeps the same): how far it is, and what it does.
-    state: "sample" (its next-token logits are ready), "wait" (its env call runs), "feed" (an
-    observation arrived, to go through the model at the next forward) or "done"."""
+class RowState:  # one row of sample(), as nanochat's engine keeps it
     n: int = 0  # tokens written so far, the model's and observations': the column of the next
     begun: int = 0  # the column where its current turn began
-    state: str = "sample"
+    state: str = "sample"  # its logits are ready; "wait": its env call runs; "feed": see below
     feed: list = field(default_factory=list)  # state "feed": the ids to forward (the turn's
     # last token, sampled but not yet forwarded, then the observation's)
 
@@ -183,19 +179,12 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
         while True:
             # 1. observations that arrived go through the model, for their rows only
             feeding = [j for j, i in enumerate(batch.tolist()) if rows[i].state == "feed"]
-            if feeding:  # each row's tokens at the right end, padding (attention 0) before
-                W = max(len(rows[i].feed) for i in batch[feeding].tolist())
-                obs_ids = torch.full((len(feeding), W), tok.pad_token_id, device=device)
-                block = torch.zeros(len(batch), W, dtype=torch.long, device=device)
-                for k, (j, i) in enumerate(zip(feeding, batch[feeding].tolist())):
-                    obs_ids[k, W - len(rows[i].feed):] = torch.tensor(rows[i].feed)
-                    block[j, W - len(rows[i].feed):] = 1
+            if feeding:  # plain: the whole batch, the others fed padding; here: these rows alone
+                feeds = [rows[i].feed for i in batch[feeding].tolist()]
+                logits[feeding], kv_mask = fastpath.feed_rows(forward, cache, kv_mask, feeding,
+                                                              feeds, tok.pad_token_id)
+                for i in batch[feeding].tolist():
                     rows[i].state, rows[i].feed = "sample", []
-                kv_mask = torch.cat([kv_mask, block], 1)
-                pos = kv_mask[feeding].cumsum(-1)[:, -W:] - 1  # positions(), past tokens included
-                # plain: the whole batch, the other rows fed padding; fastpath: these rows alone
-                logits[feeding] = fastpath.forward_rows(forward, cache, torch.tensor(
-                    feeding, device=device), obs_ids, kv_mask[feeding], pos.clamp(min=0))
             # 2. every row whose logits are ready draws its next token (logits: last column)
             drawing = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
                                    device=device)

@@ -5,7 +5,7 @@ hidden) (common._forward with its model bound): this file imports nothing of the
 
 - distinct, copy_to_rows: sample()'s prefill runs each distinct prompt once and copies its KV
   cache to every row of its group (GRPO's G rows, RLOO's k samples).
-- forward_rows, compact: a multi-turn sample() feeds an observation to its rows alone, the other
+- feed_rows, forward_rows, compact: a multi-turn sample() feeds an observation to its rows alone, the other
   rows' KV cache growing by empty (masked) columns, which compact drops once they are half of it.
 - final_hidden, head_logprobs: token_logprobs() without the padding columns, with a
   shared-prompt KV cache, and with the LM head run a chunk at a time on the final hidden states,
@@ -33,6 +33,23 @@ def copy_to_rows(cache, row_of):
     cache.batch_select_indices(row_of)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
+def feed_rows(forward, cache, mask, rows, feeds, pad_id):
+    """sample()'s observations: feeds[k], the ids of the batch's row rows[k], go through the
+    model in one forward, each row's ids at the right end with padding (attention 0) before them,
+    positions counting on from the row's tokens. Returns those rows' logits at the last column
+    (k, V) and the cache's attention mask (b, S + W), W the longest feed."""
+    W, device = max(map(len, feeds)), mask.device
+    ids = torch.full((len(rows), W), pad_id, device=device)
+    block = torch.zeros(len(mask), W, dtype=mask.dtype, device=device)
+    for k, (j, feed) in enumerate(zip(rows, feeds)):
+        ids[k, W - len(feed):] = torch.tensor(feed, device=device)
+        block[j, W - len(feed):] = 1
+    mask = torch.cat([mask, block], 1)
+    pos = (mask[rows].cumsum(-1)[:, -W:] - 1).clamp(min=0)  # common.positions, the past included
+    rows = torch.tensor(rows, device=device)
+    return forward_rows(forward, cache, rows, ids, mask[rows], pos), mask
 
 
 def forward_rows(forward, cache, rows, ids, mask, pos):

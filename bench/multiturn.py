@@ -151,7 +151,8 @@ def obs(C, E, L, T):
         times = []
         for _ in range(3):
             cache = DynamicCache()
-            model(input_ids=torch.full((rows_n, past), 9), cache=cache)
+            if past:
+                model(input_ids=torch.full((rows_n, past), 9), cache=cache)
             t0 = time.perf_counter()
             model(input_ids=torch.full((rows_n, width), 9), cache=cache,
                   position_ids=torch.arange(past, past + width).expand(rows_n, -1))
