@@ -143,12 +143,11 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
     turn ends at its first EOS or at the token that completes a `stop` string (greedy: the argmax,
     not a draw); without env_step the row is then done and leaves the batch and the cache.
-    With env_step (tool use: envs.start_episodes) a row whose turn ends sends a Request and
-    waits, costing nothing, while the other rows go on: env_step(requests, wait) starts their
-    calls and returns [(row, observation ids or None: the episode's end)] of the calls that have
-    finished (wait: block until one has). An observation goes through the same KV cache in one
-    forward (completion_mask 0, sample_logprobs 0), then the row samples again; no token is
-    forwarded twice. max_new_tokens counts observations too."""
+    With env_step (envs.start_episodes) it sends a Request and waits while the others go on:
+    env_step(requests, wait) starts their calls and returns [(row, observation ids, or None: the
+    episode ended)] of those finished (wait: block until one has). An observation goes through
+    the KV cache in one forward (completion_mask 0, sample_logprobs 0); no token is forwarded
+    twice. max_new_tokens counts observations too."""
     B, N, device = len(prompt_ids), max_new_tokens, next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, N), tok.pad_token_id, device=device)  # row i's tokens at columns 0..n-1
@@ -249,8 +248,8 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
             going = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
                                  device=device)
             if going.any():
-                col = torch.tensor([rows[i].n - 1 for i in batch.tolist()], device=device)
-                nxt = torch.where(going, out[batch, col.clamp(min=0)], tok.pad_token_id)
+                nxt = torch.tensor([int(out[i, rows[i].n - 1]) if rows[i].state == "sample"
+                                    else tok.pad_token_id for i in batch.tolist()], device=device)
                 pos = kv_mask.sum(-1, keepdim=True)  # the new token's position
                 kv_mask = torch.cat([kv_mask, going[:, None].long()], 1)
                 step = _forward(model, nxt[:, None], kv_mask, pos, cache, keep=1).logits[:, -1]

@@ -5,8 +5,8 @@ hidden) (common._forward with its model bound): this file imports nothing of the
 
 - distinct, copy_to_rows: sample()'s prefill runs each distinct prompt once and copies its KV
   cache to every row of its group (GRPO's G rows, RLOO's k samples).
-- feed_rows, forward_rows, compact: a multi-turn sample() feeds an observation to its rows alone, the other
-  rows' KV cache growing by empty (masked) columns, which compact drops once they are half of it.
+- feed_rows, forward_rows, compact: a multi-turn sample() feeds an observation to its rows
+  alone, the others' KV cache growing by empty (masked) columns; compact drops them.
 - final_hidden, head_logprobs: token_logprobs() without the padding columns, with a
   shared-prompt KV cache, and with the LM head run a chunk at a time on the final hidden states,
   so that neither forward nor backward holds the (B, T, V) logits (at a 151k vocabulary, the
@@ -53,11 +53,10 @@ def feed_rows(forward, cache, mask, rows, feeds, pad_id):
 
 
 def forward_rows(forward, cache, rows, ids, mask, pos):
-    """forward(ids, mask, pos, cache) for some rows of the batch only (sample() feeding their
-    observations): rows (k,) their indices in the cache, ids and pos (k, W), mask (k, S + W).
-    The plain version forwards the whole batch, the other rows fed W padding tokens with
-    attention 0; here those rows get W columns of zeros instead, which their attention mask
-    hides just the same. Returns the k rows' logits at the last column (k, V)."""
+    """forward(ids, mask, pos, cache) for the batch's rows `rows` (k,) alone: ids, pos (k, W),
+    mask (k, S + W). The plain version forwards the whole batch, the others fed padding with
+    attention 0; here they get W columns of zeros, hidden by their attention mask just the same.
+    Returns the k rows' logits at the last column (k, V)."""
     part = DynamicCache([(layer.keys[rows], layer.values[rows]) for layer in cache.layers])
     logits = forward(ids, mask, pos, part, keep=1).logits[:, -1]
     W = ids.shape[1]

@@ -17,7 +17,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_BUDGETS = {"grpo.py": 806, "ppo.py": 807, "reinforce.py": 775}  # held by a test
+STEP_BUDGETS = {"grpo.py": 894, "ppo.py": 895, "reinforce.py": 863}  # held by a test
 
 
 def project_functions(root=ROOT):
