@@ -39,7 +39,9 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load(repo):
     sys.path.insert(0, repo)
-    return [importlib.import_module(m) for m in ("common", "envs", "loading", "tasks")]
+    where = "plumbing." if os.path.isdir(os.path.join(repo, "plumbing")) else ""  # older: top
+    return [importlib.import_module(m) for m in ("common", f"{where}envs", f"{where}loading",
+                                                  f"{where}tasks")]
 
 
 def run_rollout(C, E, model, tok, prompt_ids, env, rows, max_turns, budget):

@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM
 
 import common as C
 import grpo
-import loading
+from plumbing import loading
 import ppo
-import runs
+from plumbing import runs
 
 from tests.helpers import PROMPTS, run_main, run_script, tiny_config, tiny_model
 
@@ -18,7 +18,7 @@ from tests.helpers import PROMPTS, run_main, run_script, tiny_config, tiny_model
 def test_bundled_models_load_offline():
     code = ("from transformers import AutoModelForCausalLM as A;"
             "from transformers import AutoModelForSequenceClassification as S;"
-            "import loading;"
+            "from plumbing import loading;"
             "A.from_pretrained(loading.DEFAULT_POLICY);"
             "S.from_pretrained(loading.DEFAULT_REWARD_MODEL)")
     r = run_script("-c", code)  # python -c code, offline as every script run here
