@@ -17,7 +17,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_BUDGETS = {"grpo.py": 818, "ppo.py": 819, "reinforce.py": 787}  # held by a test
+STEP_BUDGETS = {"grpo.py": 906, "ppo.py": 907, "reinforce.py": 875}  # held by a test
 
 
 def project_modules(root=ROOT):
