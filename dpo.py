@@ -132,7 +132,8 @@ def reference_logprobs(ref, batch, amp):
 def encode_rows(tok, rows, chat_template):
     """Each row's completions as (prompt ids, completion ids + EOS), the prompt encoded as the RL
     scripts encode it (chat template and all)."""
-    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], chat_template)
+    with loading.template_errors(tok):  # e.g. Gemma's 'System role not supported'
+        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], chat_template)
     for r, p in zip(rows, prompt_ids):
         r["ids"] = [(p, tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
                     for c in r["completions"]]

@@ -86,7 +86,7 @@ class Args:
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
     max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
@@ -380,7 +380,7 @@ def main():
     amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    loading.check_prompts(tok, model, data.rows, args)
+    loading.check_prompts(tok, model, data.rows, args, env.tools if env else None)
     ref = None  # kl_coef = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.kl_coef > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(

@@ -89,7 +89,7 @@ class Args:
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
     max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
@@ -256,7 +256,7 @@ def main():
     amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    loading.check_prompts(tok, model, data.rows, args)
+    loading.check_prompts(tok, model, data.rows, args, env.tools if env else None)
     ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.beta > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(

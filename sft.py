@@ -139,7 +139,9 @@ def read_demonstrations(path, tok, chat_template, limit, last_turn_only=False):
     examples = []
     for where, row in tasks.read_records(path):  # JSON lines, JSON, CSV, parquet, hf:...
         demo = tasks.demonstration(row, where)
-        p, ids, mask = tasks.encode_demonstration(tok, demo, chat_template, last_turn_only, where)
+        with loading.template_errors(tok, f"{where}: "):  # Gemma: 'System role not supported'
+            p, ids, mask = tasks.encode_demonstration(tok, demo, chat_template, last_turn_only,
+                                                      where)
         if limit and len(p) + len(ids) > limit:
             raise C.UserError(f"{where}: {len(p) + len(ids)} tokens, more than the model's "
                               f"context of {limit}")

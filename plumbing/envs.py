@@ -18,6 +18,7 @@ import json
 import queue
 import re
 import threading
+import time
 
 import torch
 from transformers.utils import get_json_schema
@@ -31,44 +32,43 @@ from plumbing import calc
 ENV_TIMEOUT_S = 10.0  # --env_timeout's default: a call slower than this stops the run
 
 
-def call_all(calls, limit):
-    """Run calls (functions of no argument) at the same time, each in a thread of its own, and
-    return their results in order; what a call raises, SystemExit and KeyboardInterrupt too, is
-    raised here. A call still running after `limit` seconds raises TimeoutError(its index).
+def submit(call):
+    """Start call() (a function of no argument) in a thread of the pool and return its Future,
+    which holds its result or what it raised (SystemExit and KeyboardInterrupt too).
     Threads, not processes: an episode's state (its row, an env object) stays in this process from
     call to call, with nothing to pickle; a call that never returns cannot be killed, but it runs
     in a daemon thread, which ends with the run. (A tool running native code that never releases
-    Python's lock would block this too: run such code in a subprocess with its own timeout.) The
-    threads wait for the next calls rather than end: starting one costs more than a quick env."""
+    Python's lock would block this too: run such code in a subprocess, as python_tool.py does.)
+    The threads wait for the next calls rather than end: starting one costs more than a quick
+    env."""
     with _POOL["lock"]:
-        for _ in range(len(calls) - _POOL["free"]):  # a thread for each call that has none free
+        if _POOL["free"] == 0:  # no thread free: one more
             threading.Thread(target=_worker, daemon=True).start()
             _POOL["free"] += 1
-        _POOL["free"] -= len(calls)  # these calls take them
-    futures = [concurrent.futures.Future() for _ in calls]
-    for call, future in zip(calls, futures):
-        _POOL["jobs"].put((call, future))
-    _, late = concurrent.futures.wait(futures, timeout=limit)
-    if late:
-        raise TimeoutError(min(futures.index(f) for f in late))
-    return [f.result() for f in futures]
+        _POOL["free"] -= 1  # this call takes one
+    future = concurrent.futures.Future()
+    _POOL["jobs"].put((call, future))
+    return future
 
 
-_POOL = {"jobs": queue.SimpleQueue(), "free": 0, "lock": threading.Lock()}  # call_all's threads
+_POOL = {"jobs": queue.SimpleQueue(), "free": 0, "lock": threading.Lock()}  # submit's threads
 
 
 def _worker():
     while True:
-        call, future = _POOL["jobs"].get()
+        job = _POOL["jobs"].get()
+        call, future = job
         try:
             future.set_result(call())
         except BaseException as e:  # noqa: B036 -- SystemExit too: shown as one line, exit 2
             future.set_exception(e)
+        # the call (its episode, through the closure) goes now, not when the next job comes
+        del job, call, future
         with _POOL["lock"]:
             _POOL["free"] += 1
 
 
-def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
+def load_env(spec, tools="", timeout=ENV_TIMEOUT_S, budget=None):
     """--env (calc, FILE.py:FUNCTION, FILE.py:Class or module:name) or --tools -> the run's
     environment, or None: a namespace with start(rows, tok, max_turns) -> (env_step, finish) for
     common.sample and common.generate, and tools, the JSON schemas that the prompts' chat
@@ -76,7 +76,8 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
     copy of the row: a function env(row, turns) -> str | None is called with that copy; a class
     is built as Class(row) and its step(turns) called. Every error is one line naming the env
     and the row: a raise (even SystemExit), a result that is not a string, token ids or None,
-    or a call slower than `timeout` seconds (--env_timeout)."""
+    or a call slower than `timeout` seconds (--env_timeout). budget (--max_new_tokens): --tools
+    cuts each result to it as text, before it is rendered or tokenized."""
     if spec and tools:
         raise C.UserError("give --env or --tools, not both: --tools is an env of its own")
     if tools:
@@ -87,8 +88,9 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
             if not any(t is tok for t in checked):  # once, not at every rollout
                 check_tool_format(tok, schemas)
                 checked.append(tok)
-            return start_episodes(rows, lambda row: ToolEpisode(row, tok, functions, schemas),
-                                  f"--tools {tools!r}", timeout, tok, max_turns)
+            return start_episodes(
+                rows, lambda row: ToolEpisode(row, tok, functions, schemas, budget),
+                f"--tools {tools!r}", timeout, tok, max_turns)
         return C.SimpleNamespace(tools=schemas, start=start)
     if not spec:
         return None
@@ -101,16 +103,17 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S):
 
 def start_episodes(rows, make, who, timeout, tok, max_turns=1):
     """One episode per row, each made (on its first call) from a deep copy of its row and keeping
-    its own turns and observations. Returns env_step(requests) for common.sample: [(row index, the
-    turn's token ids, budget left, the EOS the turn ended on)] -> each row's observation ids
-    (observation_ids: cut to the budget) or None, the rows' calls run at the same time
-    (call_all), and None after a row's max_turns-th turn (no call); and finish(roll), which puts
-    on the rollout what the episodes saw. who: the env, as errors name it ("--env 'calc'")."""
+    its own turns and observations. Returns env_step(requests, wait) for common.sample, which
+    starts each row's call in a thread of its own (submit) and hands back the observations of
+    the calls that have finished (observation_ids: cut to the budget), or None for an episode
+    that ended (the env's None, or no call after its max_turns-th turn); and finish(roll), which
+    puts on the rollout what the episodes saw. who: the env, as errors name it ("--env 'calc'")."""
     copies = [copy.deepcopy(r) for r in rows]
     episodes = [None] * len(rows)  # made on the first call: a function env's row, or an object
     # each row's turns (texts), observations (as the model reads them), whether one was cut by the
     # budget, and the column where its next turn begins
     seen = [C.SimpleNamespace(turns=[], observations=[], cut=False, begun=0) for _ in rows]
+    vocab = len(tok)  # the token ids an env may return
 
     def where(i, turns):  # the row an error names
         return f"on the row with prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)}"
@@ -130,30 +133,53 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
         if out is not None and not isinstance(out, str) and not ids:
             raise C.UserError(f"{who} returned {type(out).__name__} {out!r:.40} "
                               f"({where(i, turns)}): return the observation text, or None to end")
+        bad = [x for x in out if not 0 <= x < vocab] if ids else []  # no embedding row for it
+        if bad:
+            raise C.UserError(f"{who} returned token id {bad[0]}, outside the vocabulary (0 to "
+                              f"{vocab - 1}) ({where(i, turns)})")
         return out
 
-    def env_step(requests):  # [(row, turn ids, budget left, EOS it ended on)] -> observations
-        for i, ids, _, _ in requests:
-            seen[i].turns.append(tok.decode(ids, skip_special_tokens=True))
-            seen[i].begun += len(ids)
-        asking = [i for i, _, _, _ in requests if len(seen[i].turns) < max_turns]  # not the last
-        try:
-            outs = call_all([functools.partial(call, i, list(seen[i].turns)) for i in asking],
-                            timeout)
-        except TimeoutError as e:
-            i = asking[e.args[0]]
-            raise C.UserError(f"{who} took more than {timeout:g} s "
-                              f"{where(i, seen[i].turns)} (--env_timeout)") from None
-        outs = dict(zip(asking, outs))  # None: the episode ended (the env's None, or max_turns)
+    running = {}  # row -> (its call's Future, when it started, its Request)
+
+    def env_step(requests, wait=False):
+        """Start the calls of the rows whose turns just ended (a common.Request each) and return
+        [(row, observation ids or None)] of the calls that have finished, in row order; wait:
+        block until one has. A call past its deadline stops the run, even while others decode."""
+        for req in requests:
+            s = seen[req.row]
+            s.turns.append(tok.decode(req.turn, skip_special_tokens=True))
+            s.begun += len(req.turn)
+            if len(s.turns) < max_turns:
+                future = submit(functools.partial(call, req.row, list(s.turns)))
+            else:  # its last turn: no call, the episode ends
+                future = concurrent.futures.Future()
+                future.set_result(None)
+            running[req.row] = (future, time.monotonic(), req)
+        while True:
+            now = time.monotonic()
+            late = sorted(i for i, (f, t0, _) in running.items() if not f.done() and
+                          now - t0 > timeout)
+            if late:
+                raise C.UserError(f"{who} took more than {timeout:g} s "
+                                  f"{where(late[0], seen[late[0]].turns)} (--env_timeout)")
+            ready = sorted(i for i, (f, _, _) in running.items() if f.done())
+            if ready or not wait or not running:
+                break
+            first = min(t0 for _, t0, _ in running.values())  # the next deadline to check
+            concurrent.futures.wait([f for f, _, _ in running.values()],
+                                    timeout=min(60.0, max(0.0, first + timeout - now) + 0.01),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         answers = []
-        for i, _, left, end in requests:
-            out = outs.get(i)
-            ids, cut = (None, False) if out is None else observation_ids(tok, out, left, end)
+        for i in ready:
+            future, _, req = running.pop(i)
+            out = future.result()  # what the env returned, or its error as one line
+            ids, cut = (None, False) if out is None else observation_ids(tok, out, req.budget,
+                                                                         req.eos)
             if ids is not None:
                 seen[i].observations.append(tok.decode(ids))
                 seen[i].cut |= cut
                 seen[i].begun += len(ids)
-            answers.append(ids)
+            answers.append((i, ids))
         return answers
 
     def finish(roll):
@@ -182,15 +208,24 @@ def text_ids(tok, text):
     return tok(text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
 
 
+def cut_text(tok, text, n):
+    """The start of text that holds its first n tokens and a little more, so that a 1 MB output
+    is never tokenized whole: 32 characters a token, more where the tokenizer packs more."""
+    chars = 32 * n + 32
+    while chars < len(text) and len(text_ids(tok, text[:chars])) <= n:
+        chars *= 4
+    return text[:chars]
+
+
 def observation_ids(tok, obs, left, end=None):
     """An observation as the token ids fed to the model, cut to the `left` of the budget, and
-    whether it was cut. Text (text_ids) is cut before it is tokenized (a token spans few
-    characters). Token ids (chat_observation's: the chat template's own markers) are fed as they
-    are; when the turn ended on the model's own EOS `end` and the ids begin with it (the
-    template's end-of-turn tag), the model's token stands for the template's."""
+    whether it was cut. Text (text_ids) is cut before it is tokenized (cut_text). Token ids
+    (chat_observation's: the chat template's own markers) are fed as they are; when the turn
+    ended on the model's own EOS `end` and the ids begin with it (the template's end-of-turn
+    tag), the model's token stands for the template's."""
     if isinstance(obs, str):
-        ids = text_ids(tok, obs[:32 * left + 32])
-        return ids[:left], len(ids) > left or 32 * left + 32 < len(obs)
+        ids = text_ids(tok, cut_text(tok, obs, left))
+        return ids[:left], len(ids) > left
     ids = obs[1:] if end is not None and obs[:1] == [end] else obs
     return ids[:left], len(ids) > left
 
@@ -206,125 +241,180 @@ def from_args(args):
     if args.eval_sampled and args.eval_samples < 1:
         raise C.UserError("--eval_sampled scores mean@k of --eval_samples k samples: give "
                           "--eval_samples k (k >= 1)")
-    return load_env(args.env, args.tools, args.env_timeout)
+    return load_env(args.env, args.tools, args.env_timeout, args.max_new_tokens)
 
 
 # ------------------------------------------------------------------------ chat models' format
+TURN = "minrl0turn"  # stands for the model's turn in the template's rendering
 RESULT = "minrl0tool0result{}"  # where each tool result goes in the template's rendering
 
 
-def chat_observation(tok, messages, turn, results, tools=None):
-    """Tool results in a chat model's own format, as token ids: the chat template rendered for the
-    conversation with the model's turn and one tool message per result, minus its rendering up
-    to the end of the turn. That difference (the turn's end tag, the tool messages, the next
-    assistant header) is the observation: the template's markers are its own tokens, special
-    ones included, and each result is tokenized as text (text_ids: never a special token).
-    messages: the conversation before this turn (the prompt, earlier turns and tool messages);
-    tools: the schemas the prompt was rendered with. A turn that ended on the model's
-    own end-of-turn token keeps it, and observation_ids drops the template's copy of it."""
+def chat_observation(tok, messages, results, tools=None, names=None):
+    """Tool results in a chat model's own format, as token ids that follow the model's turn as it
+    was sampled (token in, token out). The turn is never rendered again: Qwen3's template rewrites
+    an assistant turn (it drops an empty think block, strips newlines) and Qwen3.5's adds a think
+    block to one, so "the conversation with the turn" is not a prefix of "... and the tool
+    message" there. Instead the template renders the conversation, a stand-in turn (TURN) and one
+    tool message per result, and what follows the stand-in is the observation: the turn's end tag,
+    the tool messages and the next assistant header (Qwen3.5's '<think>\\n' too). The template's
+    markers are its own tokens, special ones included; each result, as the template shows it (as
+    it is, trimmed, quoted as JSON), is tokenized as text (text_ids: never a special token).
+    messages: the conversation before this turn; tools: the schemas the prompt was rendered with;
+    names: each result's tool. A turn that ended on the model's own end-of-turn token keeps it,
+    and observation_ids drops the template's copy of it (the first id)."""
     results = [results] if isinstance(results, str) else list(results)
+    marks = [RESULT.format(k) for k in range(len(results))]
 
-    def render(conversation):
-        return tok.apply_chat_template(conversation, tools=tools, tokenize=False,
-                                       add_generation_prompt=True)
-    head = render(messages) + turn
-    whole = render(messages + [{"role": "assistant", "content": turn}]
-                   + [{"role": "tool", "content": RESULT.format(k)} for k in range(len(results))])
-    if not whole.startswith(head):
-        raise C.UserError("the chat template does not render the conversation as a prefix of "
-                          "itself plus a tool message: build the observation by hand")
-    rest, ids = whole[len(head):], []
+    def render(contents):  # the conversation, the stand-in turn, one tool message per content
+        tail = [{"role": "tool", "content": c, **({"name": n} if n else {})}
+                for c, n in zip(contents, names or [None] * len(contents))]
+        with loading.template_errors(tok, "--tools: "):
+            return tok.apply_chat_template(
+                messages + [{"role": "assistant", "content": TURN}] + tail, tools=tools,
+                tokenize=False, add_generation_prompt=True)
+    whole = render(marks)
+    at = [whole.rfind(m) for m in marks]
+    begin = whole.rfind(TURN, 0, at[0]) + len(TURN)
+    if begin < len(TURN) or min(at) < 0 or sorted(at) != at:
+        raise C.UserError("--tools: the chat template does not show an assistant turn's text and "
+                          "each tool message's content: write an --env that answers the model")
+    ids = []
     for k, result in enumerate(results):
-        markup, found, rest = rest.partition(RESULT.format(k))
-        if not found:
-            raise C.UserError("the chat template does not show a tool message's content as it "
-                              "is: build the observation by hand")
-        ids += tok(markup, add_special_tokens=False)["input_ids"]
-        ids += text_ids(tok, result)
-    return ids + tok(rest, add_special_tokens=False)["input_ids"]
+        ids += tok(whole[begin:at[k]], add_special_tokens=False)["input_ids"]  # markers
+        before, after = whole[:at[k]], whole[at[k] + len(marks[k]):]
+        shown = render(marks[:k] + [result] + marks[k + 1:])  # the result as the template shows it
+        fits = shown.startswith(before) and shown.endswith(after) and len(shown) >= len(whole) - \
+            len(marks[k])
+        ids += text_ids(tok, shown[len(before):len(shown) - len(after)] if fits else result)
+        begin = at[k] + len(marks[k])
+    return ids + tok(whole[begin:], add_special_tokens=False)["input_ids"]
 
 
 # ----------------------------------------------------------------------------------- --tools
-TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes, Qwen2.5 / Qwen3
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes, Qwen2.5 to 3.5
+FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)  # Qwen3.5's XML calls
+PARAMETER = re.compile(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", re.S)
+LLAMA_CALL = re.compile(r'\s*\{\s*"name"\s*:')  # Llama 3.1 / 3.2: a turn that starts a call
 
 
 def load_tools(spec):
     """--tools FILE.py:NAME[,NAME...] (or module:name,...) -> ({name: function}, JSON schemas).
     Each tool is a plain function with type hints and a Google-style docstring (Args: ...), from
-    which transformers' get_json_schema writes the schema the chat template shows the model."""
-    where, _, names = spec.rpartition(":")
+    which transformers' get_json_schema writes the schema the chat template shows the model. The
+    file is imported once: its tools share its module state."""
     functions, schemas = {}, []
-    for name in names.split(","):
-        fn = loading.load_function("--tools", f"{where}:{name.strip()}",
-                                   "write path/to/file.py:name[,name...] or module:name[,name]")
+    for fn in loading.load_function("--tools", spec, "write path/to/file.py:name[,name...] or "
+                                    "module:name[,name]", several=True):
         try:
             schemas.append(get_json_schema(fn))
         except Exception as e:  # no type hints, no docstring, an argument it does not describe
-            raise C.UserError(f"--tools: {name.strip()!r} has no schema: {first_line(e)} "
+            raise C.UserError(f"--tools: {fn.__name__!r} has no schema: {first_line(e)} "
                               "(give every argument a type hint and a line under Args:)") from None
-        functions[schemas[-1]["function"]["name"]] = fn
+        name = schemas[-1]["function"]["name"]
+        if name in functions:
+            raise C.UserError(f"--tools {spec!r} names the tool {name!r} twice: list each once")
+        functions[name] = fn
     return functions, schemas
 
 
-def check_tool_format(tok, schemas):
-    """--tools needs a chat template that renders the tools, and calls in a format read here:
-    the tokenizer's response parser (transformers' response_template), or Hermes / Qwen JSON
-    in <tool_call>...</tool_call>. Anything else is refused in one line."""
-    chat = [{"role": "user", "content": "hi"}]
+def call_format(tok):
+    """How --tools reads a model's calls: 'parser' (the tokenizer's response parser,
+    transformers' response_template), 'tags' (<tool_call>...</tool_call>: Hermes and Qwen2.5 / 3
+    JSON, Qwen3.5's <function=NAME> XML), 'json' (Llama 3.1 / 3.2: the turn is one JSON object
+    {"name": ..., "parameters": ...}), or None."""
     template = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
-    if not tok.chat_template or (tok.apply_chat_template(chat, tools=schemas, tokenize=False)
-                                 == tok.apply_chat_template(chat, tokenize=False)):
-        raise C.UserError("--tools needs a model whose chat template renders tools (e.g. Qwen2.5 "
-                          "or Qwen3 instruct); this one shows the model no tools")
-    if not getattr(tok, "response_template", None) and "<tool_call>" not in template:
-        raise C.UserError("--tools reads calls through the tokenizer's response parser, or as "
-                          "Hermes / Qwen <tool_call>{json}</tool_call>; this chat template uses "
-                          "neither: write an --env that parses its calls")
+    if getattr(tok, "response_template", None):
+        return "parser"
+    return "tags" if "<tool_call>" in template else "json" if '"parameters"' in template else None
+
+
+def check_tool_format(tok, schemas):
+    """--tools needs a chat template that renders the tools and tool messages, and calls in a
+    format read here (call_format). Anything else is refused in one line, before the run."""
+    chat = [{"role": "user", "content": "hi"}]
+    with loading.template_errors(tok, "--tools: "):
+        if not tok.chat_template or (tok.apply_chat_template(chat, tools=schemas, tokenize=False)
+                                     == tok.apply_chat_template(chat, tokenize=False)):
+            raise C.UserError("--tools needs a model whose chat template renders tools (e.g. "
+                              "Qwen2.5, Qwen3 or Llama 3.1 instruct); this one shows the model no "
+                              "tools")
+    if call_format(tok) is None:
+        raise C.UserError("--tools reads calls through the tokenizer's response parser, as "
+                          "<tool_call>...</tool_call> (Hermes, Qwen) or as Llama 3.1's JSON; this "
+                          "chat template uses none of them: write an --env that parses its calls")
+    chat_observation(tok, chat, ["x", "y"], schemas)  # it shows a turn and two tool messages
+
+
+def read_call(body, schemas):
+    """One call's text -> (name, arguments), or (None, why) when it cannot be read: JSON
+    {"name": ..., "arguments" or "parameters": {...}}, or Qwen3.5's <function=NAME> with a
+    <parameter=KEY> block per argument (a value is text where the schema says string, else JSON
+    when it reads as JSON)."""
+    xml = FUNCTION.match(body)
+    if xml:
+        types = {s["function"]["name"]: s["function"].get("parameters", {}).get("properties", {})
+                 for s in schemas}.get(xml.group(1).strip(), {})
+        arguments = {}
+        for key, value in PARAMETER.findall(xml.group(2)):
+            try:
+                typed = types.get(key, {}).get("type") != "string"
+                arguments[key] = json.loads(value) if typed else value
+            except (ValueError, RecursionError):
+                arguments[key] = value
+        return xml.group(1).strip(), arguments
+    try:
+        call = json.loads(body)
+    except (ValueError, RecursionError):  # not JSON, or nested deeper than Python recurses
+        call = None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        return None, f"the call is not JSON with a name and arguments: {body[:80]}"
+    return call["name"], call.get("arguments", call.get("parameters", {}))
 
 
 def parse_calls(tok, text, schemas):
-    """The tool calls in a model turn, in the model's own format: [(name, arguments)], or
-    (None, why) for a call that cannot be read."""
-    if getattr(tok, "response_template", None):  # the tokenizer's own parser (transformers)
+    """The tool calls in a model turn, in the model's own format (call_format): [(name,
+    arguments)], or (None, why) for a call that cannot be read."""
+    form = call_format(tok)
+    if form == "parser":  # the tokenizer's own parser (transformers)
         try:
             message = tok.parse_response(text, tools=schemas)
+            found = [c.get("function", c) for c in message.get("tool_calls") or []]
+            return [(c.get("name"), c.get("arguments", {})) for c in found]
         except Exception as e:
-            return [(None, f"the call could not be parsed: {first_line(e)}")]
-        found = [c.get("function", c) for c in message.get("tool_calls") or []]
-        return [(c.get("name"), c.get("arguments", {})) for c in found]
-    calls = []
-    for body in TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body)
-            calls.append((call["name"], call.get("arguments", {})))
-        except (ValueError, KeyError, TypeError):
-            calls.append((None, f"the call is not JSON with a name and arguments: {body[:80]}"))
-    return calls
+            return [(None, f"the call could not be parsed: {first_line(e)[:200]}")]
+    if form == "json":  # Llama 3.1: a turn that is one JSON object {"name": ...} is a call
+        return [read_call(text.strip(), schemas)] if LLAMA_CALL.match(text) else []
+    return [read_call(body, schemas) for body in TOOL_CALL.findall(text)]
 
 
 def run_tool(functions, name, arguments):
-    """One call's result as text; a bad call or a raising tool becomes 'error: ...' (the model
-    sees it: a mistake to learn from, never a crash of the run)."""
+    """One call -> (its result as text, whether it failed). A call that cannot be read, an unknown
+    tool, arguments that are not an object, a tool that raises and a result that cannot be written
+    as JSON become 'error: ...' (the model sees it: a mistake to learn from, never a crash)."""
     if name is None:
-        return f"error: {arguments}"
-    if name not in functions:
-        return f"error: no tool {name!r}; the tools are {', '.join(functions)}"
+        return f"error: {arguments}", True
+    if not isinstance(name, str) or name not in functions:
+        return f"error: no tool {name!r:.60}; the tools are {', '.join(functions)}", True
     if not isinstance(arguments, dict):
-        return f"error: the arguments of {name!r} must be a JSON object"
+        return f"error: the arguments of {name!r} must be a JSON object", True
     try:
         result = functions[name](**arguments)
     except Exception as e:
-        return f"error: {type(e).__name__}: {first_line(e)}"
-    return result if isinstance(result, str) else json.dumps(result, default=str)
+        return f"error: {type(e).__name__}: {first_line(e)[:200]}", True
+    try:
+        return (result if isinstance(result, str) else json.dumps(result, default=str)), False
+    except Exception as e:  # a circular or too deep structure, keys that are not text
+        return f"error: {name!r} returned what JSON cannot hold: {first_line(e)[:200]}", True
 
 
 class ToolEpisode:
     """One episode of --tools: its conversation so far, as chat messages, and its calls. After
     each model turn, step() runs the turn's calls and returns their results in the chat template's
-    format (chat_observation), or None when the turn made no call: it was the answer."""
+    format (chat_observation), or None when the turn made no call: it was the answer. budget
+    (max_new_tokens): each result is cut to it as text (cut_text) before it is rendered."""
 
-    def __init__(self, row, tok, functions, schemas):
-        self.tok, self.functions, self.schemas = tok, functions, schemas
+    def __init__(self, row, tok, functions, schemas, budget=None):
+        self.tok, self.functions, self.schemas, self.budget = tok, functions, schemas, budget
         self.messages = C.as_messages(row["prompt"])  # the prompt, then turns and results
         self.calls = []  # (tool name, succeeded) of every call: runs.tool_metrics
 
@@ -332,9 +422,13 @@ class ToolEpisode:
         calls = parse_calls(self.tok, turns[-1], self.schemas)
         if not calls:
             return None
-        results = [run_tool(self.functions, name, arguments) for name, arguments in calls]
-        self.calls += [(name, not r.startswith("error:")) for (name, _), r in zip(calls, results)]
-        obs = chat_observation(self.tok, self.messages, turns[-1], results, self.schemas)
+        done = [run_tool(self.functions, name, arguments) for name, arguments in calls]
+        results = [r if self.budget is None else cut_text(self.tok, r, self.budget)
+                   for r, _ in done]
+        names = [name if isinstance(name, str) else None for name, _ in calls]
+        self.calls += [(name, not failed) for (name, _), (_, failed) in zip(calls, done)]
+        obs = chat_observation(self.tok, self.messages, results, self.schemas, names)
         self.messages = self.messages + [{"role": "assistant", "content": turns[-1]}] + [
-            {"role": "tool", "name": name, "content": r} for (name, _), r in zip(calls, results)]
+            {"role": "tool", "content": r, **({"name": n} if n else {})}
+            for r, n in zip(results, names)]
         return obs

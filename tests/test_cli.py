@@ -344,6 +344,8 @@ def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
     for argv, message in ((["--seeds", "0"], "--seeds must be >= 1, not 0"),
                           (["--samples", "-5"], "--samples must be >= 1, not -5"),
                           (["--algos", ""], "--algos names no algorithm; known: ['reinforce'"),
+                          (["--algos", "grpo,ppo,grpo"], "--algos names grpo twice"),
+                          (["--seeds", str(10**21)], "--seeds must be <= 100, not 1000000"),
                           (["--task", "calc", "--algos", "ppo-math"], "leaves out ppo-math"),
                           (["--threads", "100000"], "--threads must be <= "),
                           (["--output_dir", str(tmp_path / "file")], "that is a file"),

@@ -84,6 +84,25 @@ def test_check_docs_claims_quote_the_docs_and_their_commands_use_real_flags():
     assert not check_docs.drifted("70", 164.6, 2.0) and check_docs.drifted("70", 230.0, 2.0)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--keep", "{file}", "--only", "calc"], "--keep {file}: that is a file, not a folder"),
+    (["--skip", ""], "--skip '': an empty pattern matches every claim"),
+    (["--only", "no-such-claim"], "no claim matches --only ['no-such-claim']"),
+    (["--skip", "."], "--skip ['.'] leaves out every claim")])
+def test_check_docs_refuses_bad_flags_in_one_line(argv, message, tmp_path, monkeypatch, capsys):
+    """Before any command runs: exit 2 and one line naming the flag (not a traceback, nor a line
+    blaming --only for what --skip did)."""
+    (tmp_path / "file").write_text("x")
+    argv = [a.format(file=tmp_path / "file") for a in argv]
+    monkeypatch.setattr(sys, "argv", ["check_docs.py", *argv])
+    monkeypatch.setattr(check_docs, "run_command", None)  # nothing may run
+    with pytest.raises(SystemExit) as e:
+        check_docs.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"error: {message.format(file=tmp_path / 'file')}; "
+                                         "see --help"], err
+
+
 def test_shown_commands_finds_block_inline_and_continued_commands():
     text = ("Run `python grpo.py --help` or\n\n"
             "    python ppo.py --lr 1 \\\n        --seed 2  # why\n"

@@ -17,7 +17,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_BUDGETS = {"grpo.py": 862, "ppo.py": 812, "reinforce.py": 799}  # held by a test
+STEP_BUDGETS = {"grpo.py": 957, "ppo.py": 907, "reinforce.py": 894}  # held by a test
 
 
 def project_modules(root=ROOT):
