@@ -371,7 +371,10 @@ def main():
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
-                    entropy = entropy.detach()  # only logged: its graph goes, backward skips it
+                    # entropy (B, T) has a gradient, as logprobs do; here it is only logged, so
+                    # its graph goes. An entropy bonus: delete this line and, before backward,
+                    # loss = loss - coef * (entropy * mask[mb]).sum() / n_tokens (ppo's ent_coef)
+                    entropy = entropy.detach()
                     old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
                     ref_mb = ref_logprobs[mb] if ref_logprobs is not None else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight

@@ -158,16 +158,28 @@ def test_every_module_keeps_the_line_budget_the_readme_states():
     assert len(rows) >= 12  # common, errors, fastpath, envs, the plumbing, the six scripts
     for name, budget in rows:
         with open(os.path.join(ROOT, name)) as f:
-            assert len(f.read().splitlines()) <= int(budget), f"{name} is over its {budget} lines"
+            n = len(f.read().splitlines())
+        assert n <= int(budget), (
+            f"{name}: {n} lines, over the {budget} of the README's table. Delete what it no "
+            "longer needs (a budget is a signal to delete, not to abstract), or, if the lines "
+            "earn their place, raise its row in README.md's table")
 
 
-def test_each_rl_step_keeps_its_reading_budget_in_four_files():
-    """tools/step_cost.py: one step of grpo, ppo and reinforce (the loop and what it reaches) stays
-    within its budget in lines, in at most four files: the script, common, fastpath, runs."""
-    for script, budget in step_cost.STEP_BUDGETS.items():
+def test_each_rl_step_reads_four_files_under_a_generous_ceiling():
+    """tools/step_cost.py: one step of grpo, ppo and reinforce (the loop and what it reaches)
+    stays in four files (the script, common, fastpath, runs) and under STEP_CEILING lines, a
+    quarter above today's counts: the README reports the count, a student's change may grow it."""
+    for script in ("grpo.py", "ppo.py", "reinforce.py"):
         loop, reached = step_cost.step_cost(script)
-        assert loop + sum(reached.values()) <= budget, f"{script}: a step outgrew {budget} lines"
-        assert {m for m, _ in reached} <= {script[:-3], "common", "fastpath", "runs"}, script
+        n = loop + sum(reached.values())
+        assert n <= step_cost.STEP_CEILING, (
+            f"{script}: one step now reads {n} lines, over STEP_CEILING {step_cost.STEP_CEILING} "
+            f"(`python tools/step_cost.py {script} -v` lists where, longest first). If the new "
+            "lines earn their place, raise STEP_CEILING in tools/step_cost.py; if not, move "
+            "what only the setup needs out of the loop")
+        extra = sorted({m for m, _ in reached} - {script[:-3], "common", "fastpath", "runs"})
+        assert not extra, (f"{script}: a step reaches {extra}: keep what the loop calls in the "
+                           "script, common.py, fastpath.py and runs.py (pass other code as values)")
 
 
 def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
