@@ -100,7 +100,7 @@ class Run:
     history: list = field(default_factory=list)  # every metrics line so far
     rank: int = 0  # this process, under torchrun (rank 0 alone writes files and the bar)
     world: int = 1  # number of processes
-    t0: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.time)  # the start; resumed: minus the earlier parts
     nonfinite: int = 0  # updates skipped for NaN/inf so far
     nonfinite_in_row: int = 0
     saved_step: int = 0  # the step of the checkpoint on disk (0: none yet)
@@ -206,9 +206,10 @@ def start_run(args, algo):
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
     return Run(dir=folder, algo=algo, args=args, state=state, history=history,
-               saved_step=state["step"] if state else 0, world=world,  # line-buffered files:
-               metrics=open(metrics_path, "a", buffering=1),  # each line is written at once
-               samples=open(samples_path, "a", buffering=1),
+               saved_step=state["step"] if state else 0, world=world,
+               t0=time.time() - (state or {}).get("wall_time_s", 0),  # resumed: earlier parts'
+               metrics=open(metrics_path, "a", buffering=1),  # line-buffered: each line is
+               samples=open(samples_path, "a", buffering=1),  # written at once
                tracker=open_tracker(args, folder))
 
 
@@ -420,7 +421,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     if run.rank > 0:
         return
     state = {"step": step, "optimizer": opt_state, "data_rng": rng.getstate(), "rngs": rngs,
-             "nonfinite": run.nonfinite, "extra": extra}
+             "nonfinite": run.nonfinite, "extra": extra, "wall_time_s": time.time() - run.t0}
     tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
@@ -626,9 +627,10 @@ def _plot(run, keys):
 
 
 def _json_safe(x):
-    """NaN and inf become null: bare NaN is not JSON, and strict parsers refuse it."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
+    """NaN and inf become null: bare NaN is not JSON, and strict parsers refuse it. Other floats
+    keep 6 significant digits (a float32 0.282 is 0.28200000524520874 as a Python float)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}") if math.isfinite(x) else None
     if isinstance(x, dict):
         return {k: _json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

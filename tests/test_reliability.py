@@ -71,8 +71,14 @@ def test_resume_without_max_steps_continues_to_the_runs_own(monkeypatch, tmp_pat
     runs.STOP["requested"] = False
     with pytest.raises(C.UserError, match="--lr 0.5 differs from the resumed run's 0.0001"):
         run_main(monkeypatch, grpo, "--resume", str(out), "--lr", "0.5")
+    state_path = out / "checkpoint" / "trainer_state.pt"  # as if the first part took 1000 s
+    state = torch.load(state_path, weights_only=True)
+    assert 0 < state["wall_time_s"] < 600
+    torch.save({**state, "wall_time_s": 1000.0}, state_path)
     run_main(monkeypatch, grpo, "--resume", str(out))
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    wall = json.loads((out / "summary.json").read_text())["wall_time_s"]
+    assert 1000 < wall < 1600  # the whole run's: the first part's time and the resumed part's
     lines = (out / "samples.jsonl").read_text().splitlines()
     samples = [json.loads(line)["step"] for line in lines]
     assert samples == [1]  # the stale step-3 line is gone

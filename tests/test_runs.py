@@ -57,6 +57,13 @@ def test_spark_skips_nan_and_prints_ascii_where_blocks_cannot_be_encoded(monkeyp
 
 
 # ---- runs.py: --report_to, the experiment trackers
+def test_summary_numbers_are_rounded_and_json_safe():
+    """summary.json: 6 significant digits (no float32 noise), NaN/inf as null, ints as they are."""
+    x = torch.tensor(0.282).item()  # 0.28200000524520874
+    assert runs._json_safe({"a": x, "b": [float("nan"), 1e-6, 123456789.0], "c": (3, True)}) == \
+        {"a": 0.282, "b": [None, 1e-6, 123457000.0], "c": [3, True]}
+
+
 def test_report_to_sends_the_metrics_and_samples_to_a_tracker(tmp_path, monkeypatch, capsys):
     """--report_to wandb (a fake module here): every metrics line and the samples table reach it;
     a tracker that is not installed is one line."""
