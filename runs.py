@@ -52,6 +52,13 @@ hf_logging.disable_progress_bar()  # the library's loading bars would break into
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
+# log_step warns when a step's whole batch gives no learning signal, several steps in a row
+NO_SIGNAL = {"frac_zero_std": "every group's rewards were equal, so every advantage is 0 and "
+             "nothing is learned: likely the reward cannot tell this model's completions apart "
+             "(does it read fields the rows have? is the task out of reach, or solved already?)",
+             "frac_truncated": "every completion was cut before its end (no EOS) and is scored "
+             "so: raise --max_new_tokens"}
+NO_SIGNAL_STEPS = 5
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -367,6 +374,11 @@ def log_step(run, metrics, bar, samples, opt):
                     columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
             run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
+    for key, why in NO_SIGNAL.items():  # once a streak: on its NO_SIGNAL_STEPS-th step
+        last = [m.get(key) for m in run.history[-NO_SIGNAL_STEPS - 1:]]  # and the step before
+        streak = last[-NO_SIGNAL_STEPS:] == [1] * NO_SIGNAL_STEPS
+        if streak and (len(last) == NO_SIGNAL_STEPS or last[0] != 1):
+            tqdm.write(f"warning: {key} 1 in steps {step - NO_SIGNAL_STEPS + 1}-{step}: {why}")
     if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
         tqdm.write(f"note: step {step}: an observation was cut by --max_new_tokens (obs_truncated)")
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
