@@ -91,9 +91,9 @@ def test_grpo_end_to_end_on_tiny_random_models(tiny_dirs, tmp_path, arch):
     check_outputs(out, 3)
 
 
-def test_grpo_learns_on_the_bundled_task(tmp_path):
+def test_grpo_learns_on_the_bundled_task(tmp_path, capsys):
     """A short run on the bundled model: held-out greedy accuracy and the sampled reward both rise
-    clearly."""
+    clearly. The README's snippet loads its checkpoint and generates the eval's greedy answer."""
     out = tmp_path / "out"
     r = run_script("grpo.py", "--max_steps", "40", "--eval_every", "0", "--eval_size", "200",
                    "--output_dir", str(out))
@@ -108,6 +108,15 @@ def test_grpo_learns_on_the_bundled_task(tmp_path):
     first = [m["reward"] for m in metrics[:10]]
     last = [m["reward"] for m in metrics[-10:]]
     assert sum(last) / 10 >= sum(first) / 10 + 0.15
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    snippet = re.search(r"```python\n(from transformers import .*?)```", readme, re.S)[1]
+    folder = str(out / "checkpoint")
+    exec(snippet.replace('"runs/grpo-20261201-120000/checkpoint"', repr(folder)), {})
+    args = grpo.Args(max_new_tokens=6)  # the snippet's
+    greedy = C.generate(loading.load_model(folder, "lm", torch.device("cpu")),
+                        loading.load_tokenizer(folder), [{"prompt": "37+48="}], args,
+                        torch.autocast("cpu", enabled=False), greedy=True)[1]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == greedy[0], greedy
 
 
 @pytest.mark.parametrize("extra", [
