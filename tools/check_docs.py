@@ -151,8 +151,8 @@ CLAIMS = [
     ("README.md", "0.292 → {0.994} (`short` gives", OWN_REWARD, AFTER, 0, ()),
     ("README.md", "Today grpo.py {814}", "python tools/step_cost.py grpo.py", STEP_LINES, 0, ()),
     ("README.md", "ppo.py {812}, reinforce", "python tools/step_cost.py ppo.py", STEP_LINES, 0, ()),
-    ("README.md", "reinforce.py {783}, each", "python tools/step_cost.py reinforce.py", STEP_LINES, 0,
-     ()),
+    ("README.md", "reinforce.py {783}, each", "python tools/step_cost.py reinforce.py",
+     STEP_LINES, 0, ()),
 
     ("ppo.py", "held-out greedy accuracy 0.292 -> {0.954}", "python ppo.py", AFTER, 0, ()),
     ("ppo.py", "the RM score from {1.7} to 4.8", "python ppo.py", mean("reward", first=10), 0, ()),
