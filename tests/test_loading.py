@@ -8,9 +8,9 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import common as C
 import grpo
-import loading
+from plumbing import loading
 import ppo
-import runs
+from plumbing import runs
 
 from tests.helpers import PROMPTS, run_main, tiny_config, tiny_model
 
