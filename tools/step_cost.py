@@ -20,7 +20,7 @@ import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_CEILING = 1000  # lines; today 795 to 826 (the README), nanochat's chat_rl.py + engine 694
+STEP_CEILING = 1150  # lines; today 883 to 914 (the README), nanochat's chat_rl.py + engine 694
 
 
 def project_modules(root=ROOT):
