@@ -775,13 +775,12 @@ def test_compare_task_calc_runs_the_scripts_with_env_calc(tmp_path):
         assert args["env"] == "calc" and args["model"] == calc.CALC_MODEL
 
 
-def test_calc_task_learns(tmp_path):
+def test_calc_task_learns(tmp_path, monkeypatch):
     """grpo.py --env calc, short: the held-out score (mean@4 sampled) and the calling rate rise
     clearly (measured on 500 prompts, 3 seeds: 0.27-0.30 -> 0.89-0.91 by step 20)."""
     out = tmp_path / "out"
-    r = run_script("grpo.py", "--env", "calc", "--max_steps", "15", "--eval_every", "0",
-                   "--eval_size", "100", "--save_every", "0", "--output_dir", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(monkeypatch, grpo, "--env", "calc", "--max_steps", "15", "--eval_every", "0",
+             "--eval_size", "100", "--save_every", "0", "--output_dir", out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_after"] >= summary["eval_before"] + 0.3, summary
     metrics = read_metrics(out)
