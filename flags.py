@@ -22,7 +22,7 @@ from errors import first_line
 import envs as E
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
-                            "threads", "report_to")
+                            "threads", "report_to", "save_optimizer")
 
 
 def _saved_args(resume_dir, algo):
