@@ -1,7 +1,7 @@
 """common.py: the algorithmic core that every training script shares, and must share identically:
 sampling (one turn, or a multi-turn episode with a tool: one decode loop) -> log-probs and KL
 -> rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
-algorithm reader can skip in tasks.py, loading.py, envs.py and runs.py (never imported here).
+algorithm reader can skip in the folder plumbing/ (never imported here).
 
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
@@ -26,13 +26,21 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
-from errors import UserError  # noqa: F401 -- C.UserError: bad input, one line (runs.main_guard)
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 
 try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
     import math_verify
 except ImportError:
     math_verify = None
+
+
+class UserError(Exception):
+    """Bad input: shown as one line on stderr, exit code 2, no traceback (runs.main_guard)."""
+
+
+def first_line(e):
+    """An exception's message, its first line only (or its type's name when it has none)."""
+    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 # ------------------------------------------------------------------------------------ sampling

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import Qwen2Config
 
-import loading
-import runs
+from plumbing import loading
+from plumbing import runs
 from tools import smollm2
 
 from tests.helpers import EXTRA_ROWS, ROOT, bpe_chat_tokenizer, tiny_model

@@ -47,11 +47,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 
 @dataclass
@@ -133,7 +133,8 @@ def reference_logprobs(ref, batch, amp):
 def encode_rows(tok, rows, chat_template):
     """Each row's completions as (prompt ids, completion ids + EOS), the prompt encoded as the RL
     scripts encode it (chat template and all)."""
-    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], chat_template)
+    with loading.template_errors(tok):  # e.g. Gemma's 'System role not supported'
+        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], chat_template)
     for r, p in zip(rows, prompt_ids):
         r["ids"] = [(p, tok(c, add_special_tokens=False)["input_ids"] + [tok.eos_token_id])
                     for c in r["completions"]]
@@ -239,11 +240,8 @@ def main():
                 sums[key] += float(x.sum()) / n_pairs  # means over the step's pairs
         # 3. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+        if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
-            run.nonfinite_in_row = 0
-        else:
-            R.skip_update(run, "loss or gradient")
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         sums = {k: float(R.global_sum(v)) for k, v in sums.items()}  # torchrun: every process's

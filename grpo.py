@@ -39,12 +39,12 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
-import envs as E
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from plumbing import envs as E
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]  # see aggregate()
 
@@ -72,7 +72,7 @@ class Args:
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
     max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
@@ -391,11 +391,8 @@ def main():
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+            if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
-                run.nonfinite_in_row = 0
-            else:
-                R.skip_update(run, "loss or gradient")
             opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         all_rewards = torch.cat([r for r, _ in seen])  # every round's, with dynamic_sampling

@@ -54,12 +54,12 @@ from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
 
 import common as C
-import envs as E
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from plumbing import envs as E
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 
 @dataclass
@@ -86,7 +86,7 @@ class Args:
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0")  # seconds an env call may take, at most
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
     max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
     # --- rewards
     rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
@@ -354,11 +354,8 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
                 break
             critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if torch.isfinite(grad_norm) and torch.isfinite(critic_norm):  # else NaN/inf: skip it
+            if R.finite_update(run, grad_norm, critic_norm):  # else NaN/inf: skip it
                 opt.step()
-                run.nonfinite_in_row = 0
-            else:
-                R.skip_update(run, "loss or gradient")
             opt.zero_grad(set_to_none=True)
             updates.append({**mb, "grad_norm": float(grad_norm)})
         if stop:  # target_kl: no more epochs either

@@ -38,12 +38,12 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 import common as C
-from errors import first_line
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from common import first_line
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 
 
@@ -196,11 +196,8 @@ def main():
             scores.append(r.detach())
         # 3. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+        if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
-            run.nonfinite_in_row = 0
-        else:
-            R.skip_update(run, "loss or gradient")
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         scores = torch.cat(scores)

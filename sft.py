@@ -44,11 +44,11 @@ import torch
 from tqdm import tqdm
 
 import common as C
-import flags
-from flags import arg  # an Args field with its valid range
-import loading
-import runs as R
-import tasks
+from plumbing import flags
+from plumbing.flags import arg  # an Args field with its valid range
+from plumbing import loading
+from plumbing import runs as R
+from plumbing import tasks
 
 DEMOS = os.path.join(loading.ROOT, "data", "demonstrations.jsonl")  # tools/make_pipeline_data.py
 
@@ -140,7 +140,9 @@ def read_demonstrations(path, tok, chat_template, limit, last_turn_only=False):
     examples = []
     for where, row in tasks.read_records(path):  # JSON lines, JSON, CSV, parquet, hf:...
         demo = tasks.demonstration(row, where)
-        p, ids, mask = tasks.encode_demonstration(tok, demo, chat_template, last_turn_only, where)
+        with loading.template_errors(tok, f"{where}: "):  # Gemma: 'System role not supported'
+            p, ids, mask = tasks.encode_demonstration(tok, demo, chat_template, last_turn_only,
+                                                      where)
         if limit and len(p) + len(ids) > limit:
             raise C.UserError(f"{where}: {len(p) + len(ids)} tokens, more than the model's "
                               f"context of {limit}")
@@ -214,11 +216,8 @@ def main():
             total += loss.item()
         # 3. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if torch.isfinite(grad_norm):  # a NaN/inf gradient would ruin the weights: skip it
+        if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
-            run.nonfinite_in_row = 0
-        else:
-            R.skip_update(run, "loss or gradient")
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         elapsed = time.time() - t0

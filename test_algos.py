@@ -16,14 +16,14 @@ import torch
 import common as C
 import fastpath
 import dpo
-from flags import parse_args
+from plumbing.flags import parse_args
 import grpo
-import loading
+from plumbing import loading
 import ppo
 import reinforce as R
 import reward_model
 import sft
-import tasks
+from plumbing import tasks
 
 from tests.helpers import ARCHS, OFF, PROMPTS, fast_logprobs, tiny_model, tiny_rm
 

@@ -37,8 +37,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
 import fastpath
-import loading
-import tasks
+from plumbing import loading
+from plumbing import tasks
 
 
 def sync():

@@ -34,9 +34,9 @@ import torch
 
 import bench as B  # bench/bench.py, beside this script: timed() and run_script()
 import common as C  # bench.py puts the repository root on sys.path
-import loading
-import runs as R  # peak_mem_mb()
-import tasks
+from plumbing import loading
+from plumbing import runs as R  # peak_mem_mb()
+from plumbing import tasks
 
 ROOT = B.ROOT
 

@@ -21,12 +21,12 @@ from transformers import Qwen2Config
 import common as C
 import fastpath
 import dpo
-import envs as E
+from plumbing import envs as E
 import grpo
 import ppo
 import reinforce as R
 import reward_model
-import runs
+from plumbing import runs
 import sft
 
 
@@ -153,6 +153,14 @@ def words(completions, rows):
     return ["good" for _ in completions]
 
 
+def text(completions, rows):
+    return "abc"
+
+
+def scalar(completions, rows):
+    return 1.0
+
+
 def quits(completions, rows):
     sys.exit(0)
 
@@ -240,7 +248,8 @@ import os, sys
 sys.path.insert(0, os.environ["MINRL_ROOT"])
 import torch
 import common as C
-import dpo, grpo, ppo, reinforce, reward_model, runs, sft
+import dpo, grpo, ppo, reinforce, reward_model, sft
+from plumbing import runs
 real_sample = C.sample
 
 

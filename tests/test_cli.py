@@ -15,9 +15,9 @@ from transformers import LlamaForSequenceClassification
 
 import common as C
 import dpo
-import envs as E
+from plumbing import envs as E
 import grpo
-import loading
+from plumbing import loading
 import ppo
 import reinforce as R
 import reward_model
@@ -28,6 +28,7 @@ from tests.helpers import (ARCHS, FAST_GRPO, REWARD_FILE, ROOT, SCRIPTS, one_err
                            read_metrics, run_main, run_script, tiny_config, tiny_model, tiny_rm)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import calc_report  # noqa: E402  (tools/calc_report.py)
 import compare  # noqa: E402  (tools/compare.py, which imports its sibling plot.py)
 
 
@@ -343,6 +344,8 @@ def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
     for argv, message in ((["--seeds", "0"], "--seeds must be >= 1, not 0"),
                           (["--samples", "-5"], "--samples must be >= 1, not -5"),
                           (["--algos", ""], "--algos names no algorithm; known: ['reinforce'"),
+                          (["--algos", "grpo,ppo,grpo"], "--algos names grpo twice"),
+                          (["--seeds", str(10**21)], "--seeds must be <= 100, not 1000000"),
                           (["--task", "calc", "--algos", "ppo-math"], "leaves out ppo-math"),
                           (["--threads", "100000"], "--threads must be <= "),
                           (["--output_dir", str(tmp_path / "file")], "that is a file"),
@@ -354,14 +357,14 @@ def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,message", [
-    ([], "usage: python envs.py MODEL [K]"), (["a", "b", "c"], "usage:"),
+    ([], "usage: python tools/calc_report.py MODEL [K]"), (["a", "b", "c"], "usage:"),
     ([loading.DEFAULT_POLICY, "0"], "K: 1 to 1000"), (["/no/such/model"], "no such local folder"),
     ([loading.DEFAULT_REWARD_MODEL], "has no causal-LM head")])
-def test_envs_report_refuses_a_bad_model_in_one_line(argv, message, monkeypatch, capsys):
-    """python envs.py MODEL [K] (the calculator report): no model, a bad one, a bad K: exit 2."""
-    monkeypatch.setattr(sys, "argv", ["envs.py", *argv])
+def test_calc_report_refuses_a_bad_model_in_one_line(argv, message, monkeypatch, capsys):
+    """python tools/calc_report.py MODEL [K]: no model, a bad one, a bad K: exit 2."""
+    monkeypatch.setattr(sys, "argv", ["calc_report.py", *argv])
     with pytest.raises(SystemExit) as e:
-        E.main()
+        calc_report.main()
     err = capsys.readouterr().err.strip().splitlines()
     assert e.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") \
         and message in err[0], err

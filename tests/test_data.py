@@ -12,7 +12,7 @@ import pytest
 
 import common as C
 import grpo
-import tasks
+from plumbing import tasks
 from tools.build_models import column_sum
 
 from tests.helpers import FAST_GRPO, OFF, read_metrics, run_main

@@ -84,6 +84,25 @@ def test_check_docs_claims_quote_the_docs_and_their_commands_use_real_flags():
     assert not check_docs.drifted("70", 164.6, 2.0) and check_docs.drifted("70", 230.0, 2.0)
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["--keep", "{file}", "--only", "calc"], "--keep {file}: that is a file, not a folder"),
+    (["--skip", ""], "--skip '': an empty pattern matches every claim"),
+    (["--only", "no-such-claim"], "no claim matches --only ['no-such-claim']"),
+    (["--skip", "."], "--skip ['.'] leaves out every claim")])
+def test_check_docs_refuses_bad_flags_in_one_line(argv, message, tmp_path, monkeypatch, capsys):
+    """Before any command runs: exit 2 and one line naming the flag (not a traceback, nor a line
+    blaming --only for what --skip did)."""
+    (tmp_path / "file").write_text("x")
+    argv = [a.format(file=tmp_path / "file") for a in argv]
+    monkeypatch.setattr(sys, "argv", ["check_docs.py", *argv])
+    monkeypatch.setattr(check_docs, "run_command", None)  # nothing may run
+    with pytest.raises(SystemExit) as e:
+        check_docs.main()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"error: {message.format(file=tmp_path / 'file')}; "
+                                         "see --help"], err
+
+
 def test_shown_commands_finds_block_inline_and_continued_commands():
     text = ("Run `python grpo.py --help` or\n\n"
             "    python ppo.py --lr 1 \\\n        --seed 2  # why\n"
@@ -129,20 +148,23 @@ def test_docs_relative_links_and_anchors_resolve():
 
 
 def test_no_import_cycle_and_the_core_imports_no_plumbing():
-    """Each module imports only modules below it: the project's imports form no cycle. errors.py
-    and fastpath.py import nothing of the project, common.py only those two, and no module
-    imports an algorithm script."""
-    mods = {f[:-3] for f in os.listdir(ROOT) if f.endswith(".py")
-            and not f.startswith(("test", "conftest"))}
+    """Each module imports only modules below it: the project's imports form no cycle. fastpath.py
+    imports nothing of the project, common.py only fastpath.py (nothing from plumbing/), and no
+    module imports an algorithm script."""
+    mods = set(step_cost.project_modules())
+    assert {m for m in mods if m.startswith("plumbing.")} >= {"plumbing.runs", "plumbing.envs"}
     graph = {}
     for m in mods:
-        tree = ast.parse(open(os.path.join(ROOT, m + ".py"), encoding="utf-8").read())
+        path = os.path.join(ROOT, m.replace(".", "/") + ".py")
+        tree = ast.parse(open(path, encoding="utf-8").read())
         graph[m] = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import)
                     for a in n.names if a.name in mods}
-        graph[m] |= {n.module for n in ast.walk(tree)
-                     if isinstance(n, ast.ImportFrom) and n.module in mods}
-    assert graph["errors"] == set() and graph["fastpath"] == set()
-    assert graph["common"] == {"errors", "fastpath"}
+        for n in ast.walk(tree):
+            if isinstance(n, ast.ImportFrom) and n.module:
+                graph[m] |= {n.module} & mods  # from plumbing.flags import arg
+                graph[m] |= {f"{n.module}.{a.name}" for a in n.names} & mods  # from p import m
+    assert graph["fastpath"] == set()
+    assert graph["common"] == {"fastpath"}
     scripts = {"grpo", "ppo", "reinforce", "sft", "dpo", "reward_model"}
     assert not any(graph[m] & scripts for m in mods)
     done = set()
@@ -152,10 +174,19 @@ def test_no_import_cycle_and_the_core_imports_no_plumbing():
         done |= ready
 
 
+def test_the_top_level_is_the_reading_list():
+    """At most 10 .py files at the top: the six scripts, common.py, fastpath.py and the tests'
+    entry (test_algos.py, conftest.py); the plumbing lives in plumbing/."""
+    top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    assert len(top) <= 10, top
+    assert {"grpo.py", "ppo.py", "reinforce.py", "sft.py", "reward_model.py", "dpo.py",
+            "common.py", "fastpath.py", "test_algos.py"} <= set(top)
+
+
 def test_every_module_keeps_the_line_budget_the_readme_states():
     """README's "Reading the code" table gives each module a budget in lines: each file keeps it."""
-    rows = re.findall(r"^\| `(\w+\.py)`[^|]*\|[^|]*\| (\d+) lines \|$", read_readme(), re.M)
-    assert len(rows) >= 12  # common, errors, fastpath, envs, the plumbing, the six scripts
+    rows = re.findall(r"^\| `([\w/]+\.py)`[^|]*\|[^|]*\| (\d+) lines \|$", read_readme(), re.M)
+    assert len(rows) >= 12  # common, fastpath, the plumbing, the six scripts
     for name, budget in rows:
         with open(os.path.join(ROOT, name)) as f:
             assert len(f.read().splitlines()) <= int(budget), f"{name} is over its {budget} lines"
@@ -167,7 +198,7 @@ def test_each_rl_step_keeps_its_reading_budget_in_four_files():
     for script, budget in step_cost.STEP_BUDGETS.items():
         loop, reached = step_cost.step_cost(script)
         assert loop + sum(reached.values()) <= budget, f"{script}: a step outgrew {budget} lines"
-        assert {m for m, _ in reached} <= {script[:-3], "common", "fastpath", "runs"}, script
+        assert {m for m, _ in reached} <= {script[:-3], "common", "fastpath", "plumbing.runs"}
 
 
 def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
@@ -243,8 +274,9 @@ def check_code_map(text, folder, least=10):
     least > 0 (the README's code map) every name must have its key symbols listed above."""
     refs = re.findall(r"(\w+\.py): (\w+)\(\)", text)
     assert len(refs) >= least
-    for file, name in refs:
-        source = open(os.path.join(folder, file)).read()
+    for file, name in refs:  # tasks.py: the plumbing's modules are named without plumbing/
+        where = [os.path.join(folder, d, file) for d in ("", "plumbing")]
+        source = open(next((p for p in where if os.path.isfile(p)), where[0])).read()
         funcs = {n.name: ast.get_source_segment(source, n) for n in ast.parse(source).body
                  if isinstance(n, ast.FunctionDef)}
         assert name in funcs, f"the docs point at {file}: {name}(), which is not defined there"
@@ -289,15 +321,15 @@ def test_a_students_edit_above_a_mapped_function_keeps_the_map_valid(tmp_path):
         check_code_map(read_readme("Reading the code"), tmp_path)
 
 
-@pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "runs.py", "sft.py",
-                                    "reward_model.py", "dpo.py"])
+@pytest.mark.parametrize("script", ["grpo.py", "reinforce.py", "ppo.py", "plumbing/runs.py",
+                                    "sft.py", "reward_model.py", "dpo.py"])
 def test_docstring_references_name_functions_that_exist(script):
     """`name()` in a module docstring is defined in that file (`C.name()` in common.py,
     `tasks.name()` in tasks.py, and so on)."""
     source = open(os.path.join(ROOT, script)).read()
     defined = {"": source, "C.": open(os.path.join(ROOT, "common.py")).read()}
-    for module in ("tasks", "loading", "fastpath", "runs"):
-        defined[module + "."] = open(os.path.join(ROOT, module + ".py")).read()
+    for module in ("plumbing/tasks", "plumbing/loading", "fastpath", "plumbing/runs"):
+        defined[module.split("/")[-1] + "."] = open(os.path.join(ROOT, module + ".py")).read()
     pattern = r"\b(C\.|tasks\.|loading\.|fastpath\.|runs\.)?(\w+)\(\)"
     for prefix, name in re.findall(pattern, ast.get_docstring(ast.parse(source))):
         assert f"def {name}(" in defined[prefix], f"{script} docstring: {prefix}{name}()"

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM
 import common as C
 import fastpath
 import grpo
-import loading
-import runs
+from plumbing import loading
+from plumbing import runs
 
 from tests.helpers import OFF, PROMPTS, fast_logprobs, tiny_config, tiny_model
 

@@ -7,9 +7,9 @@ from transformers import AutoModelForCausalLM
 
 import common as C
 import grpo
-import loading
+from plumbing import loading
 import ppo
-import runs
+from plumbing import runs
 
 from tests.helpers import (PROMPTS, one_error_line, run_main, run_script, tiny_config,
                            tiny_model, write_jsonl)
@@ -54,7 +54,7 @@ def test_tokenizer_checks_come_before_the_weights_load(chat_model, tmp_path, mon
 def test_bundled_models_load_offline():
     code = ("from transformers import AutoModelForCausalLM as A;"
             "from transformers import AutoModelForSequenceClassification as S;"
-            "import loading;"
+            "from plumbing import loading;"
             "A.from_pretrained(loading.DEFAULT_POLICY);"
             "S.from_pretrained(loading.DEFAULT_REWARD_MODEL)")
     r = run_script("-c", code)  # python -c code, offline as every script run here

@@ -9,10 +9,10 @@ import torch
 
 import common as C
 import grpo
-import loading
+from plumbing import loading
 import ppo
 import reinforce as R
-import runs
+from plumbing import runs
 from tools.merge_lora import merge as merge_lora
 
 from tests.helpers import OFF, PROMPTS, run_main

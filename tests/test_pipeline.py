@@ -12,13 +12,14 @@ from transformers import LlamaForSequenceClassification
 
 import common as C
 import dpo
-import envs as E
-import loading
+from plumbing import calc
+from plumbing import envs as E
+from plumbing import loading
 import ppo
 import reward_model
-import runs
+from plumbing import runs
 import sft
-import tasks
+from plumbing import tasks
 from tools.build_models import column_sum, wrong_answer
 from tools.merge_lora import merge as merge_lora
 
@@ -95,7 +96,12 @@ def test_preference_rows_in_trls_formats(tmp_path, name):
     ({"prompt": "Sky?", "chosen": chat(("assistant", "a"), ("assistant", "b")), "rejected": "c"},
      "line 1: field 'chosen' is missing or not a string or a list of one assistant message"),
     ({"chosen": chat(("user", "Sky?"), ("wizard", "Blue")), "rejected": chat(("user", "Sky?"))},
-     "line 1: field 'chosen', message 1: role 'wizard' is not one of")])
+     "line 1: field 'chosen', message 1: role 'wizard' is not one of"),
+    ({"chosen": chat(("user", "Sky?"), ("assistant", "Blue")),  # no prompt to take from them
+      "rejected": chat(("user", "Sky?"), ("assistant", "Blue"))},
+     "line 1: fields 'chosen' and 'rejected' are identical: a pair needs two different"),
+    ({"chosen": "Blue.", "rejected": "Blue."}, "line 1: fields 'chosen' and 'rejected' are "
+     "identical")])
 def test_bad_preference_formats_get_one_line(tmp_path, row, message):
     with pytest.raises(C.UserError, match=message):
         tasks.read_preferences(str(write_jsonl(tmp_path / "p.jsonl", [row])), 0)
@@ -457,11 +463,44 @@ def test_sft_trains_every_assistant_turn_of_a_tool_conversation_and_nothing_else
         sft.read_demonstrations(path, tok, "auto", 256)
 
 
+# thinking models' templates, cut to what matters here: Qwen3's drops the reasoning of every
+# assistant turn but the last; DeepSeek-R1's also opens the next turn with <think>
+DROPS_EARLIER_THINKING = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' and "
+    "not loop.last %}{{ m['content'].split('</think>')[-1] }}{% else %}{{ m['content'] }}"
+    "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% endif %}")
+OPENS_THINKING = DROPS_EARLIER_THINKING.replace("not loop.last", "true").replace(
+    "<|im_start|>assistant\n{% endif %}", "<|im_start|>assistant\n<think>{% endif %}")
+
+
+def test_sft_on_a_thinking_template_advises_what_works(chat_model):
+    """A template that rewrites earlier turns cannot train every turn: the one line advises
+    --last_turn_only where that renders (and it does), else a template that keeps each turn."""
+    tok = loading.load_tokenizer(chat_model)
+    conversation = [{"role": "user", "content": "1+1="},
+                    {"role": "assistant", "content": "<think>one and one</think>2"},
+                    {"role": "user", "content": "2+2="},
+                    {"role": "assistant", "content": "<think>two and two</think>4"}]
+    demo = {"messages": conversation, "start": 0, "tools": None}
+    tok.chat_template = DROPS_EARLIER_THINKING
+    with pytest.raises(C.UserError, match="the start of the whole: train with --last_turn_only$"):
+        tasks.encode_demonstration(tok, demo, where="row 0")
+    _, ids, mask = tasks.encode_demonstration(tok, demo, last_turn_only=True)
+    assert tok.decode([x for x, m in zip(ids, mask) if m]) == "<think>two and two</think>4" + \
+        "<|im_end|>"
+    tok.chat_template = OPENS_THINKING
+    for last_turn_only in (False, True):
+        with pytest.raises(C.UserError, match="whole: give the tokenizer a chat template that "
+                                              "keeps each turn as written .a training template"):
+            tasks.encode_demonstration(tok, demo, last_turn_only=last_turn_only)
+
+
 def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcript():
     """Without a chat template a calculator conversation is exactly what common.sample builds
     when the model writes those turns with --env calc: the same ids, and the loss mask is the
     rollout's completion_mask (the observation ' 46 ' masked, the EOS in). The same text as one
-    completion (envs.calc_demo's) has the same ids, every one of them trained."""
+    completion (calc.calc_demo's) has the same ids, every one of them trained."""
     t = loading.load_tokenizer(loading.DEFAULT_POLICY)
     conversation = chat(("user", "12+34="), ("assistant", "<calc>12+34</calc>"), ("tool", " 46 "),
                         ("assistant", "46"))
@@ -471,12 +510,12 @@ def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcri
     enc = lambda s: t(s, add_special_tokens=False)["input_ids"]  # noqa: E731
     completion = enc("<calc>12+34</calc>") + enc(" 46 ") + enc("46") + [t.eos_token_id]
     model = scripted_model(t, [prompt], [completion], [[1] * 18 + [0] * 4 + [1] * 3])
-    roll = rollout(model, t, [prompt], E.calc, [tasks.addition_row(12, 34)], 3, 48, greedy=True,
+    roll = rollout(model, t, [prompt], calc.calc, [tasks.addition_row(12, 34)], 3, 48, greedy=True,
                    stop=["</calc>"])
     assert roll.observations == [[" 46 "]] and roll.final == ["46"]
     assert roll.ids[0, roll.P:].tolist() == ids
     assert roll.completion_mask[0].long().tolist() == mask == [1] * 18 + [0] * 4 + [1] * 3
-    flat = E.calc_demo(12, 34, random.Random(0), column_sum, tool=1.0)
+    flat = calc.calc_demo(12, 34, random.Random(0), column_sum, tool=1.0)
     assert tasks.encode_demonstration(t, tasks.demonstration(
         {"prompt": "12+34=", "completion": flat}, "row")) == (prompt, ids, [1] * len(ids))
 

@@ -16,10 +16,11 @@ from transformers import AutoModelForCausalLM
 
 import common as C
 import grpo
-import loading
+from plumbing import flags
+from plumbing import loading
 import reinforce as R
-import runs
-import tasks
+from plumbing import runs
+from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, PROMPTS, REWARD_FILE, ROOT, _offline, one_error_line,
                            read_metrics, run_main, run_script, tiny_config, write_jsonl)
@@ -450,3 +451,135 @@ def test_sanity_checks_multi_turn_transcripts(tmp_path, monkeypatch, capsys):
         run_main(monkeypatch, grpo, "--env", "calc", "--sanity", "--output_dir", tmp_path / "r")
     assert e.value.code == 0 and "sanity: all checks passed" in capsys.readouterr().out
     assert (seen[0][0].tool_calls > 0).any() and (seen[0][0].completion_mask == 0).any()
+
+
+# ---- a run folder that cannot run code
+PLANTED = '''
+import pathlib
+pathlib.Path({marker!r}).write_text("ran")  # runs when the module is imported
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+class PlantedConfig(LlamaConfig):
+    pass
+
+
+class PlantedModel(LlamaForCausalLM):
+    config_class = PlantedConfig
+'''
+
+
+def test_resume_takes_trust_remote_code_from_the_command_line_only(tmp_path, monkeypatch):
+    """A run folder whose args.json says trust_remote_code true and whose checkpoint config names
+    code (an auto_map, and the file) runs nothing on --resume: the setting comes from the command
+    line alone, where it may differ from the saved one."""
+    run = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run)
+    marker, ckpt = tmp_path / "ran", run / "checkpoint"
+    (ckpt / "planted.py").write_text(PLANTED.format(marker=str(marker)))
+    config = json.loads((ckpt / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "planted.PlantedConfig",
+                          "AutoModelForCausalLM": "planted.PlantedModel"}
+    (ckpt / "config.json").write_text(json.dumps(config))
+    saved = json.loads((ckpt / "args.json").read_text())
+    saved["args"]["trust_remote_code"] = True
+    (ckpt / "args.json").write_text(json.dumps(saved))
+    run_main(monkeypatch, grpo, "--resume", run, "--max_steps", "2")
+    assert not marker.exists() and [m["step"] for m in read_metrics(run)] == [1, 2]
+    for given in ([], ["--trust_remote_code"]):  # what the command line says, never refused
+        monkeypatch.setattr(sys, "argv", ["grpo.py", "--resume", str(run), *given])
+        assert flags.parse_args(grpo.Args, "grpo").trust_remote_code == bool(given)
+
+
+@pytest.mark.parametrize("flag", ["--env", "--reward_fn", "--tools"])
+def test_a_file_that_exits_or_is_interrupted_while_imported_gets_one_line(flag, tmp_path,
+                                                                          monkeypatch, capsys):
+    """sys.exit(0) at a file's top level would end the run with exit 0 and no word: one line,
+    exit 2. Ctrl-C there (faked: KeyboardInterrupt) comes before any run folder: it says so."""
+    (tmp_path / "quits.py").write_text("import sys\nsys.exit(0)\n\n\ndef f(*a):\n    pass\n")
+    (tmp_path / "stops.py").write_text("raise KeyboardInterrupt\n")
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, flag, f"{tmp_path / 'quits.py'}:f", "--output_dir", out,
+                 guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and f"error: {flag} " in line, line
+    assert "quits.py' called sys.exit(0): the file is imported, not run" in line
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, flag, f"{tmp_path / 'stops.py'}:f", "--output_dir", out,
+                 guard=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 130 and err == ["interrupted before the run began: nothing was written"]
+    assert not out.exists()
+
+
+# ---- data files that would be a traceback, a silent mistake, or minutes of tokenizing
+def test_data_files_with_long_fields_repeated_columns_or_deep_nesting(tmp_path):
+    """A CSV field over csv's 128 KB default reads; a repeated header column (DictReader would
+    keep the last, silently) and JSON nested past Python's recursion limit are one line."""
+    (tmp_path / "long.csv").write_text("prompt,answer\n" + "1" * 200_000 + "+1=,2\n1+1=,2\n")
+    rows = tasks.read_rows(str(tmp_path / "long.csv"))
+    assert [len(r["prompt"]) for r in rows] == [200_003, 4]
+    (tmp_path / "twice.csv").write_text("prompt,answer,prompt\n1+1=,2,3+3=\n")
+    with pytest.raises(C.UserError, match=r"twice.csv': the header line names column 'prompt' "
+                                          "twice; rename one$"):
+        tasks.read_rows(str(tmp_path / "twice.csv"))
+    deep = '{"prompt": "1+1=", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}"
+    write_jsonl(tmp_path / "deep.jsonl", [{"prompt": "1+1="}, deep])
+    (tmp_path / "deep.json").write_text(f'[{{"prompt": "1+1="}}, {deep}]')
+    for name, where in (("deep.jsonl", "deep.jsonl, line 2"), ("deep.json", "deep.json, line 1")):
+        with pytest.raises(C.UserError, match=f"{where}: not valid JSON .nested too deeply"):
+            tasks.read_rows(str(tmp_path / name))
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(tmp_path, monkeypatch, capsys):
+    """A token stands for at most as many characters as its text in the vocabulary, so a prompt
+    longer than that many per token of the context is refused without tokenizing it (a 20 MB row
+    took 90 s and 4 GB): the tokenizer never sees it."""
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b)}
+            for a, b in tasks.task_train_pairs(random.Random(0), 30)]
+    huge = {"prompt": "1+2 " * 500_000, "answer": "3"}
+    path = write_jsonl(tmp_path / "huge.jsonl", rows + [huge])
+    seen, real = [], C.encode_prompts
+    monkeypatch.setattr(C, "encode_prompts", lambda tok, prompts, *a, **k: seen.append(
+        max(len(C.as_text(p)) for p in prompts)) or real(tok, prompts, *a, **k))
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--data", path, "--output_dir", tmp_path / "o",
+                 guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "a prompt of 2,000,000 characters is too long" in line, line
+    assert "exceeds the model's context of 64 tokens" in line and max(seen, default=0) < 100
+
+
+USER_RANDOMNESS = '''
+import random
+
+import numpy
+
+
+def noisy(row, turns):  # an observation drawn from Python's and numpy's global RNGs
+    return f" {random.randrange(10)}{numpy.random.randint(10)} " if len(turns) == 1 else None
+
+
+def luck(completions, rows):
+    return [random.random() + numpy.random.rand() for _ in completions]
+'''
+
+
+def test_resume_is_exact_with_an_env_and_a_reward_that_use_random(tmp_path, monkeypatch):
+    """Python's and numpy's global RNG states are saved beside torch's: a run resumed at step 2
+    logs exactly the metrics and samples of the same run made straight to step 4."""
+    (tmp_path / "mine.py").write_text(USER_RANDOMNESS)
+    mine = str(tmp_path / "mine.py")
+    common = [*FAST_GRPO, "--env", f"{mine}:noisy", "--max_turns", "2", "--reward_fn",
+              f"{mine}:luck", "--save_every", "2", "--lr", "1e-3"]
+    run_main(monkeypatch, grpo, *common, "--output_dir", tmp_path / "a", "--max_steps", "4")
+    run_main(monkeypatch, grpo, *common, "--output_dir", tmp_path / "b", "--max_steps", "2")
+    random.seed(7)  # what the process draws between runs does not matter
+    run_main(monkeypatch, grpo, "--resume", tmp_path / "b", "--max_steps", "4")
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert len(a) == len(b) == 4 and a[3]["tool_calls"] > 0
+    for key in ("reward", "loss", "grad_norm", "kl"):
+        assert [m[key] for m in a] == [m[key] for m in b], key
+    assert (tmp_path / "a" / "samples.jsonl").read_text() == \
+        (tmp_path / "b" / "samples.jsonl").read_text()

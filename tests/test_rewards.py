@@ -10,8 +10,8 @@ import torch
 
 import common as C
 import grpo
-import loading
-import tasks
+from plumbing import loading
+from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, REWARD_FILE, one_error_line, read_metrics, run_main,
                            run_script, tiny_rm)
@@ -125,10 +125,14 @@ def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
     rows = [{"prompt": "1+1=", "target": "2"}, {"prompt": "2+2=", "target": "4"}]
     assert fns["exact"](["2", "5"], rows).tolist() == [1.0, 0.0]
     fns.update(loading.load_reward_fns([f"{tmp_path / 'mine.py'}:{n}"
-                                        for n in ("quits", "ctrl_c", "one_row")]))
+                                        for n in ("quits", "ctrl_c", "one_row", "text",
+                                                  "scalar")]))
     for name, message in (("shout", "reward 'shout' raised ValueError: no"),
                           ("short", "returned 1 values for 2 completions"),
                           ("words", "returned 'good' for row 0: not a number"),
+                          ("text", "reward 'text' returned a str, not a list of numbers: return "
+                                   "one number per completion"),
+                          ("scalar", "reward 'scalar' returned a float, not a list of numbers"),
                           ("quits", "reward 'quits' raised SystemExit: 0"),
                           ("ctrl_c", "reward 'ctrl_c' raised KeyboardInterrupt"),
                           ("one_row", "raised ZeroDivisionError: division by zero (first on row "

@@ -12,7 +12,7 @@ import torch
 
 import common as C
 import grpo
-import runs
+from plumbing import runs
 
 from tests.helpers import FAST_GRPO, read_metrics, run_main
 

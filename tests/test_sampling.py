@@ -8,11 +8,11 @@ import torch
 import common as C
 import dpo
 import grpo
-import loading
+from plumbing import loading
 import ppo
 import reinforce as R
-import runs
-import tasks
+from plumbing import runs
+from plumbing import tasks
 
 from tests.helpers import ARCHS, PROMPTS, read_metrics, run_main, tiny_model
 

@@ -14,14 +14,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
-import envs as E
-from flags import parse_args
+from plumbing import calc
+from plumbing import envs as E
+from plumbing.flags import parse_args
 import grpo
-import loading
+from plumbing import loading
 import ppo
 import reinforce as R
-import runs
-import tasks
+from plumbing import runs
+from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, PROMPTS, ROOT, read_metrics, rollout, run_main,
                            run_processes, run_script, scripted_model, tiny_config, tiny_model)
@@ -248,18 +249,18 @@ def test_an_observation_is_text_never_special_tokens_and_is_cut_before_it_is_tok
 
 
 def test_calc_env_reads_calls_and_ends_on_an_answer():
-    assert E.calc({}, ["<calc>1234+5678</calc>"]) == " 6912 "
-    assert E.calc({}, ["a", "b<calc>12*3</calc>  "]) == " 36 "
-    assert E.calc({}, ["<calc>7-9</calc>"]) == " -2 "
-    assert E.calc({}, ["<calc>12+</calc>"]) == " error "
-    assert E.calc({}, ["<calc>12+34</calc>", "46"]) is None  # the answer: the episode ends
-    assert E.calc({}, ["<calc>12+34"]) is None  # no closing tag: not a call
-    pairs = E.calc_eval_pairs()
-    assert len(pairs) == 500 and pairs == E.calc_eval_pairs()
+    assert calc.calc({}, ["<calc>1234+5678</calc>"]) == " 6912 "
+    assert calc.calc({}, ["a", "b<calc>12*3</calc>  "]) == " 36 "
+    assert calc.calc({}, ["<calc>7-9</calc>"]) == " -2 "
+    assert calc.calc({}, ["<calc>12+</calc>"]) == " error "
+    assert calc.calc({}, ["<calc>12+34</calc>", "46"]) is None  # the answer: the episode ends
+    assert calc.calc({}, ["<calc>12+34"]) is None  # no closing tag: not a call
+    pairs = calc.calc_eval_pairs()
+    assert len(pairs) == 500 and pairs == calc.calc_eval_pairs()
     assert all(100 <= a < 10000 and 100 <= b < 10000 for a, b in pairs)
-    train = E.calc_train_pairs(random.Random(0), 2000)
+    train = calc.calc_train_pairs(random.Random(0), 2000)
     assert not set(train) & set(pairs)
-    demos = E.calc_demo_pairs(random.Random(0), 2000)
+    demos = calc.calc_demo_pairs(random.Random(0), 2000)
     assert not set(demos) & (set(pairs) | set(tasks.task_eval_pairs()))
 
 
@@ -346,7 +347,7 @@ def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
 def test_env_calc_brings_its_defaults_and_given_flags_win(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--env", "calc", "--max_new_tokens", "40"])
     args = parse_args(grpo.Args, "grpo")
-    assert args.model == E.CALC_MODEL and args.stop == ["</calc>"] and args.eval_sampled
+    assert args.model == calc.CALC_MODEL and args.stop == ["</calc>"] and args.eval_sampled
     assert args.max_new_tokens == 40 and args.eval_samples == 4
     monkeypatch.setattr(sys, "argv", ["ppo.py", "--env", "calc"])
     args = parse_args(ppo.Args, "ppo")
@@ -476,7 +477,7 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     messages = [{"role": "user", "content": "1234+5678="}]
     call = '<tool_call>{"a": 1234, "b": 5678}</tool_call>'
     result = "6912 <|im_end|>"
-    obs = E.chat_observation(t, messages, call, result)
+    obs = E.chat_observation(t, messages, result)
     im_end = t.convert_tokens_to_ids("<|im_end|>")
     assert obs[0] == im_end and obs.count(im_end) == 2  # the turn's end tag and the message's
     assert t.decode(obs) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n6912 <|im_end|>\n"
@@ -490,7 +491,7 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     model = scripted_model(t, [prompt], [completion], [kinds])
 
     def env(row, turns):
-        return E.chat_observation(t, row["prompt"], turns[-1], result) if len(turns) == 1 \
+        return E.chat_observation(t, row["prompt"], result) if len(turns) == 1 \
             else None
     stop = ["</tool_call>"] if ends_on == "stop" else []
     roll = rollout(model, t, [prompt], env, [{"prompt": messages}], 3, 200, greedy=True,
@@ -598,6 +599,7 @@ def test_grpo_with_tools_runs_and_samples_show_the_rendered_prompt(tmp_path, mon
     t = chat_tokenizer()
     cfg = tiny_config("qwen2", vocab=len(t))
     cfg.architectures = ["Qwen2ForCausalLM"]
+    cfg.max_position_embeddings = 1024  # the prompts with the tools shown: 628 tokens
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp_path / "model")
     t.save_pretrained(tmp_path / "model")
@@ -629,7 +631,7 @@ def test_env_calc_runs_every_script_with_its_metrics(tmp_path, monkeypatch):
         assert {"tool_calls", "frac_tool", "turns", "tool_errors"} <= set(m[0])
         assert all(0 <= x["frac_tool"] <= x["tool_calls"] <= 2 for x in m)
         s = json.loads((out / "summary.json").read_text())
-        assert s["args"]["model"] == E.CALC_MODEL and {"eval_greedy", "eval_pass@4"} <= set(
+        assert s["args"]["model"] == calc.CALC_MODEL and {"eval_greedy", "eval_pass@4"} <= set(
             s["evals"]["before"])
         shown = [x["completion"] for line in (out / "samples.jsonl").read_text().splitlines()
                  for x in json.loads(line)["samples"]]
@@ -675,7 +677,7 @@ def test_compare_task_calc_runs_the_scripts_with_env_calc(tmp_path):
         row = next(line for line in table.splitlines() if line.startswith(name + " "))
         assert models in row and "failed" not in row, row
         args = json.loads((out / f"{name}-s0" / "summary.json").read_text())["args"]
-        assert args["env"] == "calc" and args["model"] == E.CALC_MODEL
+        assert args["env"] == "calc" and args["model"] == calc.CALC_MODEL
 
 
 def test_calc_task_learns(tmp_path):

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 import common as C
 import grpo
 import ppo
-import runs
+from plumbing import runs
 
 from tests.helpers import read_metrics, run_main, run_processes
 
@@ -88,6 +88,29 @@ def test_torchrun_writes_one_metrics_line_per_step_and_resumes(script, flags, tm
                           "--output_dir", str(tmp_path / "bad"))
         assert r.returncode != 0 and "must divide among the 2 processes" in r.stderr
         assert r.stderr.count("error: --prompts_per_step") == 1  # said once, by rank 0
+
+
+ONE_RANK_FAILS = """
+import os
+
+
+def picky(completions, rows):
+    if os.environ["RANK"] == "1":
+        raise ValueError("only in process 1")
+    return [1.0] * len(completions)
+"""
+
+
+def test_an_error_in_one_process_but_rank_0_says_its_one_line(tmp_path):
+    """A reward that fails in process 1 alone: that process says why, in one line (before, only
+    rank 0 spoke, and rank 0 waits in a collective until torchrun stops it)."""
+    (tmp_path / "picky.py").write_text(ONE_RANK_FAILS)
+    r = run_processes(tmp_path, 2, "grpo", "--prompts_per_step", "4", "--group_size", "2",
+                      "--micro_batch_size", "4", "--eval_size", "4", "--eval_every", "0",
+                      "--reward_fn", f"{tmp_path / 'picky.py'}:picky", "--max_steps", "2",
+                      "--output_dir", str(tmp_path / "run"))
+    line = "error: reward 'picky' raised ValueError: only in process 1 (first on row 0, prompt"
+    assert r.returncode != 0 and r.stderr.count(line) == 1, r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("script,lr", [("sft", 3e-4), ("reward_model", 3e-4), ("dpo", 1e-4)])

@@ -15,7 +15,7 @@ as a user would.
      (answers like 55+43=107 scored above the truth), so negatives must cover what a drifting
      policy writes.                                                      -> models/tiny-adder-rm
 
-  4. sft.py from tiny-adder on calculator demonstrations (envs.calc_demo): 30% call the tool,
+  4. sft.py from tiny-adder on calculator demonstrations (calc.calc_demo): 30% call the tool,
      '<calc>1234+5678</calc> 6912 6912' (the call, the observation, the answer), the rest answer
      in the head (right for 2-digit sums, carries forgotten 80% of the time for 3-4 digits);
      1,500 steps at lr 1e-3. For `--env calc` (docs/tool_use.md).         -> models/tiny-calc
@@ -31,10 +31,10 @@ Measured 2026-12-01 (2-core CPU shared with other jobs): 11-12 minutes; held-out
 correct vs dropped-carry / one-digit-off answers. A second build wrote bit-identical files.
 Stage 4 alone (--only calc): 1,235 s on the shared CPU (load average ~7); tiny-calc then calls
 the tool on 23-33% of sampled prompts and is right 0.97-1.00 of the time when it calls on 3-4
-digit sums (python envs.py models/tiny-calc; docs/tool_use.md). The shipped tiny-calc was built
-before common.token_logprobs got its chunked LM head; rebuilt after it (704 s) the weights differ
-in the last bits (float order) and the report agrees within sampling noise (T = 1 calls 0.30 /
-0.27 / 0.22 on 2 / 3 / 4-digit sums, against 0.33 / 0.26 / 0.23).
+digit sums (python tools/calc_report.py models/tiny-calc; docs/tool_use.md). The shipped
+tiny-calc was built before common.token_logprobs got its chunked LM head; rebuilt after it (704 s)
+the weights differ in the last bits (float order) and the report agrees within sampling noise
+(T = 1 calls 0.30 / 0.27 / 0.22 on 2 / 3 / 4-digit sums, against 0.33 / 0.26 / 0.23).
 """
 import json
 import os
@@ -52,9 +52,9 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common  # noqa: E402
-import envs  # noqa: E402
-import loading  # noqa: E402
-import tasks  # noqa: E402
+from plumbing import calc  # noqa: E402
+from plumbing import loading  # noqa: E402
+from plumbing import tasks  # noqa: E402
 
 DROP = 0.7  # probability that a demonstration forgets a carry
 BATCH, RM_BATCH = 128, 64  # demonstrations / preference pairs per optimizer step
@@ -155,7 +155,7 @@ def ship(run_dir, dest, tok):
 
 
 def build_calc(dest, tok):
-    """4. The tool user: sft.py from tiny-adder on calculator demonstrations (envs.calc_demo: 30%
+    """4. The tool user: sft.py from tiny-adder on calculator demonstrations (calc.calc_demo: 30%
     call the tool, the rest answer in the head, 3-4 digit sums with carries mostly forgotten),
     1,500 steps at lr 1e-3.                                                    -> tiny-calc"""
     steps = int(os.environ.get("CALC_STEPS", 1500))
@@ -164,14 +164,15 @@ def build_calc(dest, tok):
     os.makedirs(build)
     rng = random.Random(28)  # its own stream: the other models' data stay as they were
     write_jsonl(f"{build}/demos.jsonl", [
-        {"prompt": f"{a}+{b}=", "completion": envs.calc_demo(a, b, rng, column_sum)}
-        for a, b in envs.calc_demo_pairs(rng, steps * BATCH)])
+        {"prompt": f"{a}+{b}=", "completion": calc.calc_demo(a, b, rng, column_sum)}
+        for a, b in calc.calc_demo_pairs(rng, steps * BATCH)])
     pipeline_script("sft.py", model=f"{dest}/tiny-adder", data=f"{build}/demos.jsonl",
                     output_dir=f"{build}/sft", lr=1e-3, warmup_steps=steps // 20,
                     max_steps=steps, batch_size=BATCH, micro_batch_size=BATCH, eval_every=0,
                     eval_size=200, save_every=0, chat_template="none")
     ship(f"{build}/sft", f"{dest}/tiny-calc", tok)
-    subprocess.run([sys.executable, os.path.join(loading.ROOT, "envs.py"), f"{dest}/tiny-calc"],
+    report = os.path.join(loading.ROOT, "tools", "calc_report.py")
+    subprocess.run([sys.executable, report, f"{dest}/tiny-calc"],
                    check=True, env={**os.environ, "OMP_NUM_THREADS": "1"})  # the tool-use report
 
 

@@ -447,14 +447,20 @@ def main():
     p.add_argument("--keep", default="", metavar="DIR",
                    help="keep each command's folder under DIR, and read a command that finished "
                    "there before instead of running it again (default: a temporary folder)")
+    p.error = lambda message: p.exit(2, f"error: {message}; see --help\n")  # one line, no usage
     args = p.parse_args()
+    for flag, patterns in (("--only", args.only), ("--skip", args.skip)):
+        if "" in patterns:  # it is in every claim's text
+            p.error(f"{flag} '': an empty pattern matches every claim")
 
     def has(claim, patterns):
         return any(o.lower() in " ".join((*claim[:2], *as_list(claim[2]), *claim[5])).lower()
                    for o in patterns)
     claims = [c for c in CLAIMS if (not args.only or has(c, args.only)) and not has(c, args.skip)]
     if not claims:
-        raise SystemExit(f"no claim matches --only {args.only!r}: see --list")
+        skip = f" once --skip {args.skip!r} leaves out its claims" if args.skip else ""
+        p.error(f"no claim matches --only {args.only!r}{skip}" if args.only else
+                f"--skip {args.skip!r} leaves out every claim")
     commands = list(dict.fromkeys(x for c in claims for x in as_list(c[2])))  # each run once
     if args.list:
         for file, text, command, _, tol, tags in claims:
@@ -464,6 +470,11 @@ def main():
             print(f"{file}: {quoted(text)[0]}{extra}  <-  {' ; '.join(as_list(command))}")
         print(f"{len(claims)} claims, {len(commands)} commands")
         return
+    try:
+        os.makedirs(args.keep or ".", exist_ok=True)
+    except OSError as e:  # a file of that name, a folder it may not write in
+        p.error(f"--keep {args.keep}: " + ("that is a file, not a folder" if os.path.isfile(
+            args.keep) else f"cannot make that folder ({e.strerror or e})"))
     runs, bad = {}, 0
     for command in commands:
         folder = tempfile.mkdtemp(prefix="check_docs-")

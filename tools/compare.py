@@ -101,9 +101,9 @@ def final_kl(folder, k):
     from transformers.utils import logging
     sys.path.insert(0, ROOT)
     import common as C
-    import envs as E
-    import loading
-    import tasks
+    from plumbing import calc, envs as E
+    from plumbing import loading
+    from plumbing import tasks
     logging.disable_progress_bar()
     args, device = P.run_args(folder), torch.device("cpu")
     env = E.load_env(args.get("env", ""))  # the calc task: multi-turn rollouts, its own rows
@@ -111,7 +111,7 @@ def final_kl(folder, k):
     policy = loading.load_model(os.path.join(folder, "checkpoint"), "lm", device, frozen=True)
     ref = loading.load_model(args["model"], "lm", device, frozen=True)
     tok = loading.load_tokenizer(args["model"])
-    data = E.calc_data(args["eval_size"]) if env else tasks.load_data("", args["eval_size"])
+    data = calc.calc_data(args["eval_size"]) if env else tasks.load_data("", args["eval_size"])
     rows = data.eval_rows
     rows = [r for r in rows for _ in range(k)]
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args["chat_template"])
@@ -207,6 +207,8 @@ def main(argv=None):
                         ("kl_samples", 0), ("threads", 1)):
         if getattr(a, name) < least:
             p.error(f"--{name} must be >= {least}, not {getattr(a, name)}")
+    if a.seeds > 100:  # each seed runs every algorithm: 100 are days on a CPU already
+        p.error(f"--seeds must be <= 100, not {a.seeds}")
     if a.threads > 4 * (os.cpu_count() or 1):  # the scripts' own --threads range
         p.error(f"--threads must be <= {4 * (os.cpu_count() or 1)} (4 per core), not {a.threads}")
     if a.out and os.path.exists(a.out) and not os.path.isdir(a.out):
@@ -214,6 +216,9 @@ def main(argv=None):
     a.algos = [n for n in a.algos.split(",") if n and not (a.task == "calc" and n == "ppo-math")]
     if not set(a.algos) <= set(ALGOS):
         p.error(f"--algos: unknown {sorted(set(a.algos) - set(ALGOS))}; known: {list(ALGOS)}")
+    twice = sorted({n for n in a.algos if a.algos.count(n) > 1})
+    if twice:  # the second would read the first's runs, and the count of finished runs is off
+        p.error(f"--algos names {', '.join(twice)} twice")
     if not a.algos:  # nothing would run, and the table would be empty
         calc = " (--task calc leaves out ppo-math)" if a.task == "calc" else ""
         p.error(f"--algos names no algorithm{calc}; known: {list(ALGOS)}")

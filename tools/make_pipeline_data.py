@@ -32,8 +32,8 @@ from transformers.utils import logging as hf_logging
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
-import loading
-import tasks
+from plumbing import loading
+from plumbing import tasks
 from build_models import column_sum  # noqa: E402  (tools/ is this script's own folder)
 
 DEMO_DROP = 0.3  # probability that a demonstration forgets a carry

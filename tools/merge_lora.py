@@ -6,6 +6,7 @@
 A LoRA run's checkpoint/ holds only the adapters (a few MB; reward_model.py's also its score
 head): loading it needs the base model named in checkpoint/args.json and the optional package
 peft. The merged folder needs neither: a reward_model.py run's goes to ppo.py --reward_model.
+A base model with its own code needs --trust_remote_code, given here: never read from the run.
 """
 import argparse
 import json
@@ -15,13 +16,13 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
-from errors import first_line  # noqa: E402
-import loading  # noqa: E402
+from common import first_line  # noqa: E402
+from plumbing import loading  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 
-def merge(run_dir, out=""):
+def merge(run_dir, out="", trust_remote_code=False):
     ckpt = os.path.join(run_dir, "checkpoint")
     if not os.path.isfile(os.path.join(ckpt, "args.json")):
         raise C.UserError(f"{run_dir}: no checkpoint/args.json there; is it a run folder?")
@@ -36,7 +37,7 @@ def merge(run_dir, out=""):
         with open(os.path.join(ckpt, "args.json")) as f:
             saved = json.load(f)
         algo, args = saved["algo"], saved["args"]
-        base_name, remote = args["model"], args.get("trust_remote_code", False)
+        base_name, remote = args["model"], trust_remote_code  # never the run folder's say
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise C.UserError(f"{ckpt}/args.json is damaged ({type(e).__name__}: "
                           f"{first_line(e)}); is {run_dir} a run folder?") from None
@@ -71,9 +72,11 @@ if __name__ == "__main__":
     parser.add_argument("run_dir", help="the output folder of a run made with --lora_r")
     parser.add_argument("--out", default="",
                         help="where to write (default RUN_DIR/checkpoint-merged)")
+    parser.add_argument("--trust_remote_code", action="store_true",
+                        help="run the base model repository's own code (off: never from the run)")
     cli = parser.parse_args()
     try:
-        merge(cli.run_dir, cli.out)
+        merge(cli.run_dir, cli.out, cli.trust_remote_code)
     except C.UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -143,7 +143,7 @@ def main(argv=None):
         return
     print(f"{wrote}; sparklines instead (x: {XLABELS[args.x]}):")
     sys.path.insert(0, ROOT)
-    from runs import spark  # the end-of-run report's text chart (imports torch: only needed here)
+    from plumbing.runs import spark  # the report's text chart (imports torch: only needed here)
     width = max(map(len, names))
     for k in metrics:
         print(k)

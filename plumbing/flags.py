@@ -18,11 +18,14 @@ from dataclasses import field
 from transformers import HfArgumentParser
 
 import common as C
-from errors import first_line
-import envs as E
+from common import first_line
+from plumbing import calc
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to", "save_optimizer")
+# from the command line only, never from a run folder: a folder someone gave you whose args.json
+# says true (and whose checkpoint config names code, an auto_map) would run that code on --resume
+COMMAND_LINE_ONLY = ("trust_remote_code",)
 
 
 def _saved_args(resume_dir, algo):
@@ -73,8 +76,9 @@ def _resolved(name, value):
 def parse_args(args_cls, algo, doc=""):
     """HfArgumentParser over the Args dataclass; each flag's --help is the comment beside its field.
     With --resume DIR the run's saved settings are the defaults, so it continues as it was (to its
-    own max_steps); a flag that would change a setting other than SAFE_TO_CHANGE_ON_RESUME is
-    refused, since the optimizer state and the data stream belong to the old settings."""
+    own max_steps), COMMAND_LINE_ONLY settings aside; a flag that would change a setting other
+    than SAFE_TO_CHANGE_ON_RESUME is refused, since the optimizer state and the data stream
+    belong to the old settings."""
     source = inspect.getsource(args_cls)
     comments = dict(re.findall(r"^    (\w+): .*?  # (.+)$", source, re.M))
     fields = dataclasses.fields(args_cls)
@@ -98,10 +102,11 @@ def parse_args(args_cls, algo, doc=""):
     known = pre.parse_known_args()[0]
     resume = known.resume
     saved = _saved_args(resume, algo) if resume else {}
-    saved = {k: _resolved(k, v) for k, v in saved.items()}  # a run saved before paths were
-    names = {f.name for f in dataclasses.fields(args_cls)}  # stored absolute: from here
-    if "env" in names:  # --env calc brings its own defaults (envs.preset); given flags still win
-        parser.set_defaults(**E.preset(known.env, algo))
+    # _resolved: a run saved before paths were stored absolute (relative to where it ran)
+    saved = {k: _resolved(k, v) for k, v in saved.items() if k not in COMMAND_LINE_ONLY}
+    names = {f.name for f in dataclasses.fields(args_cls)}
+    if "env" in names:  # --env calc brings its own defaults (calc.preset); given flags still win
+        parser.set_defaults(**calc.preset(known.env, algo))
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
     for a in sys.argv[1:]:

@@ -5,6 +5,7 @@ from a hub id or a local folder, with one-line errors for what cannot load; trai
 fp32, frozen ones in bf16 on a GPU, dropout off everywhere; LoRA adapters (optional package peft);
 `--reward_fn file.py:function` and the `--rewards` weights.
 """
+import contextlib
 import functools
 import importlib
 import importlib.util
@@ -15,6 +16,7 @@ import pickle
 import re
 import warnings
 
+from jinja2 import TemplateError
 import torch
 from safetensors import SafetensorError
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification,
@@ -22,9 +24,9 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
-from errors import first_line
+from common import first_line
 
-ROOT = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
 DEFAULT_REWARD_MODEL = os.path.join(ROOT, "models", "tiny-adder-rm")
 
@@ -198,8 +200,11 @@ def load_reward_model(args, device):
     rows) -> (B,), the model's score of each prompt + completion (common.rm_scores)."""
     model = load_model(args.reward_model, "rm", device, True, args.trust_remote_code)
     tok = load_tokenizer(args.reward_model, args.trust_remote_code)
-    return lambda completions, rows: C.rm_scores(model, tok, [r["prompt"] for r in rows],
-                                                 completions).cpu()
+
+    def rm(completions, rows):  # its own chat template may refuse them: one line, not a traceback
+        with template_errors(tok, "--reward_model: "):
+            return C.rm_scores(model, tok, [r["prompt"] for r in rows], completions).cpu()
+    return rm
 
 
 def check_default_reward_model(args, used):
@@ -218,32 +223,61 @@ def check_default_reward_model(args, used):
 
 
 def check_prompts(tok, config, rows, args, tools=None):
-    """Fail early when a prompt (with the tools' schemas) plus max_new_tokens does not fit the
-    model's context (config: the model's, or AutoConfig's before the weights load)."""
+    """Fail early when a prompt plus max_new_tokens does not fit the model's context (tools: the
+    --tools schemas the template shows in every prompt, counted too), or when the chat template
+    refuses the prompts (template_errors). config: the model's, or AutoConfig's (load_policy: the
+    weights not loaded yet)."""
     limit = getattr(config, "max_position_embeddings", None)
+    # a token stands for at most `longest` characters (its text in the vocabulary: byte-level
+    # BPE's is its bytes), so a prompt of more characters than longest * (limit - max_new_tokens)
+    # cannot fit: refused before it is tokenized (a 20 MB row took 90 s and 4 GB to tokenize)
+    longest = max(map(len, tok.get_vocab()))
+    chars = max(len(C.as_text(r["prompt"])) for r in rows)
+    if limit and chars > longest * (limit - args.max_new_tokens):
+        raise C.UserError(f"a prompt of {chars:,} characters is too long: prompt + max_new_tokens "
+                          f"({args.max_new_tokens}) exceeds the model's context of {limit} "
+                          f"tokens (one token is {longest} characters at most)")
+    hint = " (--system_prompt puts a system message first)" if getattr(
+        args, "system_prompt", "") else ""
+    with template_errors(tok, suffix=hint):
+        prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
     if not limit:
         return
-    prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
     lens = [len(s) for s in prompt_ids]
     too_long = sum(n + args.max_new_tokens > limit for n in lens)
     if too_long:
         raise C.UserError(f"{too_long} of {len(lens)} prompts are too long: prompt + "
                           f"max_new_tokens ({args.max_new_tokens}) exceeds the model's context of "
-                          f"{limit} tokens (longest prompt: {max(lens)} tokens)")
+                          f"{limit} tokens (longest prompt: {max(lens)} tokens"
+                          f"{', the tools shown in it included' if tools else ''})")
 
 
-def load_function(flag, spec, usage):
+@contextlib.contextmanager
+def template_errors(tok, prefix="", suffix=""):
+    """A chat template that refuses what it is given (its raise_exception: Gemma's 'System role
+    not supported', roles that must alternate, a template without tools) is one line naming the
+    template and its message, not a traceback. prefix, suffix: what the line adds."""
+    try:
+        yield
+    except TemplateError as e:
+        raise C.UserError(f"{prefix}the chat template of {tok.name_or_path!r} refuses the "
+                          f"conversation: {first_line(e)[:200]}{suffix}") from None
+
+
+def load_function(flag, spec, usage, several=False):
     """The function that `flag` names as path/to/file.py:function or package.module:function
-    (--reward_fn, --env), imported; every error one line: `usage` says how to write it. The file
-    is code you choose to run, like any script."""
-    where, _, name = spec.rpartition(":")
-    if not where or not name:
+    (--reward_fn, --env), imported; several (--tools): FILE.py:a,b -> a list of functions, the
+    file imported once (they share its module state). Every error is one line: `usage` says how
+    to write it. The file is code you choose to run, like any script."""
+    where, _, names = spec.rpartition(":")
+    if not where or not names:
         raise C.UserError(f"{flag} {spec!r}: {usage}")
     if where.endswith(".py") and not os.path.isfile(where):
         raise C.UserError(f"{flag} {spec!r}: file {where!r} not found")
+    names = [n.strip() for n in names.split(",")] if several else [names]
     try:
         if where.endswith(".py"):
-            found = importlib.util.spec_from_file_location(f"{flag[2:]}_{name}", where)
+            found = importlib.util.spec_from_file_location(f"{flag[2:]}_{names[0]}", where)
             module = importlib.util.module_from_spec(found)
             found.loader.exec_module(module)
         else:
@@ -251,9 +285,14 @@ def load_function(flag, spec, usage):
     except Exception as e:
         raise C.UserError(f"{flag} {spec!r}: importing {where!r} failed: "
                           f"{type(e).__name__}: {first_line(e)}") from None
-    if not callable(getattr(module, name, None)):
-        raise C.UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
-    return getattr(module, name)
+    except SystemExit as e:  # it would end the run with its code (0: as if all went well)
+        raise C.UserError(f"{flag} {spec!r}: importing {where!r} called sys.exit({e.code!r}): "
+                          "the file is imported, not run (put its script part under "
+                          "if __name__ == '__main__':)") from None
+    for name in names:
+        if not callable(getattr(module, name, None)):
+            raise C.UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
+    return [getattr(module, name) for name in names] if several else getattr(module, names[0])
 
 
 def load_reward_fns(specs):
@@ -276,7 +315,10 @@ def checked_reward(name, fn, completions, rows):
     """Your reward on the batch, checked: one number per completion, (B,). NaN/inf pass through:
     the training step is then skipped. An error names the first row that fails alone."""
     try:
-        values = list(fn(completions, rows))
+        values = fn(completions, rows)
+        kind = type(values).__name__  # a list, a tuple, a generator, a tensor: one number each
+        if not isinstance(values, (str, bytes, dict)) and hasattr(values, "__iter__"):
+            values = list(values)  # (a str would be one value per character)
     except (Exception, SystemExit, KeyboardInterrupt) as e:  # sys.exit() in it: one line too
         what = f"reward {name!r} raised {type(e).__name__}: {first_line(e)}"
         for i in range(len(rows)) if isinstance(e, Exception) else ():  # which row? each alone
@@ -286,6 +328,9 @@ def checked_reward(name, fn, completions, rows):
                 prompt = C.as_text(rows[i]["prompt"])[:40]
                 raise C.UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
         raise C.UserError(what) from None
+    if not isinstance(values, list):
+        raise C.UserError(f"reward {name!r} returned a {kind}, not a list of numbers: return one "
+                          "number per completion")
     if len(values) != len(rows):
         raise C.UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
                           "completions: return one number per completion")

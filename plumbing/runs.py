@@ -15,6 +15,7 @@ A run folder holds:
 import atexit
 import contextlib
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -43,14 +44,19 @@ try:
     import resource  # this process's peak memory on a CPU (peak_mem_mb)
 except ImportError:  # Windows has none
     resource = None
+try:
+    import numpy  # its global RNG, which your env and reward functions may draw from
+except ImportError:  # optional: torch runs without it
+    numpy = None
 
 import common as C
-from errors import first_line
-import loading
+from common import first_line
+from plumbing import loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
+STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
 
 
@@ -58,6 +64,7 @@ FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors
 def main_guard(main):
     """Run main(). Bad input exits 2 with one line; out of memory exits 1 with what to change;
     anything else keeps its traceback. The last checkpoint and metrics stay intact either way."""
+    STARTED["run"] = None
     try:
         try:
             main()
@@ -72,19 +79,39 @@ def main_guard(main):
                        for f in files):
                     shutil.rmtree(folder, ignore_errors=True)
     except C.UserError as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every process says the same
-            print(f"error: {e}", file=sys.stderr)
+        say_once(f"error: {e}")
         sys.exit(2)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise  # a CPU allocation that fails is a RuntimeError (DefaultCPUAllocator)
-        print(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
-              "(activations and logits grow with it) or add --gradient_checkpointing; the last "
-              "checkpoint is intact", file=sys.stderr)
+        say_once(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
+                 "(activations and logits grow with it) or add --gradient_checkpointing; the "
+                 "last checkpoint is intact")
         sys.exit(1)
-    except KeyboardInterrupt:  # a second Ctrl-C, maybe inside a save (atomic: see save_checkpoint)
-        print("\ninterrupted: the last complete checkpoint is intact", file=sys.stderr)
+    except KeyboardInterrupt:  # before the run began, or a second Ctrl-C (maybe inside a save,
+        run = STARTED["run"]  # which is atomic: see save_checkpoint)
+        kept = ("the last complete checkpoint is intact" if run and run.saved_step else
+                "no checkpoint was saved yet")
+        say_once("\ninterrupted before the run began: nothing was written" if run is None else
+                 f"\ninterrupted: {kept}")
         sys.exit(130)
+
+
+def say_once(line):
+    """line on stderr. Under torchrun, every process that fails says why, and processes that
+    fail alike (a bad flag: all of them) say it once: the first to make a file named for the line
+    in torchrun's folder for this launch (beside its error files) prints it, the others see the
+    file and say nothing."""
+    launch = os.path.dirname(os.path.dirname(os.environ.get("TORCHELASTIC_ERROR_FILE", "")))
+    if launch and os.path.isdir(launch):
+        said = os.path.join(launch, f"minrl-said-{hashlib.sha1(line.encode()).hexdigest()}")
+        try:
+            os.close(os.open(said, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        except OSError:  # a folder we cannot write in: say it, maybe twice
+            pass
+    print(line, file=sys.stderr)
 
 
 # ----------------------------------------------------------------- the output folder and its files
@@ -184,8 +211,10 @@ def start_run(args, algo):
     if rank > 0:
         state = _load_state(folder, args.max_steps) if args.resume else None
         signal.signal(signal.SIGINT, _on_sigint)
-        return Run(dir=folder, algo=algo, args=args, state=state, metrics=None, samples=None,
-                   rank=rank, world=world, saved_step=state["step"] if state else 0)
+        STARTED["run"] = Run(dir=folder, algo=algo, args=args, state=state, metrics=None,
+                             samples=None, rank=rank, world=world,
+                             saved_step=state["step"] if state else 0)
+        return STARTED["run"]
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.add(folder)
@@ -205,11 +234,12 @@ def start_run(args, algo):
     if state:
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
-    return Run(dir=folder, algo=algo, args=args, state=state, history=history,
-               saved_step=state["step"] if state else 0, world=world,  # line-buffered files:
-               metrics=open(metrics_path, "a", buffering=1),  # each line is written at once
-               samples=open(samples_path, "a", buffering=1),
-               tracker=open_tracker(args, folder))
+    STARTED["run"] = Run(dir=folder, algo=algo, args=args, state=state, history=history,
+                         saved_step=state["step"] if state else 0, world=world,  # line-buffered
+                         metrics=open(metrics_path, "a", buffering=1),  # files: each line is
+                         samples=open(samples_path, "a", buffering=1),  # written at once
+                         tracker=open_tracker(args, folder))
+    return STARTED["run"]
 
 
 def open_tracker(args, folder):
@@ -271,9 +301,21 @@ def seed_everything(seed):
     """Seeds sampling (each torchrun process its own: they must not draw the same completions)
     and returns the data stream's rng: the same in every process, which each takes its share of
     (rows[rank::world], or my_share), and saved in checkpoints."""
-    random.seed(seed)
+    random.seed(seed)  # Python's and numpy's global RNGs: your env and reward functions may draw
+    if numpy is not None:  # from them (saved in checkpoints too: see set_user_rngs)
+        numpy.random.seed(seed % 2**32)  # (numpy takes seeds below 2^32)
     torch.manual_seed(seed + 100003 * get_rank())  # rank 0: seed itself, as in one process
     return random.Random(seed)
+
+
+def set_user_rngs(python, numpy_state):
+    """Python's and numpy's global RNGs (your env and reward functions may draw from them) as a
+    checkpoint saved them (save_checkpoint; numpy's keys as a list: weights_only loads no array),
+    so that a resumed run draws what the straight run drew."""
+    random.setstate(python)
+    if numpy_state is not None and numpy is not None:
+        kind, keys, *rest = numpy_state
+        numpy.random.set_state((kind, numpy.array(keys, dtype=numpy.uint32), *rest))
 
 
 def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
@@ -295,11 +337,13 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
                                  options=StateDictOptions(full_state_dict=True))
     else:
         opt.load_state_dict(s["optimizer"])
-    if len(s.get("rngs", ())) == run.world:  # a (CPU, CUDA) state per process; else reseeded
-        cpu_rng, cuda_rng = s["rngs"][run.rank]
+    if len(s.get("rngs", ())) == run.world:  # a (CPU, CUDA, Python and numpy) state per
+        cpu_rng, cuda_rng, *user = s["rngs"][run.rank]  # process; else reseeded
         torch.set_rng_state(cpu_rng)
         if cuda_rng is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state(cuda_rng)
+        if user:  # (a checkpoint from before they were saved has none)
+            set_user_rngs(*user)
     rng.setstate(s["data_rng"])
     run.nonfinite = s["nonfinite"]
     if run.rank == 0:
@@ -308,6 +352,16 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 
 
 # ------------------------------------------------------------------------- during the loop
+def finite_update(run, *grad_norms):
+    """True when every gradient norm is finite: the update may go ahead (and a row of skipped ones
+    ends); else the update is skipped and counted (skip_update)."""
+    if all(torch.isfinite(n) for n in grad_norms):
+        run.nonfinite_in_row = 0
+        return True
+    skip_update(run, "loss or gradient")
+    return False
+
+
 def skip_update(run, what):
     """Count an update skipped for NaN/inf; 10 in a row stop the run (a good one resets the row)."""
     run.nonfinite += 1
@@ -379,20 +433,25 @@ def log_step(run, metrics, bar, samples, opt):
 
 def tool_metrics(roll, env):
     """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
-    tool_errors (the fraction of observations that start with 'error', as calc's do),
-    obs_truncated (completions with an observation cut by the budget); --tools: calls per
-    completion and the fraction that failed, per tool (tool_calls/NAME, tool_errors/NAME)."""
-    n = sum(len(o) for o in roll.observations)
-    errors = sum(x.strip().startswith("error") for o in roll.observations for x in o)
+    tool_errors (the fraction of calls that failed: --tools' error results, else observations
+    that start with 'error', as calc's do), obs_truncated (completions with an observation cut by
+    the budget); --tools: per tool, calls per completion and the fraction that failed
+    (tool_calls/NAME, tool_errors/NAME), and calls of no tool or unreadable (tool_calls_unknown)."""
+    calls = [c for e in roll.episodes if env.tools and e is not None for c in e.calls]  # (name, ok)
+    failed = [not ok for _, ok in calls] if env.tools else [
+        x.strip().startswith("error") for o in roll.observations for x in o]
     out = {"tool_calls": float(roll.tool_calls.float().mean()),
            "frac_tool": float((roll.tool_calls > 0).float().mean()),
-           "turns": float(roll.turns.float().mean()), "tool_errors": errors / max(n, 1),
+           "turns": float(roll.turns.float().mean()),
+           "tool_errors": sum(failed) / max(len(failed), 1),
            "obs_truncated": float(roll.obs_truncated.float().mean())}
-    for schema in env.tools or []:  # every tool's keys at every step (torchrun averages them)
-        name = schema["function"]["name"]
-        calls = [ok for e in roll.episodes if e is not None for tool, ok in e.calls if tool == name]
-        out[f"tool_calls/{name}"] = len(calls) / len(roll.episodes)
-        out[f"tool_errors/{name}"] = calls.count(False) / max(len(calls), 1)
+    names = [schema["function"]["name"] for schema in env.tools or []]
+    for name in names:  # every tool's keys at every step (torchrun averages them)
+        mine = [ok for tool, ok in calls if tool == name]
+        out[f"tool_calls/{name}"] = len(mine) / len(roll.episodes)
+        out[f"tool_errors/{name}"] = mine.count(False) / max(len(mine), 1)
+    if names:
+        out["tool_calls_unknown"] = sum(t not in names for t, _ in calls) / len(roll.episodes)
     return out
 
 
@@ -415,13 +474,14 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     if global_sum(bad):  # NaN/inf weights, in any process: keep the last good checkpoint
         stop_run(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
     cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    rngs = [(torch.get_rng_state(), cuda_rng)] * run.world
+    np_rng = numpy.random.get_state() if numpy is not None else None  # your functions' RNGs
+    np_rng = np_rng and (np_rng[0], np_rng[1].tolist(), *np_rng[2:])  # too (set_user_rngs)
+    rngs = [(torch.get_rng_state(), cuda_rng, random.getstate(), np_rng)] * run.world
     if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
         dist.all_gather_object(rngs, rngs[0])
     weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state
-    # what only a resume reads (AdamW's two moments a weight: twice the model's size; ppo's
-    # critic) is kept in every checkpoint but a finished run's last, as HF Trainer's final
-    # save_model; --save_optimizer keeps it there too, so that --resume can extend the run
+    # a finished run's last checkpoint keeps no AdamW moments (twice the model) nor ppo's critic,
+    # as HF Trainer's final save; --save_optimizer keeps them: then --resume may extend the run
     resumable = step < run.args.max_steps or getattr(run.args, "save_optimizer", False)
     if resumable:
         opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \

@@ -18,12 +18,12 @@ from types import SimpleNamespace
 import torch
 
 import common as C
-from errors import first_line
+from common import first_line
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # the pipeline's preference data (tools/make_pipeline_data.py)
-PIPELINE_RANKINGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
-                                 "rankings.jsonl")
+PIPELINE_RANKINGS = os.path.join(ROOT, "data", "rankings.jsonl")
 
 
 # ------------------------------------------------------------------------------------------ data
@@ -142,8 +142,9 @@ def jsonl_objects(path):
                 obj = json.loads(line)
             except UnicodeDecodeError:
                 raise C.UserError(f"{where}: not UTF-8 text") from None
-            except json.JSONDecodeError as e:
-                raise C.UserError(f"{where}: not valid JSON ({e.msg})") from None
+            except (json.JSONDecodeError, RecursionError) as e:  # (it recurses once a level)
+                why = getattr(e, "msg", "nested too deeply to read")
+                raise C.UserError(f"{where}: not valid JSON ({why})") from None
             yield where, obj
 
 
@@ -168,7 +169,12 @@ def file_records(path):
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is fine
             if ext == ".csv":
+                csv.field_size_limit(2**31 - 1)  # not 128 KB: a long prompt is one field
                 reader = csv.DictReader(f)
+                repeated = [k for k in reader.fieldnames or () if reader.fieldnames.count(k) > 1]
+                if repeated:  # DictReader would keep the last column of that name, silently
+                    raise C.UserError(f"data file {path!r}: the header line names column "
+                                      f"{repeated[0]!r} twice; rename one")
                 out = [(f"{path}, line {reader.line_num}", r) for r in reader]
                 bad = next((w for w, r in out if None in r or None in r.values()), None)
                 if bad:
@@ -177,8 +183,8 @@ def file_records(path):
             whole = json.load(f) if ext == ".json" else None
     except UnicodeDecodeError:
         raise C.UserError(f"data file {path!r}: not UTF-8 text") from None
-    except json.JSONDecodeError:  # JSON lines in a .json file: read a line at a time below
-        whole = None
+    except (json.JSONDecodeError, RecursionError):  # JSON lines in a .json file, or nested
+        whole = None  # too deeply to read: a line at a time below (which says where)
     if isinstance(whole, dict):  # one object alone: one row
         whole = [whole]
     if isinstance(whole, list):
@@ -282,6 +288,9 @@ def implicit_prompt(raw, where):
     common run of first messages. Text: their longest common start, cut back to the last space
     before it (the completions keep that space, as in the text)."""
     chosen, rejected = raw.get("chosen"), raw.get("rejected")
+    if chosen == rejected and chosen is not None:  # all of it would be the shared prompt
+        raise C.UserError(f"{where}: fields 'chosen' and 'rejected' are identical: a pair needs "
+                          "two different completions")
     prompt = ""
     if isinstance(chosen, list) and isinstance(rejected, list):
         chosen = check_messages(chosen, where, "chosen")
@@ -395,10 +404,14 @@ def template_turns(tok, messages, k, tools, where):
             if messages[i]["role"] == "assistant" for t in (0, 1)]
     whole, start, pieces = cuts[-1][0], len(prompt), []
     for text, train, i in [(prompt, 0, k)] + cuts:
-        if not whole.startswith(text):  # (a template that rewrites earlier turns)
+        if not whole.startswith(text):  # (a template that rewrites earlier turns: a thinking
+            last = cuts[-1][2]  # model's drops their reasoning) the last assistant message
+            fix = "train with --last_turn_only" if k < last and whole.startswith(
+                render(last, True)) else ("give the tokenizer a chat template that keeps each "
+                "turn as written (a training template, as TRL's trl/chat_templates/"
+                "*_training.jinja), or --chat_template none")
             raise C.UserError(f"{where}: the chat template does not render the conversation up "
-                              "to each assistant message as the start of the whole: train with "
-                              "--last_turn_only")
+                              f"to each assistant message as the start of the whole: {fix}")
         end = max(start, len(text.rstrip()) if train else len(text))
         pieces.append((whole[start:end], train))
         start = end
