@@ -5,6 +5,8 @@ hidden) (common._forward with its model bound): this file imports nothing of the
 
 - distinct, copy_to_rows: sample()'s prefill runs each distinct prompt once and copies its KV
   cache to every row of its group (GRPO's G rows, RLOO's k samples).
+- feed_rows, forward_rows, compact: a multi-turn sample() feeds an observation to its rows
+  alone, the others' KV cache growing by empty (masked) columns; compact drops them.
 - final_hidden, head_logprobs: token_logprobs() without the padding columns, with a
   shared-prompt KV cache, and with the LM head run a chunk at a time on the final hidden states,
   so that neither forward nor backward holds the (B, T, V) logits (at a 151k vocabulary, the
@@ -31,6 +33,56 @@ def copy_to_rows(cache, row_of):
     cache.batch_select_indices(row_of)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
+def feed_rows(forward, cache, mask, rows, feeds, pad_id):
+    """sample()'s observations: feeds[k], the ids of the batch's row rows[k], go through the
+    model in one forward, each row's ids at the right end with padding (attention 0) before them,
+    positions counting on from the row's tokens. Returns those rows' logits at the last column
+    (k, V) and the cache's attention mask (b, S + W), W the longest feed."""
+    W, device = max(map(len, feeds)), mask.device
+    ids = torch.full((len(rows), W), pad_id, device=device)
+    block = torch.zeros(len(mask), W, dtype=mask.dtype, device=device)
+    for k, (j, feed) in enumerate(zip(rows, feeds)):
+        ids[k, W - len(feed):] = torch.tensor(feed, device=device)
+        block[j, W - len(feed):] = 1
+    mask = torch.cat([mask, block], 1)
+    pos = (mask[rows].cumsum(-1)[:, -W:] - 1).clamp(min=0)  # common.positions, the past included
+    rows = torch.tensor(rows, device=device)
+    return forward_rows(forward, cache, rows, ids, mask[rows], pos), mask
+
+
+def forward_rows(forward, cache, rows, ids, mask, pos):
+    """forward(ids, mask, pos, cache) for the batch's rows `rows` (k,) alone: ids, pos (k, W),
+    mask (k, S + W). The plain version forwards the whole batch, the others fed padding with
+    attention 0; here they get W columns of zeros, hidden by their attention mask just the same.
+    Returns the k rows' logits at the last column (k, V)."""
+    part = DynamicCache([(layer.keys[rows], layer.values[rows]) for layer in cache.layers])
+    logits = forward(ids, mask, pos, part, keep=1).logits[:, -1]
+    W = ids.shape[1]
+    for layer, new in zip(cache.layers, part.layers):
+        for name in ("keys", "values"):
+            grown = F.pad(getattr(layer, name), (0, 0, 0, W))  # (b, heads, S + W, head dim)
+            grown[rows, :, -W:] = getattr(new, name)[:, :, -W:]
+            setattr(layer, name, grown)
+    return logits
+
+
+def compact(cache, mask):
+    """Drop the KV cache's empty columns once they are half of it: the columns of each row that
+    hold a token move to the right end, in order (left padding), and mask (b, S), the attention
+    mask of the cache, moves with them. Where a column sits changes nothing: a cached key
+    carries its position already (rotary or learned), and attention reads the mask."""
+    n = int(mask.sum(-1).max())  # the most tokens a row holds
+    if mask.shape[1] <= 2 * n:
+        return mask
+    order = mask.argsort(dim=-1, stable=True)[:, -n:]  # (b, n): empty columns first, then tokens
+    for layer in cache.layers:
+        for name in ("keys", "values"):
+            x = getattr(layer, name)  # (b, heads, S, head dim)
+            idx = order[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3])
+            setattr(layer, name, x.gather(2, idx))
+    return mask.gather(1, order)
 
 
 def exact_head(head, forward):

@@ -66,7 +66,7 @@ class Args:
     max_new_tokens: int = arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
     top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
@@ -98,10 +98,10 @@ class Args:
     seq_clip_eps_high: float = arg(4e-4, "> 0")  # sequence level: s_i <= 1 + this (GSPO: 4e-4)
     # SAPO's gate sigmoid(tau (rho - 1)) 4 / tau in fp32 (max 3.4e38): at tau >= 1e-30, 4 / tau
     # times a step's advantages stays finite (1e-40: NaN losses); at tau <= 1e30, tau (rho - 1) too
-    sapo_tau_pos: float = arg(1.0, "[1e-30, 1e30]")  # gate temperature, A > 0 (SAPO, TRL: 1.0)
-    sapo_tau_neg: float = arg(1.05, "[1e-30, 1e30]")  # the same, A <= 0 (TRL: 1.05) [sapo_*]
+    sapo_tau_pos: float = arg(1.0, "[1e-30, 1e30]")  # gate temperature, A > 0 (SAPO; TRL: 1.0)
+    sapo_tau_neg: float = arg(1.05, "[1e-30, 1e30]")  # the same, A <= 0 (TRL: 1.05)
     tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
-    tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
@@ -372,7 +372,10 @@ def main():
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
-                    entropy = entropy.detach()  # only logged: its graph goes, backward skips it
+                    # entropy (B, T) has a gradient, as logprobs do; here it is only logged, so
+                    # its graph goes. An entropy bonus: delete this line and, before backward,
+                    # loss = loss - coef * (entropy * mask[mb]).sum() / n_tokens (ppo's ent_coef)
+                    entropy = entropy.detach()
                     old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
                     ref_mb = ref_logprobs[mb] if ref_logprobs is not None else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight

@@ -76,7 +76,7 @@ class Args:
     max_new_tokens: int = arg(6, "> 0")  # completion length cap (the built-in task needs 4)
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; log-probs use it (N)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
     top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
@@ -100,7 +100,7 @@ class Args:
     clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
     # --- the sampler/trainer mismatch correction, see mismatch_weights() (grpo.py's flags)
     tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
-    tis_mode: Literal["truncate", "mask"] = "truncate"  # mask: 0 past C [vllm_importance_sampling]
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (TRL, OpenRLHF)
@@ -327,7 +327,10 @@ def main():
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
-                    entropy = entropy.detach()  # only logged: its graph goes, backward skips it
+                    # entropy (B, T) has a gradient, as logprobs do; here it is only logged, so
+                    # its graph goes. An entropy bonus: delete this line and, before backward,
+                    # loss = loss - coef * (entropy * mask[mb]).sum() / norm (ppo's ent_coef)
+                    entropy = entropy.detach()
                     old = old_logprobs[mb] if args.num_iterations > 1 else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
                     is_weight, is_ratio = mismatch_weights(

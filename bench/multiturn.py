@@ -14,6 +14,14 @@ Three parts, each printed as a table, then one JSON line:
           time with a tool that returns at once
   step    the decode loop's time per step at 8 rows on the bundled model (64 new tokens, EOS never
           sampled), with and without a stop string: what the loop itself costs around the forward
+  obs     one call turn then an observation of L = 4, 64, 256, 512 tokens, 8 and 32 rows (the 15 M
+          Qwen2): the rollout's time against the ideal, timed apart (medians of 3): the prompts'
+          prefill, as many whole-batch decode steps as the row with the most model tokens has,
+          and one prefill of L tokens (one row) per observation
+  stall   32 rows whose turns end one per decode step (the bundled model, EOS forced at position
+          40, prompts of 2 to 33 tokens), each calling a tool that sleeps 0.5 s, then answering
+  memory  an env whose episodes hold 4 MB each, 8 x 8 rollouts a step for 50 steps: the process's
+          resident memory at steps 2, 10, 25, 50, and the episodes still alive at the end
 Run it on an otherwise idle machine, one thread (it sets torch.set_num_threads(1)).
 """
 import argparse
@@ -31,7 +39,9 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def load(repo):
     sys.path.insert(0, repo)
-    return [importlib.import_module(m) for m in ("common", "envs", "loading", "tasks")]
+    where = "plumbing." if os.path.isdir(os.path.join(repo, "plumbing")) else ""  # older: top
+    return [importlib.import_module(m) for m in ("common", f"{where}envs", f"{where}loading",
+                                                  f"{where}tasks")]
 
 
 def run_rollout(C, E, model, tok, prompt_ids, env, rows, max_turns, budget):
@@ -74,7 +84,7 @@ def work(C, E, L, T):
         for turns in (1, 4, 8, 16):
             prompts = [f"{a}+{a + 1}=" for a in range(rows_n)]
             rows = [{"prompt": p} for p in prompts]
-            prompt_ids = T.encode_prompts(tok, prompts, "none")
+            prompt_ids = C.encode_prompts(tok, prompts, "none")
 
             def env(row, said, turns=turns):
                 return None if len(said) >= turns else " 12 "
@@ -98,7 +108,7 @@ def tool(C, E, L, T):
     model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
     model.generation_config.eos_token_id = list(range(99))  # every turn is one token
     prompts = [f"{a}+{a}=" for a in range(32)]
-    rows, ids = [{"prompt": p} for p in prompts], T.encode_prompts(tok, prompts, "none")
+    rows, ids = [{"prompt": p} for p in prompts], C.encode_prompts(tok, prompts, "none")
     times = {}
     for wait in (0.0, 0.2):
         def env(row, said, wait=wait):
@@ -119,7 +129,7 @@ def step(C, E, L, T, repeats=5):
     tok = L.load_tokenizer(L.DEFAULT_POLICY)
     model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
     model.generation_config.suppress_tokens = [tok.eos_token_id]  # every row runs 64 steps
-    prompt_ids = T.encode_prompts(tok, [f"{a}+{a}=" for a in range(8)], "none")
+    prompt_ids = C.encode_prompts(tok, [f"{a}+{a}=" for a in range(8)], "none")
     out = {}
     for name, stop in (("no stop string", ()), ("stop string", ("</calc>",))):
         best = float("inf")
@@ -132,10 +142,136 @@ def step(C, E, L, T, repeats=5):
     return out
 
 
+def obs(C, E, L, T):
+    """The rollout's time against the ideal: its decode steps and one prefill per observation."""
+    from transformers import DynamicCache
+    tok = L.load_tokenizer(L.DEFAULT_POLICY)
+    eos = list(range(5, 99, 8))  # a turn ends after about 8 tokens
+    model = random_qwen2(tok, eos)
+
+    def timed(rows_n, width, past):  # median of 3: a forward of width tokens after past ones
+        times = []
+        for _ in range(3):
+            cache = DynamicCache()
+            if past:
+                model(input_ids=torch.full((rows_n, past), 9), cache=cache)
+            t0 = time.perf_counter()
+            model(input_ids=torch.full((rows_n, width), 9), cache=cache,
+                  position_ids=torch.arange(past, past + width).expand(rows_n, -1))
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1]
+    out = []
+    for rows_n in (8, 32):
+        for n_obs in (4, 64, 256, 512):
+            prompts = [f"{a}+{a + 1}=" for a in range(rows_n)]
+            rows, prompt_ids = [{"prompt": p} for p in prompts], C.encode_prompts(tok, prompts,
+                                                                                   "none")
+            text = " ".join(["7"] * n_obs)  # about one token a character: cut to n_obs tokens
+            text = tok.decode(tok(text, add_special_tokens=False)["input_ids"][:n_obs])
+
+            def env(row, said):
+                return None if len(said) >= 2 else text
+            torch.manual_seed(0)
+            t0 = time.perf_counter()
+            roll = run_rollout(C, E, model, tok, prompt_ids, env, rows, 2, n_obs + 48)
+            seconds = time.perf_counter() - t0
+            calls = int(roll.tool_calls.sum())
+            # the ideal: the prompts' prefill, then as many full-batch decode steps as the row
+            # with the most model tokens needs, and one prefill of L tokens (one row) a call
+            steps = int(roll.completion_mask.sum(-1).max())
+            ideal = (timed(rows_n, roll.P, 0) + steps * timed(rows_n, 1, roll.P + 16)
+                     + calls * timed(1, n_obs, roll.P + 16))
+            out.append({"rows": rows_n, "L": n_obs, "observations": calls, "seconds": seconds,
+                        "ideal": ideal, "ratio": seconds / ideal})
+            print(f"obs   rows {rows_n:2d}  L {n_obs:3d}  {calls:2d} observations  {seconds:6.2f} s"
+                  f"  ideal {ideal:6.2f} s  ratio {seconds / ideal:5.2f}", flush=True)
+    return out
+
+
+def ends_at(model, eos, at):
+    """The model with its next token forced to the EOS from position `at` on (never before)."""
+    real = model.forward
+
+    def forward(*a, **kw):
+        out = real(*a, **kw)
+        late = kw["position_ids"][:, -1] >= at - 1  # the logits at position p predict p + 1
+        out.logits[:, -1] = torch.where(late[:, None], -1e4, out.logits[:, -1])
+        out.logits[:, -1, eos] = torch.where(late, 1e4, -1e4).to(out.logits.dtype)
+        return out
+    model.forward = forward
+    return model
+
+
+def stall(C, E, L, T):
+    """32 rows whose turns end one a decode step, a 0.5 s tool: rows do not wait for others."""
+    tok = L.load_tokenizer(L.DEFAULT_POLICY)
+    model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    model = ends_at(model, tok.eos_token_id, 40)
+    prompts = ["1" * k for k in range(1, 33)]  # 2 to 33 tokens (and the BOS)
+    rows, ids = [{"prompt": p} for p in prompts], C.encode_prompts(tok, prompts, "none")
+    times = {}
+    for wait in (0.0, 0.5):
+        def env(row, said, wait=wait):
+            if len(said) > 1:
+                return None
+            time.sleep(wait)
+            return " 1 "
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        roll = run_rollout(C, E, model, tok, ids, env, rows, 2, 64)
+        times[wait] = time.perf_counter() - t0
+        ends = sorted(int(m.argmin()) for m in roll.completion_mask)  # the first turn's end
+    print(f"stall 32 rows, turns ending at steps {ends[0]}..{ends[-1]}, a 0.5 s tool: "
+          f"{times[0.5]:.2f} s (an instant tool: {times[0.0]:.2f} s)")
+    return {"seconds": times, "turn_ends": ends}
+
+
+def memory(C, E, L, T, steps=50):
+    """Resident memory over rollouts of an env whose episodes hold 4 MB each."""
+    import gc
+    import resource
+    import weakref
+    tok = L.load_tokenizer(L.DEFAULT_POLICY)
+    model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    model.generation_config.eos_token_id = list(range(5, 99, 8))
+    alive = weakref.WeakSet()
+
+    class Big:
+        def __init__(self, row):
+            self.data = bytearray(4 << 20)  # 4 MB an episode
+            self.data[::4096] = b"x" * len(self.data[::4096])  # touched: resident
+            alive.add(self)
+
+        def step(self, turns):
+            return None if len(turns) > 1 else " 1 "
+    prompts = [f"{a}+{a}=" for a in range(8)] * 8
+    rows, ids = [{"prompt": p} for p in prompts], C.encode_prompts(tok, prompts, "none")
+
+    def rss_mb():
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    out = {}
+    for step_ in range(1, steps + 1):
+        env_step, finish = E.start_episodes(rows, Big, "--env 'bench'", 60, tok, 3)
+        roll = C.sample(model, tok, ids, 24, env_step=env_step)
+        finish(roll)
+        del env_step, finish, roll
+        if step_ in (2, 10, 25, 50):
+            out[step_] = round(rss_mb())
+    live_now = len(alive)
+    gc.collect()
+    out.update(alive_at_end=live_now, alive_after_gc=len(alive),
+               peak_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    at = ", ".join(f"{k}: {v}" for k, v in out.items() if isinstance(k, int))
+    print(f"memory  resident MB at steps {at}; episodes alive after the last rollout: "
+          f"{live_now} (after gc: {out['alive_after_gc']})")
+    return out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--repo", default=HERE)
-    p.add_argument("--parts", default="work,tool,step")
+    p.add_argument("--parts", default="work,tool,step,obs,stall,memory")
     a = p.parse_args()
     torch.set_num_threads(1)
     C, E, L, T = load(os.path.abspath(a.repo))

@@ -18,6 +18,7 @@ import json
 import queue
 import re
 import threading
+import time
 
 import torch
 from transformers.utils import get_json_schema
@@ -31,39 +32,38 @@ from plumbing import calc
 ENV_TIMEOUT_S = 10.0  # --env_timeout's default: a call slower than this stops the run
 
 
-def call_all(calls, limit):
-    """Run calls (functions of no argument) at the same time, each in a thread of its own, and
-    return their results in order; what a call raises, SystemExit and KeyboardInterrupt too, is
-    raised here. A call still running after `limit` seconds raises TimeoutError(its index).
+def submit(call):
+    """Start call() (a function of no argument) in a thread of the pool and return its Future,
+    which holds its result or what it raised (SystemExit and KeyboardInterrupt too).
     Threads, not processes: an episode's state (its row, an env object) stays in this process from
     call to call, with nothing to pickle; a call that never returns cannot be killed, but it runs
     in a daemon thread, which ends with the run. (A tool running native code that never releases
-    Python's lock would block this too: run such code in a subprocess with its own timeout.) The
-    threads wait for the next calls rather than end: starting one costs more than a quick env."""
+    Python's lock would block this too: run such code in a subprocess, as python_tool.py does.)
+    The threads wait for the next calls rather than end: starting one costs more than a quick
+    env."""
     with _POOL["lock"]:
-        for _ in range(len(calls) - _POOL["free"]):  # a thread for each call that has none free
+        if _POOL["free"] == 0:  # no thread free: one more
             threading.Thread(target=_worker, daemon=True).start()
             _POOL["free"] += 1
-        _POOL["free"] -= len(calls)  # these calls take them
-    futures = [concurrent.futures.Future() for _ in calls]
-    for call, future in zip(calls, futures):
-        _POOL["jobs"].put((call, future))
-    _, late = concurrent.futures.wait(futures, timeout=limit)
-    if late:
-        raise TimeoutError(min(futures.index(f) for f in late))
-    return [f.result() for f in futures]
+        _POOL["free"] -= 1  # this call takes one
+    future = concurrent.futures.Future()
+    _POOL["jobs"].put((call, future))
+    return future
 
 
-_POOL = {"jobs": queue.SimpleQueue(), "free": 0, "lock": threading.Lock()}  # call_all's threads
+_POOL = {"jobs": queue.SimpleQueue(), "free": 0, "lock": threading.Lock()}  # submit's threads
 
 
 def _worker():
     while True:
-        call, future = _POOL["jobs"].get()
+        job = _POOL["jobs"].get()
+        call, future = job
         try:
             future.set_result(call())
         except BaseException as e:  # noqa: B036 -- SystemExit too: shown as one line, exit 2
             future.set_exception(e)
+        # the call (its episode, through the closure) goes now, not when the next job comes
+        del job, call, future
         with _POOL["lock"]:
             _POOL["free"] += 1
 
@@ -107,11 +107,11 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S, budget=None):
 
 def start_episodes(rows, make, who, timeout, tok, max_turns=1):
     """One episode per row, each made (on its first call) from a deep copy of its row and keeping
-    its own turns and observations. Returns env_step(requests) for common.sample: [(row index, the
-    turn's token ids, budget left, the EOS the turn ended on)] -> each row's observation ids
-    (observation_ids: cut to the budget) or None, the rows' calls run at the same time
-    (call_all), and None after a row's max_turns-th turn (no call); and finish(roll), which puts
-    on the rollout what the episodes saw. who: the env, as errors name it ("--env 'calc'")."""
+    its own turns and observations. Returns env_step(requests, wait) for common.sample, which
+    starts each row's call in a thread of its own (submit) and hands back the observations of
+    the calls that have finished (observation_ids: cut to the budget), or None for an episode
+    that ended (the env's None, or no call after its max_turns-th turn); and finish(roll), which
+    puts on the rollout what the episodes saw. who: the env, as errors name it ("--env 'calc'")."""
     copies = [copy.deepcopy(r) for r in rows]
     episodes = [None] * len(rows)  # made on the first call: a function env's row, or an object
     # each row's turns (texts), observations (as the model reads them), whether one was cut by the
@@ -143,28 +143,47 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
                               f"{vocab - 1}) ({where(i, turns)})")
         return out
 
-    def env_step(requests):  # [(row, turn ids, budget left, EOS it ended on)] -> observations
-        for i, ids, _, _ in requests:
-            seen[i].turns.append(tok.decode(ids, skip_special_tokens=True))
-            seen[i].begun += len(ids)
-        asking = [i for i, _, _, _ in requests if len(seen[i].turns) < max_turns]  # not the last
-        try:
-            outs = call_all([functools.partial(call, i, list(seen[i].turns)) for i in asking],
-                            timeout)
-        except TimeoutError as e:
-            i = asking[e.args[0]]
-            raise C.UserError(f"{who} took more than {timeout:g} s "
-                              f"{where(i, seen[i].turns)} (--env_timeout)") from None
-        outs = dict(zip(asking, outs))  # None: the episode ended (the env's None, or max_turns)
+    running = {}  # row -> (its call's Future, when it started, its Request)
+
+    def env_step(requests, wait=False):
+        """Start the calls of the rows whose turns just ended (a common.Request each) and return
+        [(row, observation ids or None)] of the calls that have finished, in row order; wait:
+        block until one has. A call past its deadline stops the run, even while others decode."""
+        for req in requests:
+            s = seen[req.row]
+            s.turns.append(tok.decode(req.turn, skip_special_tokens=True))
+            s.begun += len(req.turn)
+            if len(s.turns) < max_turns:
+                future = submit(functools.partial(call, req.row, list(s.turns)))
+            else:  # its last turn: no call, the episode ends
+                future = concurrent.futures.Future()
+                future.set_result(None)
+            running[req.row] = (future, time.monotonic(), req)
+        while True:
+            now = time.monotonic()
+            late = sorted(i for i, (f, t0, _) in running.items() if not f.done() and
+                          now - t0 > timeout)
+            if late:
+                raise C.UserError(f"{who} took more than {timeout:g} s "
+                                  f"{where(late[0], seen[late[0]].turns)} (--env_timeout)")
+            ready = sorted(i for i, (f, _, _) in running.items() if f.done())
+            if ready or not wait or not running:
+                break
+            first = min(t0 for _, t0, _ in running.values())  # the next deadline to check
+            concurrent.futures.wait([f for f, _, _ in running.values()],
+                                    timeout=min(60.0, max(0.0, first + timeout - now) + 0.01),
+                                    return_when=concurrent.futures.FIRST_COMPLETED)
         answers = []
-        for i, _, left, end in requests:
-            out = outs.get(i)
-            ids, cut = (None, False) if out is None else observation_ids(tok, out, left, end)
+        for i in ready:
+            future, _, req = running.pop(i)
+            out = future.result()  # what the env returned, or its error as one line
+            ids, cut = (None, False) if out is None else observation_ids(tok, out, req.budget,
+                                                                         req.eos)
             if ids is not None:
                 seen[i].observations.append(tok.decode(ids))
                 seen[i].cut |= cut
                 seen[i].begun += len(ids)
-            answers.append(ids)
+            answers.append((i, ids))
         return answers
 
     def finish(roll):

@@ -13,6 +13,7 @@ import operator
 import os
 import re
 import sys
+import textwrap
 from dataclasses import field
 
 from transformers import HfArgumentParser
@@ -47,12 +48,37 @@ def _saved_args(resume_dir, algo):
     return saved["args"]
 
 
-def _help(f, comment):
-    """A flag's --help line: the comment beside its Args field, its default, its valid range."""
-    default = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    shown = repr(default) if default in ("", []) else default
-    valid = f"; valid: {f.metadata['valid']}" if "valid" in f.metadata else ""
-    return f"{comment} (default: {shown}{valid})".replace("%", "%%")  # argparse formats with %
+def help_text(args_cls, algo, doc):
+    """--help: the docstring's first paragraph, then each flag once, under the section comment of
+    Args it sits in (`# --- sampling`), with the comment beside it, its default and valid range;
+    then the docstring's commands (from "Run:")."""
+    fields = {f.name: f for f in dataclasses.fields(args_cls)}
+    out = [f"usage: python {algo}.py [--flag VALUE ...]", "", doc.split("\n\n")[0]]
+    for line in inspect.getsource(args_cls).splitlines():
+        title = re.match(r"    # --- (.+)", line)
+        flag = re.match(r"    (\w+): .*?(?:  # (.+))?$", line)
+        if title:
+            out += ["", title[1] + ":"]
+        if not flag or flag[1] not in fields:
+            continue
+        f = fields[flag[1]]
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if f.type is bool:  # --flag alone turns it on, --no_flag off
+            value, shown = "", "on; --no_" + f.name + " turns it off" if default else "off"
+        else:
+            choices = getattr(f.type, "__args__", None)  # a Literal's choices, or list[str]
+            value = {int: "N", float: "X", str: "TEXT"}.get(f.type) or (
+                "TEXT [TEXT ...]" if f.type.__origin__ is list else "{%s}" % ",".join(choices))
+            shown = repr(default) if default in ("", []) else default
+            if isinstance(default, str) and os.path.isabs(default):  # the bundled model, data
+                shown = min(default, os.path.relpath(default), key=len)  # from this folder
+        valid = f"; valid: {f.metadata['valid']}" if "valid" in f.metadata else ""
+        name = f"--{f.name} {value}".rstrip()
+        lead = f"  {name:28}" if len(name) < 28 else f"  {name}\n" + " " * 30
+        text = textwrap.wrap(f"{flag[2] or ''} (default: {shown}{valid})", 70,
+                             break_on_hyphens=False)
+        out.append(lead + ("\n" + " " * 30).join(text))
+    return "\n".join(out + (["", doc[doc.find("Run:"):].rstrip()] if "Run:" in doc else []))
 
 
 PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env", "tools")
@@ -74,24 +100,21 @@ def _resolved(name, value):
 
 
 def parse_args(args_cls, algo, doc=""):
-    """HfArgumentParser over the Args dataclass; each flag's --help is the comment beside its field.
-    With --resume DIR the run's saved settings are the defaults, so it continues as it was (to its
-    own max_steps), COMMAND_LINE_ONLY settings aside; a flag that would change a setting other
-    than SAFE_TO_CHANGE_ON_RESUME is refused, since the optimizer state and the data stream
-    belong to the old settings."""
-    source = inspect.getsource(args_cls)
-    comments = dict(re.findall(r"^    (\w+): .*?  # (.+)$", source, re.M))
+    """HfArgumentParser over the Args dataclass; --help is help_text's. With --resume DIR the
+    run's saved settings are the defaults, so it continues as it was (to its own max_steps),
+    COMMAND_LINE_ONLY settings aside; a flag that would change a setting other than
+    SAFE_TO_CHANGE_ON_RESUME is refused, since the optimizer state and the data stream belong to
+    the old settings."""
     fields = dataclasses.fields(args_cls)
     declared = [f.metadata for f in fields]  # e.g. {"valid": "> 0"}, from arg()
-    for f in fields:  # HfArgumentParser hands every metadata key to argparse: the help alone
-        f.metadata = {"help": _help(f, comments.get(f.name, ""))}
+    for f in fields:  # HfArgumentParser hands every metadata key to argparse: none
+        f.metadata = {}
     try:
-        parser = HfArgumentParser(args_cls, description=doc.split("\n\n")[0],
-                                  epilog=doc[doc.find("Run:"):] if "Run:" in doc else None,
-                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+        parser = HfArgumentParser(args_cls)
     finally:
         for f, metadata in zip(fields, declared):
             f.metadata = metadata
+    parser.format_help = lambda: help_text(args_cls, algo, doc) + "\n"
 
     def error(message):  # argparse would print its usage, then the message: one line instead
         raise C.UserError(f"{message}; see --help")

@@ -58,6 +58,13 @@ STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then 
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
+# log_step warns when a step's whole batch gives no learning signal, several steps in a row
+NO_SIGNAL = {"frac_zero_std": "every group's rewards were equal, so every advantage is 0 and "
+             "nothing is learned: likely the reward cannot tell this model's completions apart "
+             "(does it read fields the rows have? is the task out of reach, or solved already?)",
+             "frac_truncated": "every completion was cut before its end (no EOS) and is scored "
+             "so: raise --max_new_tokens"}
+NO_SIGNAL_STEPS = 5
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -127,7 +134,7 @@ class Run:
     history: list = field(default_factory=list)  # every metrics line so far
     rank: int = 0  # this process, under torchrun (rank 0 alone writes files and the bar)
     world: int = 1  # number of processes
-    t0: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.time)  # the start; resumed: minus the earlier parts
     nonfinite: int = 0  # updates skipped for NaN/inf so far
     nonfinite_in_row: int = 0
     saved_step: int = 0  # the step of the checkpoint on disk (0: none yet)
@@ -235,9 +242,11 @@ def start_run(args, algo):
         _trim_jsonl(samples_path, state["step"])
     signal.signal(signal.SIGINT, _on_sigint)
     STARTED["run"] = Run(dir=folder, algo=algo, args=args, state=state, history=history,
-                         saved_step=state["step"] if state else 0, world=world,  # line-buffered
-                         metrics=open(metrics_path, "a", buffering=1),  # files: each line is
-                         samples=open(samples_path, "a", buffering=1),  # written at once
+                         saved_step=state["step"] if state else 0, world=world,
+                         t0=time.time() - (state or {}).get("wall_time_s", 0),  # resumed: and
+                         # the earlier parts' time; line-buffered files: each line at once
+                         metrics=open(metrics_path, "a", buffering=1),
+                         samples=open(samples_path, "a", buffering=1),
                          tracker=open_tracker(args, folder))
     return STARTED["run"]
 
@@ -424,6 +433,11 @@ def log_step(run, metrics, bar, samples, opt):
                     columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
             run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
+    for key, why in NO_SIGNAL.items():  # once a streak: on its NO_SIGNAL_STEPS-th step
+        last = [m.get(key) for m in run.history[-NO_SIGNAL_STEPS - 1:]]  # and the step before
+        streak = last[-NO_SIGNAL_STEPS:] == [1] * NO_SIGNAL_STEPS
+        if streak and (len(last) == NO_SIGNAL_STEPS or last[0] != 1):
+            tqdm.write(f"warning: {key} 1 in steps {step - NO_SIGNAL_STEPS + 1}-{step}: {why}")
     if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
         tqdm.write(f"note: step {step}: an observation was cut by --max_new_tokens (obs_truncated)")
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
@@ -490,7 +504,8 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
         return
     state = {"step": step, "nonfinite": run.nonfinite}  # _load_state refuses to resume from it
     if resumable:
-        state.update(optimizer=opt_state, data_rng=rng.getstate(), rngs=rngs, extra=extra)
+        state.update(optimizer=opt_state, data_rng=rng.getstate(), rngs=rngs, extra=extra,
+                     wall_time_s=time.time() - run.t0)
     tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)
@@ -696,9 +711,10 @@ def _plot(run, keys):
 
 
 def _json_safe(x):
-    """NaN and inf become null: bare NaN is not JSON, and strict parsers refuse it."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
+    """NaN and inf become null: bare NaN is not JSON, and strict parsers refuse it. Other floats
+    keep 6 significant digits (a float32 0.282 is 0.28200000524520874 as a Python float)."""
+    if isinstance(x, float):
+        return float(f"{x:.6g}") if math.isfinite(x) else None
     if isinstance(x, dict):
         return {k: _json_safe(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):

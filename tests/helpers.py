@@ -258,7 +258,8 @@ def sample(model, tok, prompt_ids, *args, env_step=None, **kwargs):  # each row 
     for j, p in enumerate(prompt_ids):
         k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
         torch.manual_seed(hash((tuple(p), k)) % 2**31)
-        step = env_step and (lambda reqs, j=j: env_step([(j, *r[1:]) for r in reqs]))  # row j's
+        step = env_step and (lambda reqs, wait, j=j: [  # row j's episode, as row 0 here
+            (0, obs) for _, obs in env_step([r._replace(row=j) for r in reqs], wait)])
         pieces.append((real_sample(model, tok, [p], *args, env_step=step, **kwargs),
                        torch.tensor([0])))
     # then the RNG as one process leaves it in rank 0 and another stream in rank 1 (so

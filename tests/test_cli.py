@@ -16,6 +16,7 @@ from transformers import LlamaForSequenceClassification
 import common as C
 import dpo
 from plumbing import envs as E
+from plumbing import flags
 import grpo
 from plumbing import loading
 import ppo
@@ -25,7 +26,7 @@ import sft
 from tools.merge_lora import merge as merge_lora
 
 from tests.helpers import (ARCHS, FAST_GRPO, REWARD_FILE, ROOT, SCRIPTS, one_error_line,
-                           read_metrics, run_main, run_script, tiny_config, tiny_model, tiny_rm)
+                           read_metrics, run_main, tiny_config, tiny_model, tiny_rm)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import calc_report  # noqa: E402  (tools/calc_report.py)
@@ -79,35 +80,42 @@ def check_outputs(out, steps):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2"])
-def test_grpo_end_to_end_on_tiny_random_models(tiny_dirs, tmp_path, arch):
+def test_grpo_end_to_end_on_tiny_random_models(tiny_dirs, tmp_path, arch, monkeypatch):
     out = tmp_path / "out"
-    r = run_script("grpo.py", "--model", str(tiny_dirs / arch),
-                   "--data", str(tiny_dirs / "data.jsonl"), "--max_steps", "3",
-                   "--group_size", "4", "--prompts_per_step", "2", "--micro_batch_size", "4",
-                   "--max_new_tokens", "8", "--eval_size", "8", "--dynamic_sampling",
-                   "--loss_agg", "seq-mean-token-mean", "--num_iterations", "2",
-                   "--save_every", "0", "--output_dir", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(monkeypatch, grpo, "--model", tiny_dirs / arch, "--data", tiny_dirs / "data.jsonl",
+             "--max_steps", "3", "--group_size", "4", "--prompts_per_step", "2",
+             "--micro_batch_size", "4", "--max_new_tokens", "8", "--eval_size", "8",
+             "--dynamic_sampling", "--loss_agg", "seq-mean-token-mean", "--num_iterations", "2",
+             "--save_every", "0", "--output_dir", out)
     check_outputs(out, 3)
 
 
-def test_grpo_learns_on_the_bundled_task(tmp_path):
+def test_grpo_learns_on_the_bundled_task(tmp_path, capsys, monkeypatch):
     """A short run on the bundled model: held-out greedy accuracy and the sampled reward both rise
-    clearly."""
+    clearly. The README's snippet loads its checkpoint and generates the eval's greedy answer."""
     out = tmp_path / "out"
-    r = run_script("grpo.py", "--max_steps", "40", "--eval_every", "0", "--eval_size", "200",
-                   "--output_dir", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(monkeypatch, grpo, "--max_steps", "40", "--eval_every", "0", "--eval_size", "200",
+             "--output_dir", out)
+    printed = capsys.readouterr()
     summary, metrics = check_outputs(out, 40)
     assert summary["eval_after"] >= summary["eval_before"] + 0.2, summary
     model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"))
     n_params = sum(p.numel() for p in model.parameters())
     adam_mb = 8 * n_params / 2**20
-    assert f"AdamW's moments will add {adam_mb:,.0f} MB from step 2" in r.stdout + r.stderr
-    assert re.search(r"memory: peak [\d,]+ MB in step 1, before AdamW's", r.stdout + r.stderr)
+    assert f"AdamW's moments will add {adam_mb:,.0f} MB from step 2" in printed.out + printed.err
+    assert re.search(r"memory: peak [\d,]+ MB in step 1, before AdamW's", printed.out + printed.err)
     first = [m["reward"] for m in metrics[:10]]
     last = [m["reward"] for m in metrics[-10:]]
     assert sum(last) / 10 >= sum(first) / 10 + 0.15
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    snippet = re.search(r"```python\n(from transformers import .*?)```", readme, re.S)[1]
+    folder = str(out / "checkpoint")
+    exec(snippet.replace('"runs/grpo-20261201-120000/checkpoint"', repr(folder)), {})
+    args = grpo.Args(max_new_tokens=6)  # the snippet's
+    greedy = C.generate(loading.load_model(folder, "lm", torch.device("cpu")),
+                        loading.load_tokenizer(folder), [{"prompt": "37+48="}], args,
+                        torch.autocast("cpu", enabled=False), greedy=True)[1]
+    assert capsys.readouterr().out.strip().splitlines()[-1] == greedy[0], greedy
 
 
 @pytest.mark.parametrize("extra", [
@@ -136,12 +144,11 @@ def test_end_to_end_tiny_gpt_neox(monkeypatch, neox_dir, tmp_path, extra):
     loading.load_model(os.path.join(out, "checkpoint"), "lm", torch.device("cpu"))
 
 
-def test_short_run_raises_the_reward_model_score(tmp_path):
+def test_short_run_raises_the_reward_model_score(tmp_path, monkeypatch):
     """Bundled policy and reward model: 16 PPO steps raise the RM score by well over its noise."""
     out = tmp_path / "run"
-    r = run_script("ppo.py", "--max_steps", "16", "--batch_size", "32", "--eval_every", "0",
-                   "--eval_size", "50", "--output_dir", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(monkeypatch, ppo, "--max_steps", "16", "--batch_size", "32", "--eval_every", "0",
+             "--eval_size", "50", "--output_dir", out)
     m = read_metrics(out)
     first = sum(x["reward"] for x in m[:2]) / 2
     last = sum(x["reward"] for x in m[-4:]) / 4
@@ -150,7 +157,7 @@ def test_short_run_raises_the_reward_model_score(tmp_path):
     assert last - first > 0.4 * m[0]["reward_std"], (first, last, m[0]["reward_std"])
 
 
-def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok):
+def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok, monkeypatch, capsys):
     tiny_model("llama").save_pretrained(tmp_path / "policy")
     tiny_rm().save_pretrained(tmp_path / "rm")
     for d in ("policy", "rm"):
@@ -160,8 +167,7 @@ def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok):
             "--batch_size", "16", "--micro_batch_size", "8", "--eval_size", "16",
             "--eval_every", "0", "--adaptive_kl", "--kl_target", "1e-6", "--kl_estimator", "k3",
             "--kl_horizon", "16", "--save_optimizer", "--output_dir", str(out)]
-    r = run_script("ppo.py", *args, "--max_steps", "2")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(monkeypatch, ppo, *args, "--max_steps", "2")
     m = read_metrics(out)
     assert [x["step"] for x in m] == [1, 2] and METRIC_KEYS["ppo"] <= set(m[0])
     assert m[0]["kl_seq"] == 0 and m[1]["kl_seq"] > 1e-6  # policy == reference at step 1 only
@@ -176,19 +182,30 @@ def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok):
     assert [g["weight_decay"] for g in state["optimizer"]["param_groups"]] == [0.0, 0.0]
     # resume: step 3 continues from the saved kl_coef (restored, not reset to 0.05), raised as
     # KL > target
-    r = run_script("ppo.py", "--resume", str(out), "--max_steps", "3")
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(monkeypatch, ppo, "--resume", out, "--max_steps", "3")
     m = read_metrics(out)
     assert [x["step"] for x in m] == [1, 2, 3] and abs(m[2]["kl_coef"] - 0.04 * 1.2) < 1e-9
     # bad input: one line, exit code 2
-    bad = run_script("ppo.py", *args, "--batch_size", "15")
-    assert bad.returncode == 2 and bad.stderr.startswith("error: --num_minibatches")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, ppo, *args, "--batch_size", "15", guard=True)
+    assert e.value.code == 2 and one_error_line(capsys).startswith("error: --num_minibatches")
 
 
-def test_help_documents_every_flag():
-    out = run_script("grpo.py", "--help").stdout
-    for field in grpo.Args.__dataclass_fields__:
-        assert f"--{field}" in out
+def test_help_shows_each_flag_once_under_its_section(monkeypatch):
+    """--help: every Args field once (no --data-split twin, no usage block naming them all),
+    under the section comment of Args above it, in lines of at most 100 columns."""
+    for name, script in SCRIPTS.items():
+        text = flags.help_text(script.Args, name, script.__doc__)
+        shown = re.findall(r"^  --(\w+)", text, re.M)
+        assert sorted(shown) == sorted(f.name for f in dataclasses.fields(script.Args)), name
+        assert max(len(line) for line in text.splitlines()) <= 100, name
+    monkeypatch.chdir(ROOT)
+    text = flags.help_text(grpo.Args, "grpo", grpo.__doc__)
+    assert text.index("\nsampling:\n") < text.index("\n  --group_size N ") < text.index(
+        "\nrewards:\n") < text.index("\n  --reward_fn TEXT [TEXT ...] ")
+    assert "--model TEXT                hub id or local folder" in text
+    assert "(default: models/tiny-adder)" in " ".join(text.split())  # relative to the repo
 
 
 # ---- command line: bad input

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tests.helpers import ROOT, SCRIPTS
+import grpo
+from tests.helpers import ROOT, SCRIPTS, read_metrics, run_main
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import check_docs  # noqa: E402  (tools/check_docs.py)
@@ -113,18 +114,21 @@ def test_shown_commands_finds_block_inline_and_continued_commands():
                                     "python dpo.py --system_prompt 'after ####.' --seed 1"]
 
 
-def test_readme_test_command_is_the_one_ci_runs():
-    """.ci/run installs the CPU torch first, then runs exactly the README's test command."""
+def test_readme_installs_first_and_its_test_command_is_the_one_ci_runs():
+    """The README's first section installs PyTorch's CPU build before the requirements (plain
+    PyPI's torch is the CUDA build); .ci/run installs the test command's packages and runs exactly
+    that command."""
     readme = read_readme()
-    command = re.search(r"Run the tests:\n\n    (.*)\n", readme).group(1)
+    assert re.findall(r"^## (.*)", readme, re.M)[:2] == ["Install", "Quickstart"]
+    install = read_readme("Install")
+    assert install.index("    pip install torch --index-url https://download.pytorch.org/whl/cpu"
+                         "\n    pip install -r requirements.txt\n") > 0
+    command = re.search(r"\n\n    (pip install .*)\n", read_readme("Run the tests")).group(1)
     install, tests = command.split(" && ")
     ci = open(os.path.join(ROOT, ".ci", "run"), encoding="utf-8").read().splitlines()
     assert tests.replace("python ", "python3 ", 1) in ci
     assert any("pip install" in line and line.endswith(install[len("pip install"):])
                for line in ci), (install, ci)
-    # plain PyPI's torch is the CUDA build: the set-up note gives a user PyTorch's CPU index
-    note = readme[readme.index("Run the tests:"):readme.index("## The scripts")]
-    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in note
 
 
 def anchor(heading):
@@ -189,16 +193,31 @@ def test_every_module_keeps_the_line_budget_the_readme_states():
     assert len(rows) >= 12  # common, fastpath, the plumbing, the six scripts
     for name, budget in rows:
         with open(os.path.join(ROOT, name)) as f:
-            assert len(f.read().splitlines()) <= int(budget), f"{name} is over its {budget} lines"
+            n = len(f.read().splitlines())
+        assert n <= int(budget), (
+            f"{name}: {n} lines, over the {budget} of the README's table. Delete what it no "
+            "longer needs (a budget is a signal to delete, not to abstract), or, if the lines "
+            "earn their place, raise its row in README.md's table")
 
 
-def test_each_rl_step_keeps_its_reading_budget_in_four_files():
-    """tools/step_cost.py: one step of grpo, ppo and reinforce (the loop and what it reaches) stays
-    within its budget in lines, in at most four files: the script, common, fastpath, runs."""
-    for script, budget in step_cost.STEP_BUDGETS.items():
+def test_each_rl_step_reads_four_files_under_a_generous_ceiling():
+    """tools/step_cost.py: one step of grpo, ppo and reinforce (the loop and what it reaches)
+    stays in four files (the script, common, fastpath, plumbing/runs) and under STEP_CEILING
+    lines, a quarter above today's counts: the README reports the count, and a student's change
+    may grow it."""
+    for script in ("grpo.py", "ppo.py", "reinforce.py"):
         loop, reached = step_cost.step_cost(script)
-        assert loop + sum(reached.values()) <= budget, f"{script}: a step outgrew {budget} lines"
-        assert {m for m, _ in reached} <= {script[:-3], "common", "fastpath", "plumbing.runs"}
+        n = loop + sum(reached.values())
+        assert n <= step_cost.STEP_CEILING, (
+            f"{script}: one step now reads {n} lines, over STEP_CEILING {step_cost.STEP_CEILING} "
+            f"(`python tools/step_cost.py {script} -v` lists where, longest first). If the new "
+            "lines earn their place, raise STEP_CEILING in tools/step_cost.py; if not, move "
+            "what only the setup needs out of the loop")
+        four = {script[:-3], "common", "fastpath", "plumbing.runs"}
+        extra = sorted({m for m, _ in reached} - four)
+        assert not extra, (f"{script}: a step reaches {extra}: keep what the loop calls in the "
+                           "script, common.py, fastpath.py and plumbing/runs.py (pass other code "
+                           "as values)")
 
 
 def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
@@ -351,3 +370,18 @@ def test_readme_own_task_shows_the_fields_its_reward_reads():
     section = read_readme("Your own task")
     for field_name in set(re.findall(r'row\["(\w+)"\]', section)):
         assert f'"{field_name}":' in section, f"no data row in the README shows {field_name!r}"
+
+
+def test_readme_reward_example_runs_as_printed_with_a_learning_signal(tmp_path, monkeypatch):
+    """my_rewards.py as the README prints it, with its command (2 steps): it runs on the bundled
+    task, each function is logged, and the groups' rewards differ (frac_zero_std < 1)."""
+    section = read_readme("Your own task")
+    code = re.search(r"```python\n(# my_rewards.py\n.*?)```", section, re.S).group(1)
+    command = re.search(r"\n    (python grpo.py --reward_fn my_rewards.py.*)\n", section).group(1)
+    (tmp_path / "my_rewards.py").write_text(code)
+    monkeypatch.chdir(tmp_path)  # where the user wrote my_rewards.py
+    run_main(monkeypatch, grpo, *command.split()[2:], "--max_steps", "2", "--eval_size", "20",
+             "--output_dir", "out")
+    metrics = read_metrics(tmp_path / "out")
+    assert {"reward/exact", "reward/short"} <= set(metrics[0])
+    assert min(m["frac_zero_std"] for m in metrics) < 1, metrics

@@ -185,3 +185,41 @@ def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path
         assert all(float(p.grad.abs().max()) == 0 for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+def test_feed_rows_and_compact_equal_the_plain_whole_batch_forward():
+    """fastpath.feed_rows forwards some rows' observations alone (the others' KV cache gets
+    empty columns) and gives the logits and cache the plain version does: the whole batch
+    forwarded, the other rows fed padding with attention 0. compact then drops the empty
+    columns: the next decode step's logits stay the same."""
+    from transformers import DynamicCache
+    model = tiny_model("llama", seed=3)
+    forward = functools.partial(C._forward, model)
+    prompts = [[5, 6, 7, 8], [9, 10], [11, 12, 13]]
+    ids, mask = C.left_pad(prompts, 0, "cpu")
+    caches = [DynamicCache(), DynamicCache()]
+    for cache in caches:
+        forward(ids, mask, C.positions(mask), cache, keep=1)
+    feeds = [[20, 21, 22], [23]]  # rows 0 and 2
+    fast, fast_mask = fastpath.feed_rows(forward, caches[0], mask, [0, 2], feeds, 0)
+    # plain: the whole batch, row 1 fed padding (attention 0), each row's tokens at the right end
+    block = torch.tensor([[20, 21, 22], [0, 0, 0], [0, 0, 23]])
+    plain_mask = torch.cat([mask, torch.tensor([[1, 1, 1], [0, 0, 0], [0, 0, 1]])], 1)
+    pos = (plain_mask.cumsum(-1)[:, -3:] - 1).clamp(min=0)
+    plain = forward(block, plain_mask, pos, caches[1], keep=1).logits[:, -1]
+    assert torch.equal(fast_mask, plain_mask)
+    torch.testing.assert_close(fast, plain[[0, 2]], atol=1e-5, rtol=0)
+    # 8 empty columns more in the fast path's cache (rows waiting for a tool), then compact
+    for layer in caches[0].layers:
+        empty = layer.keys.new_zeros(*layer.keys.shape[:2], 8, layer.keys.shape[3])
+        layer.keys, layer.values = torch.cat([layer.keys, empty], 2), torch.cat(
+            [layer.values, empty], 2)
+    grown = torch.cat([fast_mask, torch.zeros(3, 8, dtype=fast_mask.dtype)], 1)
+    compacted = fastpath.compact(caches[0], grown)  # 15 columns > twice the 7 tokens of row 0
+    assert compacted.shape[1] == 7 and torch.equal(compacted.sum(-1), plain_mask.sum(-1))
+    steps = []
+    for cache, m in ((caches[0], compacted), (caches[1], plain_mask)):
+        pos = m.sum(-1, keepdim=True)  # the new token's position
+        m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)
+        steps.append(forward(torch.tensor([[30], [31], [32]]), m, pos, cache, keep=1).logits)
+    torch.testing.assert_close(steps[0], steps[1], atol=1e-5, rtol=0)

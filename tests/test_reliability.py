@@ -18,12 +18,13 @@ import common as C
 import grpo
 from plumbing import flags
 from plumbing import loading
+import ppo
 import reinforce as R
 from plumbing import runs
 from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, PROMPTS, REWARD_FILE, ROOT, _offline, one_error_line,
-                           read_metrics, run_main, run_script, tiny_config, write_jsonl)
+                           read_metrics, run_main, tiny_config, write_jsonl)
 
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 import plot  # noqa: E402  (tools/plot.py)
@@ -96,15 +97,24 @@ def test_resume_without_max_steps_continues_to_the_runs_own(monkeypatch, tmp_pat
     runs.STOP["requested"] = False
     with pytest.raises(C.UserError, match="--lr 0.5 differs from the resumed run's 0.0001"):
         run_main(monkeypatch, grpo, "--resume", str(out), "--lr", "0.5")
+    state_path = out / "checkpoint" / "trainer_state.pt"  # as if the first part took 1000 s
+    state = torch.load(state_path, weights_only=True)
+    assert 0 < state["wall_time_s"] < 600
+    torch.save({**state, "wall_time_s": 1000.0}, state_path)
     run_main(monkeypatch, grpo, "--resume", str(out))
     assert [m["step"] for m in read_metrics(out)] == [1, 2, 3, 4]
+    wall = json.loads((out / "summary.json").read_text())["wall_time_s"]
+    assert 1000 < wall < 1600  # the whole run's: the first part's time and the resumed part's
     lines = (out / "samples.jsonl").read_text().splitlines()
     samples = [json.loads(line)["step"] for line in lines]
     assert samples == [1]  # the stale step-3 line is gone
     assert not (out / "run.lock").exists()
 
 
-def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
+def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, capsys):
+    """A real Ctrl-C (SIGINT) to `python grpo.py`: exit 130, a checkpoint of the step it stopped
+    at; then resumes (in this process: no second start-up), a half-saved checkpoint, and the
+    refusals of another script's resume and of a new run in the same folder."""
     out = tmp_path / "run"
     p = start_script("grpo.py", "--max_steps", "400", "--save_every", "4", "--eval_every", "0",
                      "--eval_size", "50", "--output_dir", str(out))
@@ -123,9 +133,8 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
     assert state["step"] == stopped
     # the checkpoint is a plain HF model folder
     AutoModelForCausalLM.from_pretrained(out / "checkpoint")
-    r = run_script("grpo.py", "--resume", str(out), "--max_steps", str(stopped + 3),
-                   "--save_optimizer")  # kept by the later resumes: each extends a finished run
-    assert r.returncode == 0, r.stderr[-2000:]
+    run_main(monkeypatch, grpo, "--resume", str(out), "--max_steps", str(stopped + 3),
+             "--save_optimizer")  # kept by the later resumes: each extends a finished run
     steps = [m["step"] for m in read_metrics(out)]
     assert steps == list(range(1, stopped + 4))  # no step duplicated or missing
     # killed while saving: a half-deleted checkpoint.old/ must not break the next save, and a kill
@@ -133,21 +142,24 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path):
     # place) must still resume
     (out / "checkpoint.old").mkdir()
     (out / "checkpoint.old" / "partial.bin").write_bytes(b"x")
-    r = run_script("grpo.py", "--resume", str(out), "--max_steps", str(stopped + 4))
-    assert r.returncode == 0 and not (out / "checkpoint.old").exists(), r.stderr[-2000:]
+    run_main(monkeypatch, grpo, "--resume", str(out), "--max_steps", str(stopped + 4))
+    assert not (out / "checkpoint.old").exists()
     os.replace(out / "checkpoint", out / "checkpoint.old")
-    r = run_script("grpo.py", "--resume", str(out), "--max_steps", str(stopped + 5))
-    resumed = f"resumed {out} at step {stopped + 4}"
-    assert r.returncode == 0 and resumed in r.stdout, r.stderr[-2000:]
+    capsys.readouterr()
+    run_main(monkeypatch, grpo, "--resume", str(out), "--max_steps", str(stopped + 5))
+    assert f"resumed {out} at step {stopped + 4}" in capsys.readouterr().out
     steps = [m["step"] for m in read_metrics(out)]
     assert steps == list(range(1, stopped + 6))
     # another script's run
-    r = run_script("ppo.py", "--resume", str(out), "--max_steps", str(stopped + 9))
-    assert r.returncode == 2 and "made by grpo.py" in r.stderr, r.stderr[-2000:]
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, ppo, "--resume", str(out), "--max_steps", str(stopped + 9),
+                 guard=True)
+    assert e.value.code == 2 and "made by grpo.py" in one_error_line(capsys)
     # a new run may not reuse the folder
     before = (out / "metrics.jsonl").read_text()
-    r = run_script("grpo.py", "--output_dir", str(out), "--max_steps", "2")
-    assert r.returncode == 2 and "already holds a run" in r.stderr
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--output_dir", str(out), "--max_steps", "2", guard=True)
+    assert e.value.code == 2 and "already holds a run" in one_error_line(capsys)
     assert (out / "metrics.jsonl").read_text() == before
 
 
@@ -426,10 +438,11 @@ def test_a_run_with_relative_paths_resumes_from_another_folder(tmp_path, monkeyp
 
 
 # ---- reliability: --sanity
-def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, tok):
-    r = run_script("grpo.py", "--sanity", "--output_dir", str(tmp_path / "run"))
-    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
-    assert "sanity: all checks passed" in r.stdout, r.stdout + r.stderr[-2000:]
+def test_sanity_flag_passes_on_the_bundled_model_and_catches_dropout(tmp_path, tok, monkeypatch,
+                                                                    capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--sanity", "--output_dir", tmp_path / "run")
+    assert e.value.code == 0 and "sanity: all checks passed" in capsys.readouterr().out
     cfg = tiny_config("gpt2")
     cfg.resid_pdrop = cfg.embd_pdrop = cfg.attn_pdrop = 0.5
     torch.manual_seed(0)

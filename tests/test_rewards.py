@@ -14,7 +14,7 @@ from plumbing import loading
 from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, REWARD_FILE, one_error_line, read_metrics, run_main,
-                           run_script, tiny_rm)
+                           tiny_rm)
 
 
 # ---- common.py: rule rewards, the reward model
@@ -46,7 +46,8 @@ def test_reward_model_batch_equals_one_by_one(tok):
 
 
 # ---- common.py: eval
-def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path):
+def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path, monkeypatch,
+                                                                        capsys):
     """Prompts with no answers (e.g. for a reward model): the held-out score is the mean of the
     run's --rewards on greedy completions (checked against HF generate and hand-written rewards),
     and no `gold` is made up."""
@@ -71,9 +72,9 @@ def test_without_answers_eval_is_the_mean_reward_and_gold_is_not_logged(tmp_path
     data = tmp_path / "d.jsonl"
     out = tmp_path / "out"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows * 3))
-    r = run_script("grpo.py", "--data", str(data), "--rewards", "length", "--max_steps", "2",
-                   "--eval_size", "4", "--output_dir", str(out))
-    assert r.returncode == 0 and "held-out mean reward" in r.stdout, r.stderr[-2000:]
+    run_main(monkeypatch, grpo, "--data", data, "--rewards", "length", "--max_steps", "2",
+             "--eval_size", "4", "--output_dir", out)
+    assert "held-out mean reward" in capsys.readouterr().out
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_metric"] == "mean reward"
     assert -0.5 < summary["eval_before"] < 0  # short answers: a small length penalty

@@ -56,7 +56,45 @@ def test_spark_skips_nan_and_prints_ascii_where_blocks_cannot_be_encoded(monkeyp
     assert runs.spark([0.0, 1.0, 2.0]) == "_~#  [0 .. 2]"
 
 
+def test_no_learning_signal_for_several_steps_warns_once_a_streak(capsys):
+    """frac_zero_std 1 (every group's rewards equal: every advantage 0) or frac_truncated 1 (every
+    completion cut) in NO_SIGNAL_STEPS steps in a row: one line naming it and the likely cause,
+    once a streak. A shorter streak, or a script that does not log the key (ppo), says nothing."""
+    n = runs.NO_SIGNAL_STEPS
+    run = runs.Run(dir="", algo="grpo", args=types.SimpleNamespace(report_to="none"), state=None,
+                   metrics=io.StringIO(), samples=io.StringIO())
+    bar = types.SimpleNamespace(set_postfix=lambda shown: None)
+    zero_std = [1] * (n + 2) + [0.5] + [1] * (n - 1) + [0.5] + [1] * n  # streaks: n + 2, n - 1, n
+    for step, z in enumerate(zero_std, 2):  # from step 2 (step 1 reports its memory)
+        runs.log_step(run, {"step": step, "frac_zero_std": z, "frac_truncated": 0.0}, bar, [], None)
+    warned = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warned == [f"warning: frac_zero_std 1 in steps {a}-{a + n - 1}: every group's rewards "
+                      "were equal, so every advantage is 0 and nothing is learned: likely the "
+                      "reward cannot tell this model's completions apart (does it read fields "
+                      "the rows have? is the task out of reach, or solved already?)"
+                      for a in (2, 2 * n + 5)]
+    run.history = []
+    for step in range(2, n + 2):
+        runs.log_step(run, {"step": step, "frac_truncated": 1.0}, bar, [], None)
+        runs.log_step(run, {"step": step, "reward": 1.0}, bar, [], None)  # ppo-like: no key
+    out = capsys.readouterr().out
+    assert out.count("warning") == 0  # the ppo-like lines broke the streak
+    run.history = []
+    for step in range(2, n + 2):
+        runs.log_step(run, {"step": step, "frac_truncated": 1.0}, bar, [], None)
+    assert capsys.readouterr().out.strip() == (
+        f"warning: frac_truncated 1 in steps 2-{n + 1}: every completion was cut before its end "
+        "(no EOS) and is scored so: raise --max_new_tokens")
+
+
 # ---- runs.py: --report_to, the experiment trackers
+def test_summary_numbers_are_rounded_and_json_safe():
+    """summary.json: 6 significant digits (no float32 noise), NaN/inf as null, ints as they are."""
+    x = torch.tensor(0.282).item()  # 0.28200000524520874
+    assert runs._json_safe({"a": x, "b": [float("nan"), 1e-6, 123456789.0], "c": (3, True)}) == \
+        {"a": 0.282, "b": [None, 1e-6, 123457000.0], "c": [3, True]}
+
+
 def test_report_to_sends_the_metrics_and_samples_to_a_tracker(tmp_path, monkeypatch, capsys):
     """--report_to wandb (a fake module here): every metrics line and the samples table reach it;
     a tracker that is not installed is one line."""

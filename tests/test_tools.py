@@ -1,12 +1,16 @@
 """Tool use: multi-turn sampling with env_step, envs.py, --env and --tools, chat templates."""
+import gc
 import json
 import os
 import random
 import re
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from types import SimpleNamespace
 
 import pytest
@@ -88,12 +92,16 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
     whole multi-turn sequence by one plain HF forward, at the model's positions, equal the
     sampler's own and the training forward's; observation positions hold the observation's
     tokens; and the positions the model forwards are the ideal: each distinct prompt once, and
-    each completion token once (but each row's last, which nothing reads)."""
+    each completion token once, up to each row's last sampled one (nothing reads what comes
+    after it: its EOS, an observation cut by the budget). (Counted: the
+    positions a forward feeds with attention 1; rows that ride along as padding, attention 0,
+    are not tokens.)"""
     model = tiny_model(arch, seed=2)
     model.generation_config.eos_token_id = list(range(2, 99, 9))  # turns of ~9 tokens
     forwarded = []
     hook = model.register_forward_pre_hook(
-        lambda m, a, kw: forwarded.append(kw["input_ids"].numel()), with_kwargs=True)
+        lambda m, a, kw: forwarded.append(int(kw["attention_mask"][
+            :, -kw["input_ids"].shape[1]:].sum())), with_kwargs=True)
     torch.manual_seed(0)
     prompts = C.encode_prompts(tok, PROMPTS * 2)
     env = always_env(" 12 ")
@@ -102,7 +110,9 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
     mask, T = roll.completion_mask, roll.completion_mask.shape[1]
     assert (roll.tool_calls >= 3).any() and (mask[:, :-1] < mask[:, 1:]).any()  # 0 -> 1: obs
     lengths = roll.attention_mask[:, roll.P:].sum(-1)
-    assert sum(forwarded) == len(PROMPTS) * roll.P + int((lengths - 1).sum())
+    # each row forwards every token before its last sampled one: nothing reads what follows
+    last = [int(m.nonzero().max()) for m in mask]
+    assert sum(forwarded) == sum(map(len, set(map(tuple, prompts)))) + sum(last)
     obs = tok(" 12 ", add_special_tokens=False)["input_ids"]
     for i in range(len(prompts)):  # row i: runs of model tokens and observation tokens
         n = int(lengths[i])
@@ -113,7 +123,8 @@ def test_multi_turn_logprobs_equal_a_plain_forward_and_each_token_is_forwarded_o
             runs_[-1][1].append(x)
         assert all(ids == obs[:len(ids)] for m, ids in runs_ if m == 0)  # the last may be cut
         assert sum(m for m, _ in runs_) == int(roll.turns[i])
-        assert len(runs_) - int(roll.turns[i]) == int(roll.tool_calls[i])
+        shown = sum(1 for o in roll.observations[i] if o)  # (one at the budget's end is empty)
+        assert len(runs_) - int(roll.turns[i]) == shown
     ids, am = roll.ids, roll.attention_mask
     logits = model(input_ids=ids, attention_mask=am, position_ids=C.positions(am)).logits
     plain = logits[:, -T - 1:-1].float().log_softmax(-1).gather(-1, ids[:, -T:, None])[..., 0]
@@ -220,6 +231,87 @@ def test_env_calls_of_one_decode_step_run_at_once_and_a_slow_one_stops_in_time(t
         rollout(model, tok, prompts[:2], lambda row, turns: time.sleep(3600),
                 [{"prompt": "1+2="}] * 2, 2, 10, timeout=0.5)
     assert time.time() - t0 < 5  # (the sleeping thread is a daemon: it ends with the process)
+
+
+def test_a_rollout_does_not_depend_on_when_the_tools_answer(tok):
+    """Tools of random latency: from run to run the calls finish in other orders and rows rejoin
+    the forwards at other steps, yet the same seed and the same tool outputs give the same
+    rollout (each row draws from its own stream, u[i, k]); its log-probs agree to float
+    rounding (which rows share a forward changes the matmuls' rounding, not the tokens)."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = [2, 43, 72, 80]
+    prompts = C.encode_prompts(tok, PROMPTS * 2)
+    rows = [{"prompt": p} for p in PROMPTS * 2]
+
+    def env_with(latency_seed, order):
+        rng, lock = random.Random(latency_seed), threading.Lock()
+
+        def env(row, turns):
+            with lock:
+                wait = rng.choice([0.0, 0.002, 0.02, 0.08])
+            time.sleep(wait)
+            with lock:
+                order.append((row["prompt"], len(turns)))
+            return None if len(turns) >= 3 else f" {len(turns) * 7} "
+        return env
+    rolls, orders = [], []
+    for latency_seed in range(3):
+        orders.append([])
+        torch.manual_seed(0)
+        rolls.append(rollout(model, tok, prompts, env_with(latency_seed, orders[-1]), rows, 4,
+                             40, top_p=0.95))
+    assert len({tuple(o) for o in orders}) > 1  # the calls did finish in other orders
+    assert (rolls[0].tool_calls >= 2).any()
+    for roll in rolls[1:]:
+        assert torch.equal(roll.ids, rolls[0].ids)
+        assert torch.equal(roll.completion_mask, rolls[0].completion_mask)
+        torch.testing.assert_close(roll.sample_logprobs, rolls[0].sample_logprobs, atol=1e-5,
+                                   rtol=0)
+        assert roll.transcript == rolls[0].transcript
+
+
+def test_draw_samples_the_distribution_and_never_a_token_of_probability_zero():
+    """common.draw, the per-row inverse-CDF draw: u spread evenly over [0, 1) lands on each
+    token as often as its probability, top-p's unnormalised probabilities too, and never on a
+    token of probability 0, even at u = 0 and u just under 1."""
+    probs = torch.tensor([[0.0, 0.1, 0.0, 0.6, 0.3, 0.0]] * 2) * torch.tensor([[1.0], [0.5]])
+    u = torch.arange(10_000) / 10_000
+    for row in probs:
+        got = C.draw(row.expand(len(u), -1), u)
+        freq = torch.bincount(got, minlength=6).float() / len(u)
+        torch.testing.assert_close(freq, row / row.sum(), atol=1e-3, rtol=0)
+    edge = C.draw(probs[:1].expand(3, -1), torch.tensor([0.0, 1 - 2**-24, 0.1]))
+    assert edge.tolist() == [1, 4, 3]
+
+
+def test_episodes_are_freed_when_their_rollout_is_done(tok):
+    """An episode (an env object, a tool conversation) lives as long as its rollout: once the
+    rollout is dropped nothing holds it (no worker thread keeps its last job), without waiting
+    for the garbage collector."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    alive = weakref.WeakSet()
+
+    class Episode:
+        def __init__(self, row):
+            self.data = bytearray(1 << 16)
+            alive.add(self)
+
+        def step(self, turns):
+            return None if len(turns) > 2 else " 5 "
+    prompts = C.encode_prompts(tok, PROMPTS * 2)
+    rows = [{"prompt": p} for p in PROMPTS * 2]
+    gc.disable()  # freed by reference counting: no cycle holds them
+    try:
+        for _ in range(3):
+            env_step, finish = E.start_episodes(rows, Episode, "--env 'x.py:Episode'", 60, tok, 4)
+            roll = C.sample(model, tok, prompts, 30, env_step=env_step)
+            finish(roll)
+            assert len(alive) == sum(e is not None for e in roll.episodes) > 0
+            del env_step, finish, roll
+            assert len(alive) == 0
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("obs", ["<eos></s><pad><bos><unk> x", "\ud800 lone \udfff surrogates",
@@ -680,16 +772,76 @@ def test_compare_task_calc_runs_the_scripts_with_env_calc(tmp_path):
         assert args["env"] == "calc" and args["model"] == calc.CALC_MODEL
 
 
-def test_calc_task_learns(tmp_path):
+def test_calc_task_learns(tmp_path, monkeypatch):
     """grpo.py --env calc, short: the held-out score (mean@4 sampled) and the calling rate rise
     clearly (measured on 500 prompts, 3 seeds: 0.27-0.30 -> 0.89-0.91 by step 20)."""
     out = tmp_path / "out"
-    r = run_script("grpo.py", "--env", "calc", "--max_steps", "15", "--eval_every", "0",
-                   "--eval_size", "100", "--save_every", "0", "--output_dir", str(out))
-    assert r.returncode == 0, r.stderr[-3000:]
+    run_main(monkeypatch, grpo, "--env", "calc", "--max_steps", "15", "--eval_every", "0",
+             "--eval_size", "100", "--save_every", "0", "--output_dir", out)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_after"] >= summary["eval_before"] + 0.3, summary
     metrics = read_metrics(out)
     first = sum(m["frac_tool"] for m in metrics[:5]) / 5
     last = sum(m["frac_tool"] for m in metrics[-5:]) / 5
     assert last >= first + 0.2, (first, last)
+
+
+def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anything(tmp_path):
+    """examples/python_tool.py: a snippet runs in a separate process: a sleep or a spin stops at
+    the wall-clock limit; a huge allocation is a MemoryError; a huge file or output is cut;
+    a listening socket on 127.0.0.1 cannot be reached and the checkout cannot be written (where
+    the OS gives namespaces: else the test says so and skips those); a process it starts in a
+    session of its own is gone after, and so is its temporary folder."""
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import python_tool as P
+    assert P.run_python("print(6 * 7)") == "42\n"
+    assert P.python("print(sum(x * x for x in [3, 4]))") == "25\n"
+    for code in ("import time\ntime.sleep(60)", "while True: pass"):
+        t0 = time.time()
+        assert P.run_python(code, timeout=1).endswith("(stopped: took more than 1 s)")
+        assert time.time() - t0 < 5
+    assert "MemoryError" in P.run_python("x = bytearray(4 << 30)")
+    assert "File too large" in P.run_python("open('f', 'wb').write(b'x' * (100 << 20))")
+    out = P.run_python("while True: print('y' * 1000)", timeout=1)
+    assert len(out) < 2200 and "(output cut to 2000 characters)" in out
+    P.run_python("import subprocess\nsubprocess.Popen(['sleep', '31.4159'], "
+                 "start_new_session=True)", timeout=1)  # a process that leaves its group
+    left = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("minrl-python-")]
+    assert left == []
+    if P.namespaces() is None:
+        pytest.skip("no unprivileged namespaces here: network and file system not isolated")
+
+    def running(word):  # a process with this word on its command line?
+        found = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                found.append(word in open(f"/proc/{pid}/cmdline", "rb").read().decode())
+            except OSError:
+                pass
+        return any(found)
+    time.sleep(0.5)
+    assert not running("31.4159")  # the escaped process died with its namespace
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+    port = server.getsockname()[1]
+    try:
+        out = P.run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 2)")
+        assert "Network is unreachable" in out or "Errno" in out, out
+        target = os.path.join(ROOT, "examples", "written-by-the-tool")  # the checkout
+        assert "Read-only file system" in P.run_python(f"open({target!r}, 'w')")
+        assert not os.path.exists(target)
+    finally:
+        server.close()
+
+
+def test_python_env_runs_a_turns_code_and_the_example_task_is_written(tmp_path):
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    import python_tool as P
+    assert P.env({}, ["<python>print(2 ** 10)</python>"]) == " <output>1024\n</output> "
+    assert P.env({}, ["<python>print(1)</python>", "\\boxed{1}"]) is None
+    P.write_task(tmp_path / "task.jsonl", n=30)
+    rows = [json.loads(line) for line in (tmp_path / "task.jsonl").read_text().splitlines()]
+    assert len(rows) == 30 and all(r["answer"].isdigit() for r in rows)
+    lists = re.findall(r"\[[\d, ]+\]", rows[0]["prompt"])
+    assert lists and "<python>" in rows[0]["prompt"]

@@ -38,6 +38,10 @@ NOCLIP = " --clip_eps 1000 --clip_eps_high 1000"  # EXERCISES.md 4: no clip
 REINFORCE = "python reinforce.py --baseline none"  # the default baseline
 CALC = "python grpo.py --env calc --seed 0"  # the calculator task (tag calc)
 SFT = "python sft.py --output_dir {tmp}/sft"  # docs/pipeline.md's first stage
+# the README's my_rewards.py, cut out of the README, with its command
+OWN_REWARD = ("sed -n '/^# my_rewards.py$/,/^```$/p' README.md | sed '$d' > {tmp}/my_rewards.py && "
+              "python grpo.py --reward_fn {tmp}/my_rewards.py:exact,{tmp}/my_rewards.py:short "
+              "--rewards exact=1,short=0.5")
 
 
 # --------------------------------------------------------------------------- how to read a run
@@ -111,6 +115,9 @@ def stdout(pattern):
     return lambda r: float(re.search(pattern, r["stdout"]).group(1))
 
 
+STEP_LINES = stdout(r"\.py: (\d+) lines")  # tools/step_cost.py's count
+
+
 # ----------------------------------------------------------------------------------- the claims
 # (file, text with the number in {braces}, command, how to read it, tolerance, tags)
 CLAIMS = [
@@ -141,6 +148,11 @@ CLAIMS = [
      CALC, at_step(1, "frac_tool"), 0, ("calc",)),
     ("README.md", "from 0.28 at step 1 to {0.98} at step 60", CALC,
      at_step(60, "frac_tool"), 0, ("calc",)),
+    ("README.md", "0.292 → {0.994} (`short` gives", OWN_REWARD, AFTER, 0, ()),
+    ("README.md", "Today grpo.py {914}", "python tools/step_cost.py grpo.py", STEP_LINES, 0, ()),
+    ("README.md", "ppo.py {912}, reinforce", "python tools/step_cost.py ppo.py", STEP_LINES, 0, ()),
+    ("README.md", "reinforce.py {883}, each", "python tools/step_cost.py reinforce.py",
+     STEP_LINES, 0, ()),
 
     ("ppo.py", "held-out greedy accuracy 0.292 -> {0.954}", "python ppo.py", AFTER, 0, ()),
     ("ppo.py", "the RM score from {1.7} to 4.8", "python ppo.py", mean("reward", first=10), 0, ()),

