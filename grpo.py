@@ -23,13 +23,18 @@ Switches: Dr. GRPO (Liu et al. 2025) = --scale_rewards none --loss_agg seq-sum-n
 DAPO (Yu et al. 2025) = --clip_eps_high 0.28 --loss_agg token-mean --dynamic_sampling
 --overlong_penalty 1 --beta 0. Since DAPO (docs/policy_losses.md): GSPO =
 --importance_sampling_level sequence --beta 0; CISPO = --policy_loss cispo; SAPO = --policy_loss
-sapo; sampler/trainer mismatch correction (TIS) = --tis_cap 2.
+sapo; sampler/trainer mismatch correction (TIS) = --tis_cap 2; DPPO with prime-rl's sampler
+penalty = --policy_loss dppo --sampler_kl_coef 1e-3 --beta 0; DeepSeek-V3.2 = --off_policy_mask
+0.5 --unbiased_kl; GDPO = --multi_objective_aggregation normalize_then_sum; LUSPO =
+--importance_sampling_level sequence --loss_agg seq-sum; VESPO = --policy_loss vespo; MaxRL =
+--scale_rewards mean.
 
 Run:  python grpo.py                     # bundled tiny model and task, CPU, under a minute
       python grpo.py --model Qwen/Qwen2.5-0.5B-Instruct --data my.jsonl --max_new_tokens 256 \\
           --lr 1e-6 --micro_batch_size 16    # micro-batches change memory, not the gradient
 Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to about 0.99.
 """
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -46,7 +51,9 @@ from plumbing import loading
 from plumbing import runs as R
 from plumbing import tasks
 
-LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm"]  # see aggregate()
+LOG_1E8 = math.log(1e-8)  # VESPO: the floor of its log-weights (its code, and TRL's)
+Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --rewards: TRL's
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"]  # aggregate()
 
 
 @dataclass
@@ -85,14 +92,15 @@ class Args:
     clip_eps_high: float = arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
     num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
     loss_agg: LossAgg = "token-mean"  # normaliser, see aggregate() (DAPO and TRL: token-mean)
-    scale_rewards: Literal["group", "batch", "none"] = "group"  # std in A_i; none: Dr. GRPO
+    scale_rewards: Literal["group", "batch", "none", "mean"] = "group"  # none: Dr.GRPO, mean: MaxRL
     mask_truncated: bool = False  # completions with no EOS carry no loss (DAPO overlong filtering)
     overlong_penalty: float = arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
     overlong_buffer: int = arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
     max_resample_rounds: int = arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
     # --- objectives since DAPO, see per_token_loss() (TRL's names in brackets)
-    policy_loss: Literal["clip", "cispo", "sapo"] = "clip"  # clip: PPO/GRPO [loss_type cispo, sapo]
+    # dppo reads clip_eps, clip_eps_high as delta_low, delta_high on pi_theta - pi_sampler (0.2)
+    policy_loss: Literal["clip", "cispo", "sapo", "dppo", "vespo"] = "clip"  # [loss_type]
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO [same name]
     seq_clip_eps: float = arg(3e-4, "> 0")  # sequence level: s_i >= 1 - this (GSPO paper: 3e-4)
     seq_clip_eps_high: float = arg(4e-4, "> 0")  # sequence level: s_i <= 1 + this (GSPO: 4e-4)
@@ -103,6 +111,16 @@ class Args:
     tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
+    # VESPO's weight phi(w) = w^k exp(lambda (1 - w)) of the sequence ratio w, by A's sign (TRL's)
+    vespo_k_pos: float = arg(2.0, ">= 0")  # k for A >= 0 (VESPO, TRL: 2) [vespo_k_pos]
+    vespo_lambda_pos: float = arg(3.0, ">= 1e-4")  # lambda for A >= 0 (TRL: 3; >= 1e-4 as TRL)
+    vespo_k_neg: float = arg(3.0, ">= 0")  # k for A < 0 (TRL: 3)
+    vespo_lambda_neg: float = arg(2.0, ">= 1e-4")  # lambda for A < 0 (TRL: 2)
+    # DeepSeek-V3.2: drop o_i if A_i < 0 and its mean log(pi_sampler / pi_theta) > this; 0: off
+    off_policy_mask: float = arg(0.0, ">= 0")  # (TRL's example: 0.5) [off_policy_mask_threshold]
+    unbiased_kl: bool = False  # beta's KL term times rho (DeepSeek-V3.2) [use_bias_correction_kl]
+    sampler_kl_coef: float = arg(0.0, ">= 0")  # kappa (log pi_theta/pi_sampler)^2 (prime-rl: 1e-3)
+    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
     weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
@@ -138,13 +156,17 @@ class Args:
 # --------------------------------------------------------------------------- the algorithm
 def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
     """A_i = r_i - its group's mean, over the group's std (GRPO), the batch's (std: runs.global_std
-    under torchrun) or 1 (Dr. GRPO). rewards (B,), groups of contiguous rows -> (B,)."""
+    under torchrun), 1 (Dr. GRPO) or the group's mean (MaxRL, arXiv 2602.02710: with 0/1 rewards,
+    the mean of the successes' grad log pi, the gradient of log pass@1). rewards (B,), groups of
+    contiguous rows -> (B,)."""
     r = rewards.view(-1, group_size)
     adv = r - r.mean(1, keepdim=True)
     if scale == "group":
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (std(rewards) + eps)
+    elif scale == "mean":  # MaxRL: (r - mean) / (mean + eps); a group with no success has A = 0
+        adv = adv / (r.mean(1, keepdim=True) + eps)
     return adv.view(-1)
 
 
@@ -154,13 +176,13 @@ def zero_std_groups(rewards, group_size):
 
 
 def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=None,
-                   is_weight=1.0):
+                   is_weight=1.0, sample_logprobs=None):
     """The policy loss per token plus beta * k to the reference (GRPO: KL in the loss). logprobs,
-    old_logprobs, ref_logprobs, mask (B, T); advantages A (B,); args: the objective's switches
-    (Args: clip_eps*, policy_loss, importance_sampling_level, sapo_tau_*, beta, kl_estimator).
-    k2's gradient pulls along the reverse KL(pi_theta || pi_ref), k3's the forward
-    KL(pi_ref || pi_theta) (docs/algorithms.md). is_weight: mismatch_weights'. Returns the loss,
-    and to log the ratio, KL and where the clip acted, all (B, T)."""
+    old_logprobs, ref_logprobs, sample_logprobs (the sampler's), mask (B, T); advantages A (B,);
+    args: the objective's switches (Args). k2's gradient pulls along the reverse
+    KL(pi_theta || pi_ref), k3's the forward KL(pi_ref || pi_theta) (docs/algorithms.md).
+    is_weight: mismatch_weights'. Returns the loss (B, T) and what to log, (B, T) each: ratio, kl,
+    clip_frac (where a clip or a mask acted) and a switch's own (docs/policy_losses.md)."""
     log_ratio = logprobs - old_logprobs  # log rho = log pi_theta - log pi_old, per token
     eps = (args.clip_eps, args.clip_eps_high)  # eps_low, eps_high
     if args.importance_sampling_level == "sequence":  # GSPO: s_i = exp(mean of o_i's log rho)
@@ -169,7 +191,7 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
     ratio = torch.exp(log_ratio).expand_as(logprobs)  # (B, T): token ratios, or s_i per token
     adv = advantages[:, None]
     low, high = 1 - eps[0], 1 + eps[1]  # 1 - eps_low, 1 + eps_high
-    policy_loss = args.policy_loss
+    policy_loss, logs = args.policy_loss, {}
     if policy_loss == "clip":  # PPO, GRPO: -min(rho A, clip(rho, low, high) A)
         unclipped = ratio * adv
         clipped = torch.clamp(ratio, low, high) * adv
@@ -178,13 +200,39 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
     elif policy_loss == "cispo":  # MiniMax-M1: -sg(clip(rho, low, high)) A log pi_theta
         loss = -torch.clamp(ratio, low, high).detach() * adv * logprobs
         is_clipped = ((ratio < low) | (ratio > high)).float()  # weight clipped, gradient kept
-    else:  # SAPO: -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, a soft gate with f'(1) = 1
+    elif policy_loss == "sapo":  # SAPO: -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, f'(1) = 1
         t = torch.where(adv > 0, args.sapo_tau_pos, args.sapo_tau_neg)  # by A's sign
         loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
         is_clipped = torch.zeros_like(logprobs)  # no hard clip
+    elif policy_loss == "dppo":  # DPPO binary-TV: -M rho_s A, rho_s = pi_theta / pi_sampler
+        moved = logprobs.exp() - sample_logprobs.exp()  # pi_theta - pi_sampler, the token's prob
+        # M = 0 (no gradient) where it moved past delta in A's direction: up with A > 0, down A < 0
+        is_clipped = ((adv > 0) & (moved > eps[1]) | (adv < 0) & (moved < -eps[0])).float()
+        loss = -(1 - is_clipped) * torch.exp(logprobs - sample_logprobs) * adv
+    else:  # VESPO: -sg(phi(w_i)) A log pi_theta, phi(w) = w^k exp(lambda (1 - w)), phi(1) = 1
+        # log w_i = sum_t log rho_i,t (+ TIS's log weight, 0 when off), clamped as VESPO and TRL
+        log_is = torch.log(torch.as_tensor(is_weight)).clamp(LOG_1E8, 20).sum(-1, keepdim=True)
+        log_w = (log_ratio.detach().clamp(-20, 20) * mask).sum(-1, keepdim=True) + log_is
+        log_w, is_weight = log_w.clamp(LOG_1E8, 20), 1.0  # the mismatch weight is inside w
+        k = torch.where(adv >= 0, args.vespo_k_pos, args.vespo_k_neg)
+        lam = torch.where(adv >= 0, args.vespo_lambda_pos, args.vespo_lambda_neg)
+        phi = torch.exp(lam + k * log_w - lam * log_w.exp())  # (B, 1), detached
+        loss = -phi * adv * logprobs
+        is_clipped, logs["vespo_phi"] = torch.zeros_like(logprobs), phi.expand_as(logprobs)
+    if args.off_policy_mask:  # DeepSeek-V3.2: o_i with A_i < 0 and a mean drift > delta: no loss
+        drift = (sample_logprobs - logprobs.detach()) * mask  # log pi_sampler - log pi_theta
+        drift = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
+        keep = ((adv >= 0) | (drift <= args.off_policy_mask)).float()
+        loss, logs["seq_masked"] = loss * keep, (1 - keep).expand_as(logprobs)
     kl = torch.zeros_like(logprobs) if ref_logprobs is None else C.kl_estimate(
         logprobs, ref_logprobs, args.kl_estimator)
-    return loss * is_weight + args.beta * kl, ratio, kl, is_clipped  # is_weight: TIS, MIS
+    if args.unbiased_kl:  # DeepSeek-V3.2: k3 * rho, rho's gradient included (as TRL)
+        kl = kl * ratio
+    loss = loss * is_weight + args.beta * kl  # is_weight: TIS, MIS
+    if args.sampler_kl_coef:  # Kimi K2.5, prime-rl: kappa (log pi_theta - log pi_sampler)^2
+        logs["sampler_kl"] = (logprobs - sample_logprobs) ** 2
+        loss = loss + args.sampler_kl_coef * logs["sampler_kl"]
+    return loss, {"kl": kl, "ratio": ratio, "clip_frac": is_clipped, **logs}
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
@@ -206,6 +254,8 @@ def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
         return (loss * mask).sum() / n_tokens  # a long answer weighs more
     if loss_agg == "seq-mean-token-mean":  # mean over sequences of each one's token mean (GRPO)
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
+    if loss_agg == "seq-sum":  # sum over each sequence / sequences (LUSPO: GSPO's loss x |o_i|)
+        return (loss * mask).sum() / n_seqs
     # seq-sum-norm (Dr. GRPO): sum over all tokens / (sequences * max_new_tokens), a constant
     return (loss * mask).sum() / (n_seqs * max_new_tokens)
 
@@ -229,6 +279,9 @@ def cat_rollouts(pieces):
                                   for r, i in pieces])
         elif torch.is_tensor(x):
             out[key] = torch.cat([getattr(r, key)[i.to(x.device)] for r, i in pieces])
+        elif isinstance(x, dict):  # the reward parts by name, (B,) each
+            out[key] = {k: torch.cat([getattr(r, key)[k][i.to(v.device)] for r, i in pieces])
+                        for k, v in x.items()}
         elif key != "P":  # a field this does not know how to split by rows: say so, not drop it
             raise TypeError(f"cat_rollouts: rollout field {key!r} is a {type(x).__name__}")
     return C.SimpleNamespace(**out)
@@ -252,7 +305,7 @@ def sample_groups(generate, score, data, rng, run, args):
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
         seen.append((rewards, parts))
-        roll.rows, roll.texts, roll.rewards = rows, texts, rewards  # kept with their rows
+        roll.rows, roll.texts, roll.rewards, roll.parts = rows, texts, rewards, parts  # kept
         keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)  # groups with a signal
         idx = keep.repeat_interleave(G).nonzero().squeeze(-1)[:want - kept]
         pieces.append((roll, idx))
@@ -272,6 +325,12 @@ def check_args(args):
     if args.kl_estimator == "k1" and args.beta > 0:
         raise C.UserError("--kl_estimator k1 in the loss has zero expected gradient (E[grad log pi]"
                           " = 0): it only adds noise. Use k2 (reverse KL) or k3 (forward KL)")
+    if args.policy_loss in ("dppo", "vespo") and args.importance_sampling_level == "sequence":
+        raise C.UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
+                          "--importance_sampling_level token")
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.overlong_penalty:
+        raise C.UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
+                          "one of the --rewards to normalise; write it as a --reward_fn")
     n = args.prompts_per_step * args.group_size
     if n % args.micro_batch_size:
         raise C.UserError(f"--micro_batch_size {args.micro_batch_size} must divide "
@@ -344,7 +403,11 @@ def main():
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
-        advantages = group_advantages(rewards, G, args.scale_rewards, std=R.global_std).to(device)
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward first
+            advantages = C.normalize_then_sum(roll.parts, weights, G, std=R.global_std)
+        else:
+            advantages = group_advantages(rewards, G, args.scale_rewards, std=R.global_std)
+        advantages = advantages.to(device)
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
             mask = mask * (~roll.truncated)[:, None].float()
@@ -381,16 +444,17 @@ def main():
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
                     is_weight, is_ratio = mismatch_weights(old, roll.sample_logprobs[mb], mask[mb],
                                                            *tis)
-                    loss, ratio, kl, clipped = per_token_loss(logprobs, old, advantages[mb],
-                                                              mask[mb], args, ref_mb, is_weight)
+                    loss, logs = per_token_loss(logprobs, old, advantages[mb], mask[mb], args,
+                                                ref_mb, is_weight, roll.sample_logprobs[mb])
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
                     # DDP/FSDP2 average the processes' gradients: x world makes them the sum
                     (loss * run.world).backward()  # gradients add up over the micro-batches
                 # logged token means over the step, averaged over the mu updates
                 out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
-                for key, x in zip(token_means, (kl, ratio, clipped, entropy, is_ratio, out)):
-                    sums[key] += float((x.detach() * mask[mb]).sum()) / n_local
+                logs.update(entropy=entropy, is_ratio=is_ratio, is_frac_out=out)
+                for key, x in logs.items():  # token_means, and a switch's own (seq_masked, ...)
+                    sums[key] = sums.get(key, 0.0) + float((x.detach() * mask[mb]).sum()) / n_local
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -418,7 +482,7 @@ def main():
                     "completion": shown[i], "reward": float(rewards[i])}
                    for i in range(0, len(rows), G)[:4]]  # one of each of the first 4 groups
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(list(sums)[1:], mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

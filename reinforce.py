@@ -17,6 +17,8 @@ proportion to how good the whole trajectory was:
                       compared is the score s_j when KL is paid per token (OpenRLHF), the whole
                       KL-penalised return G_j,0 when it is summed per sequence (TRL RLOO)
         reinforce_pp  A = (G - mean) / std over every valid token of the batch (REINFORCE++)
+        maxrl         A = (G - b) / (b + eps), b = the mean return of the prompt's k samples
+                      (MaxRL, arXiv 2602.02710: with 0/1 rewards, the gradient of log pass@1)
     loss  = -(1/N) sum_i sum_t A_i,t log pi_theta(o_i,t | q, o_i,<t)            reinforce_loss()
             N = sequences in the optimizer step
 
@@ -34,7 +36,9 @@ Simplified: one on-policy update per batch (--num_iterations 1, as the RLOO pape
 num_iterations > 1 turns on a PPO-style clipped token ratio. --whiten whitens the advantages after
 any baseline (TRL RLOO's normalize_advantages; with beta = 0, --baseline rloo --whiten is exactly
 REINFORCE++-baseline: leave-one-out and group-mean advantages differ by the factor k/(k-1), which
-whitening removes).
+whitening removes). With several --rewards, --multi_objective_aggregation normalize_then_sum
+(GDPO, docs/policy_losses.md) makes s_i each reward normalised within its prompt's k samples, summed
+and normalised over the batch.
 
 Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-core CPU, ~15 s
       python reinforce.py --baseline none --reward_fn one.py:one --rewards math=1,one=1  # +1
@@ -57,6 +61,9 @@ from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
 from plumbing import runs as R
 from plumbing import tasks
+
+
+Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --rewards: TRL's
 
 
 @dataclass
@@ -89,9 +96,10 @@ class Args:
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- the REINFORCE objective
-    baseline: Literal["none", "ema", "rloo", "reinforce_pp"] = "none"  # b in A = G - b (docstring)
+    baseline: Literal["none", "ema", "rloo", "reinforce_pp", "maxrl"] = "none"  # b in A = G - b
     ema_decay: float = arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
     whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
+    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
     beta: float = arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
     kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
@@ -165,9 +173,14 @@ def advantages(returns, mask, args, ema=None, scores=None, total=None):
         b = torch.zeros_like(whole)
     elif baseline == "ema":
         b = torch.full_like(whole, float(whole.mean()) if ema is None else ema)
+    elif baseline == "maxrl":  # the group's mean, which also divides: (G - b) / (b + eps)
+        b = whole.view(-1, args.samples_per_prompt).mean(1).repeat_interleave(
+            args.samples_per_prompt)
     else:  # rloo
         b = rloo_baseline(whole if scores is None else scores.to(whole), args.samples_per_prompt)
     adv = (returns - b[:, None]) * mask
+    if baseline == "maxrl":
+        adv = adv / (b[:, None] + 1e-4)  # eps as GRPO's std's
     return C.whiten(adv, mask, total=total) if args.whiten else adv
 
 
@@ -286,6 +299,9 @@ def main():
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
+        signal = scores  # what the returns are made of: the weighted sum of the rewards, or
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO's, each one first
+            signal = C.normalize_then_sum(parts, weights, k, std=R.global_std)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -301,12 +317,12 @@ def main():
                                                   args.micro_batch_size, amp)
             kl = C.kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask
         # 2. returns and advantages, (B, T)
-        returns = kl_returns(scores.to(device), mask, kl, args.beta, args.kl_in_reward)
+        returns = kl_returns(signal.to(device), mask, kl, args.beta, args.kl_in_reward)
         b_ema = ema  # the ema baseline b: the running mean return of earlier steps
         if args.baseline == "ema":  # this step's mean return, over every process's rows
             mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
             b_ema = mean_return if ema is None else ema  # the first step: this step's, once
-        adv = advantages(returns, mask, args, b_ema, scores if per_token_kl else None,
+        adv = advantages(returns, mask, args, b_ema, signal if per_token_kl else None,
                          total=R.global_sum)
         if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
             ema = b_ema if ema is None else (args.ema_decay * ema

@@ -323,14 +323,14 @@ def test_clipping_zeroes_the_gradient_exactly_where_it_should():
     ratio = torch.tensor([0.5, 0.9, 1.1, 1.5, 0.5, 0.9, 1.1, 1.5])
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
     logprobs = torch.log(ratio)[:, None].requires_grad_()  # 8 rows of one token each
-    loss, _, _, clipped = grpo.per_token_loss(logprobs, torch.zeros(8, 1), adv, None,
-                                                grpo.Args(clip_eps_high=0.28))
+    loss, logs = grpo.per_token_loss(logprobs, torch.zeros(8, 1), adv, None,
+                                     grpo.Args(clip_eps_high=0.28))
     loss.sum().backward()
     # A > 0: clipped above 1 + eps_high (1.5); A < 0: clipped below 1 - eps (0.5).
     # Elsewhere grad = -A * ratio.
     expect_zero = torch.tensor([False, False, False, True, True, False, False, False])
     assert torch.equal(logprobs.grad[:, 0] == 0, expect_zero)
-    assert torch.equal(clipped[:, 0].bool(), expect_zero)
+    assert torch.equal(logs["clip_frac"][:, 0].bool(), expect_zero)
     torch.testing.assert_close(logprobs.grad[~expect_zero, 0], -(adv * ratio)[~expect_zero])
 
 
@@ -341,7 +341,8 @@ def test_ratio_is_one_and_kl_zero_at_first_inner_step(tok):
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     ref_lp = C.batched_logprobs(ref, roll, 1.0, 2, OFF)
     adv = torch.ones(len(lp))
-    _, ratio, kl, _ = grpo.per_token_loss(lp, lp.detach(), adv, None, grpo.Args(), ref_lp)
+    _, logs = grpo.per_token_loss(lp, lp.detach(), adv, None, grpo.Args(), ref_lp)
+    ratio, kl = logs["ratio"], logs["kl"]
     m = roll.completion_mask.bool()
     assert (ratio[m] == 1).all()
     assert kl[m].abs().max() < 1e-6
@@ -356,9 +357,8 @@ def expected_kl_term_gradient(estimator, logits, ref_logits):
     ref_logp = ref_logits.log_softmax(-1)
     V = len(logits)
     zero = torch.zeros(V)
-    loss, _, _, _ = grpo.per_token_loss(logp[:, None], logp.detach()[:, None], zero, None,
-                                        grpo.Args(beta=1.0, kl_estimator=estimator),
-                                        ref_logp[:, None])
+    loss, _ = grpo.per_token_loss(logp[:, None], logp.detach()[:, None], zero, None,
+                                  grpo.Args(beta=1.0, kl_estimator=estimator), ref_logp[:, None])
     weights = logp.exp().detach()  # pi(y): the chance that the sampled token is y
     (weights * loss[:, 0]).sum().backward()
     return theta.grad
@@ -432,7 +432,7 @@ def random_step(seed=0, B=6, T=5, spread=0.3):
 def test_policy_losses_and_gradients_match_slow_reference(kind, level):
     eps = (0.2, 0.28) if level == "token" else (0.05, 0.08)  # some ratios clipped either way
     lp, old, adv, mask = random_step()
-    loss, ratio, _, clipped = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+    loss, logs = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
         clip_eps=eps[0], clip_eps_high=eps[1], seq_clip_eps=eps[0], seq_clip_eps_high=eps[1],
         importance_sampling_level=level, policy_loss=kind))
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
@@ -441,47 +441,49 @@ def test_policy_losses_and_gradients_match_slow_reference(kind, level):
     torch.testing.assert_close(loss * mask, want * mask, atol=1e-6, rtol=1e-5)
     torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
     if kind != "sapo":
-        assert 0 < float((clipped * mask).sum()) < float(mask.sum())  # the test reaches the clip
+        clipped = logs["clip_frac"] * mask
+        assert 0 < float(clipped.sum()) < float(mask.sum())  # the test reaches the clip
 
 
 def test_gspo_ratio_is_one_number_per_sequence_and_its_gradient_the_papers():
     lp, old, adv, mask = random_step(spread=0.01)
-    loss, ratio, _, _ = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+    loss, logs = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
         seq_clip_eps=1.0, seq_clip_eps_high=1.0, importance_sampling_level="sequence"))
     for i in range(len(lp)):
         n = int(mask[i].sum())
         s = math.exp(float(((lp.detach() - old)[i, :n]).sum()) / n)
-        assert torch.allclose(ratio[i, :n], torch.full((n,), s), atol=1e-6)  # one number
+        assert torch.allclose(logs["ratio"][i, :n], torch.full((n,), s), atol=1e-6)  # one number
     # GSPO (eq. 10): grad J = 1/G sum_i s_i A_i 1/|o_i| sum_t grad log pi_theta(o_i,t); with the
     # eps this wide nothing is clipped, and seq-mean-token-mean is GSPO's own 1/G sum_i
     agg = grpo.aggregate(loss, mask, "seq-mean-token-mean", mask.sum(), len(lp), 5)
     (grad,) = torch.autograd.grad(agg, lp)
-    s = ratio[:, 0].detach()
+    s = logs["ratio"][:, 0].detach()
     want = -(s * adv / mask.sum(-1))[:, None] * mask / len(lp)
     torch.testing.assert_close(grad, want, atol=1e-7, rtol=1e-5)
 
 
 def test_cispo_keeps_the_gradient_of_clipped_tokens():
     lp, old, adv, mask = random_step(spread=1.0)  # ratios far outside [0.8, 1.2]
-    cispo, _, _, clipped = grpo.per_token_loss(lp, old, adv, None, grpo.Args(policy_loss="cispo"))
+    cispo, logs = grpo.per_token_loss(lp, old, adv, None, grpo.Args(policy_loss="cispo"))
     (g_cispo,) = torch.autograd.grad((cispo * mask).sum(), lp)
-    clip, _, _, drop = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
+    clip, drop = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
     (g_clip,) = torch.autograd.grad((clip * mask).sum(), lp)
-    dropped = (drop * mask).bool()
+    dropped = (drop["clip_frac"] * mask).bool()
     assert dropped.sum() >= 3
     assert (g_clip[dropped] == 0).all()  # PPO's clip: no gradient at all
     w = torch.exp(lp - old).clamp(0.8, 1.2).detach()  # CISPO: the clipped weight, -w A
     torch.testing.assert_close(g_cispo[dropped], (-w * adv[:, None])[dropped])
-    assert (g_cispo[dropped].abs() > 0).all() and (clipped * mask).sum() >= dropped.sum()
+    assert (g_cispo[dropped].abs() > 0).all()
+    assert (logs["clip_frac"] * mask).sum() >= dropped.sum()
 
 
 @pytest.mark.parametrize("kind", ["clip", "cispo", "sapo"])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_mu_one_gives_ratio_one_and_the_plain_policy_gradient(kind, level):
     lp, _, adv, mask = random_step()
-    loss, ratio, _, _ = grpo.per_token_loss(lp, lp.detach(), adv, mask, grpo.Args(
+    loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, grpo.Args(
         clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level=level, policy_loss=kind))
-    assert (ratio == 1).all()
+    assert (logs["ratio"] == 1).all()
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)  # plain PG: -A grad log pi per token
     torch.testing.assert_close(grad, -adv[:, None] * mask, atol=1e-6, rtol=1e-5)
 
@@ -554,6 +556,116 @@ def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
         kept = (sorted_p * (sorted_p.cumsum(-1) - sorted_p < 0.8)).sum(-1)
         torch.testing.assert_close(raw[i, :n], kept, atol=1e-4, rtol=1e-4)
     assert float(raw.min()) < 0.95
+
+
+# ---- grpo.py and reinforce.py: the 2026 objectives (TRL's own code: tests/test_trl_losses.py)
+def slow_dppo_loss(lp, sample, adv, mask, delta, kappa):
+    """DPPO binary-TV (arXiv 2602.04879) plus the squared log-ratio to the sampler (Kimi K2.5,
+    prime-rl), one token at a time: no policy gradient where pi_theta moved past delta from
+    pi_sampler in the advantage's direction, -(pi_theta / pi_sampler) A elsewhere."""
+    out = torch.zeros(lp.shape, dtype=lp.dtype)
+    out = [[out[i, t] for t in range(lp.shape[1])] for i in range(len(lp))]
+    for i in range(len(lp)):
+        a = float(adv[i])
+        for t in range(lp.shape[1]):
+            p, q = torch.exp(lp[i, t]), math.exp(float(sample[i, t]))  # pi_theta, pi_sampler
+            moved = float(p.detach()) - q
+            too_far = a > 0 and moved > delta[1] or a < 0 and moved < -delta[0]
+            policy = 0 * p if too_far else -(p / q) * a
+            out[i][t] = policy + kappa * (lp[i, t] - float(sample[i, t])) ** 2
+    return torch.stack([torch.stack(row) for row in out]) * mask
+
+
+@pytest.mark.parametrize("delta", [(0.2, 0.2), (0.05, 0.3), (0.3, 0.05)])
+def test_dppo_and_the_sampler_penalty_match_the_papers_token_by_token(delta):
+    g = torch.Generator().manual_seed(5)
+    lp = (-torch.rand(40, 6, generator=g) * 2).requires_grad_()
+    adv, mask = torch.randn(40, generator=g), random_mask(40, 6)
+    sample = (lp.detach() + torch.randn(lp.shape, generator=g) * 0.8).clamp(max=0) * mask
+    args = grpo.Args(policy_loss="dppo", clip_eps=delta[0], clip_eps_high=delta[1],
+                     sampler_kl_coef=1e-3, beta=0.0)
+    loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, args, None, 1.0, sample)
+    want = slow_dppo_loss(lp, sample, adv, mask, delta, 1e-3)
+    (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
+    (want_grad,) = torch.autograd.grad(want.sum(), lp)
+    torch.testing.assert_close(loss * mask, want, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(grad, want_grad, atol=1e-6, rtol=1e-5)
+    masked = (logs["clip_frac"] * mask).bool()
+    assert 0 < int(masked.sum()) < int(mask.sum())  # the mask acts, not everywhere
+    # a masked token keeps only the penalty's gradient, 2 kappa log(pi_theta / pi_sampler)
+    torch.testing.assert_close(grad[masked], (2e-3 * (lp.detach() - sample))[masked])
+    torch.testing.assert_close(logs["sampler_kl"] * mask, (lp.detach() - sample) ** 2 * mask)
+    # no mismatch (pi_theta = pi_sampler): nothing masked, the plain policy gradient -A grad log pi
+    loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, args, None, 1.0, lp.detach())
+    (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
+    torch.testing.assert_close(grad, -adv[:, None] * mask)
+    assert (logs["clip_frac"] == 0).all()
+
+
+def test_refusals_of_the_2026_switches(monkeypatch):
+    for flags, match in [(["--policy_loss", "dppo", "--importance_sampling_level", "sequence"],
+                          "dppo forms its own ratio"),
+                         (["--policy_loss", "vespo", "--importance_sampling_level", "sequence"],
+                          "vespo forms its own ratio"),
+                         (["--multi_objective_aggregation", "normalize_then_sum",
+                           "--overlong_penalty", "1"], "not one of the --rewards")]:
+        monkeypatch.setattr(sys, "argv", ["grpo.py"] + flags)
+        with pytest.raises(C.UserError, match=match):
+            grpo.check_args(parse_args(grpo.Args, "grpo"))
+
+
+def test_maxrl_advantages_average_the_successes_gradients_in_grpo_and_reinforce():
+    """MaxRL (arXiv 2602.02710): A = (r - mean) / (mean + eps). With 0/1 rewards, K successes of
+    N, (1/N) sum_i A_i g_i = (mean of the successes' g) - (mean of all g), up to eps; a group with
+    no success gives A = 0."""
+    rewards = torch.tensor([1.0, 0, 0, 1, 0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 0, 0])
+    adv = grpo.group_advantages(rewards, 4, "mean")
+    g = torch.randn(16, 3, generator=torch.Generator().manual_seed(0))  # each sample's gradient
+    for j in range(4):
+        r, a, x = rewards[4 * j:4 * j + 4], adv[4 * j:4 * j + 4], g[4 * j:4 * j + 4]
+        if r.sum() == 0:
+            assert (a == 0).all()
+            continue
+        want = x[r == 1].mean(0) - x.mean(0)
+        torch.testing.assert_close((a[:, None] * x).mean(0), want, atol=1e-3, rtol=1e-3)
+    mask = random_mask(16, 5)  # reinforce.py's --baseline maxrl, beta 0: the same per token
+    got = R.advantages(R.kl_returns(rewards, mask), mask, baseline_args("maxrl", 4))
+    torch.testing.assert_close(got, adv[:, None] * mask)
+
+
+def test_luspo_weighs_each_sequences_loss_by_its_length():
+    """--loss_agg seq-sum (LUSPO, arXiv 2602.05261): (1/G) sum_i |o_i| L_i for GSPO's one loss per
+    sequence L_i, where seq-mean-token-mean (GSPO's) gives every sequence the same weight."""
+    lp, old, adv, mask = random_step(spread=0.01)
+    loss, _ = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+        importance_sampling_level="sequence", beta=0.0))
+    per_seq = loss[:, 0]  # one value per sequence
+    got = grpo.aggregate(loss, mask, "seq-sum", mask.sum(), len(lp), 5)
+    torch.testing.assert_close(got, (per_seq * mask.sum(-1)).mean())
+    gspo = grpo.aggregate(loss, mask, "seq-mean-token-mean", mask.sum(), len(lp), 5)
+    torch.testing.assert_close(gspo, per_seq.mean())
+
+
+def test_gdpo_normalises_each_reward_first_and_keeps_mixes_apart():
+    """normalize_then_sum against a loop over the groups; and GDPO's point (arXiv 2601.05242):
+    two groups whose summed rewards are [1, 0] and [2, 0] (one reward won, or both) get the same
+    GRPO advantages, while GDPO gives the double winner twice the advantage."""
+    parts = {"a": torch.tensor([1.0, 0, 1, 0, 3, 1, 2, 2]), "b": torch.tensor([0.0, 0, 1, 0, 0,
+                                                                                  5, 1, 1])}
+    weights = {"a": 1.0, "b": 0.5}
+    total = []
+    for i in range(8):
+        group = slice(i // 2 * 2, i // 2 * 2 + 2)
+        total.append(sum(w * float((parts[k][i] - parts[k][group].mean())
+                                   / (parts[k][group].std() + 1e-4)) for k, w in weights.items()))
+    total = torch.tensor(total)
+    want = (total - total.mean()) / (total.std() + 1e-4)
+    torch.testing.assert_close(C.normalize_then_sum(parts, weights, 2), want)
+    two = {"a": torch.tensor([1.0, 0, 1, 0]), "b": torch.tensor([0.0, 0, 1, 0])}
+    summed = grpo.group_advantages(two["a"] + two["b"], 2)
+    assert torch.allclose(summed[:2], summed[2:], atol=1e-3)  # summed first: they collapse
+    gdpo = C.normalize_then_sum(two, {"a": 1.0, "b": 1.0}, 2)
+    torch.testing.assert_close(gdpo[2], 2 * gdpo[0], rtol=1e-3, atol=1e-4)
 
 
 # ---- reinforce.py: pure functions

@@ -520,8 +520,12 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
     rows = [{"prompt": p} for p in PROMPTS]
     a = rollout(model, tok, C.encode_prompts(tok, PROMPTS[:3]), always_env(), rows[:3], 3, 20)
     b = rollout(model, tok, C.encode_prompts(tok, PROMPTS[3:]), always_env(), rows[3:], 3, 12)
+    a.parts = {"math": torch.tensor([1.0, 0, 1]), "format": torch.tensor([0.0, 1, 1])}
+    b.parts = {"math": torch.tensor([0.0, 1, 0]), "format": torch.tensor([1.0, 1, 0])}
     both = grpo.cat_rollouts([(a, torch.tensor([0, 2])), (b, torch.tensor([1]))])
     assert both.final == [a.final[0], a.final[2], b.final[1]]
+    assert {k: v.tolist() for k, v in both.parts.items()} == {"math": [1, 1, 1],
+                                                              "format": [0, 1, 1]}  # GDPO's
     assert both.tool_calls.tolist() == [a.tool_calls[0], a.tool_calls[2], b.tool_calls[1]]
     for key in ("completion_mask", "sample_logprobs"):
         x = getattr(both, key)
