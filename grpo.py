@@ -145,6 +145,7 @@ class Args:
     eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    save_optimizer: bool = False  # the final checkpoint too keeps AdamW: --resume may extend it
     samples_every: int = arg(25, ">= 0")  # samples.jsonl at steps 1, 1 + this, ... (0: none)
     report_to: Literal["none", "tensorboard", "wandb", "trackio"] = "none"  # also log there
     output_dir: str = ""  # default runs/grpo-<time>
@@ -352,9 +353,9 @@ def main():
     rng = R.seed_everything(args.seed)
     amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     sample_amp = amp if args.sample_dtype == "same" else loading.autocast(device, args.sample_dtype)
-    model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
+    model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "",
+                                     data.rows, env)  # the prompts and --tools checked first
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    loading.check_prompts(tok, model, data.rows, args, env.tools if env else None)
     ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
     if args.beta > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(

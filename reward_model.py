@@ -73,6 +73,7 @@ class Args:
     eval_every: int = arg(100, ">= 0")  # steps between held-out evals (0: only before and after)
     eval_size: int = arg(500, "> 0")  # held-out prompts at most (a fifth of them)
     save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    save_optimizer: bool = False  # the final checkpoint too keeps AdamW: --resume may extend it
     output_dir: str = ""  # default runs/reward_model-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 

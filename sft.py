@@ -88,6 +88,7 @@ class Args:
     eval_every: int = arg(20, ">= 0")  # steps between held-out evals (0: only before and after)
     eval_size: int = arg(500, "> 0")  # held-out rows for the loss, and task prompts for the score
     save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
+    save_optimizer: bool = False  # the final checkpoint too keeps AdamW: --resume may extend it
     output_dir: str = ""  # default runs/sft-<time>
     resume: str = ""  # a previous output_dir: continue its run from its checkpoint
 
@@ -168,7 +169,7 @@ def main():
     held, train = examples[:n_eval], examples[n_eval:]
     task = tasks.load_data("", args.eval_size).eval_rows if not args.eval_data else \
         tasks.read_rows(args.eval_data, need_answer=True)[:args.eval_size]
-    loading.check_prompts(tok, model, task, args)
+    loading.check_prompts(tok, model.config, task, args)
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,

@@ -84,21 +84,25 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S, budget=None):
         functions, schemas = load_tools(tools)
         checked = []  # the tokenizers whose chat template check_tool_format passed
 
-        def start(rows, tok, max_turns):
-            if not any(t is tok for t in checked):  # once, not at every rollout
+        def check(tok):  # once per tokenizer (loading.load_policy's, before the weights load)
+            if not any(t is tok for t in checked):
                 check_tool_format(tok, schemas)
                 checked.append(tok)
+
+        def start(rows, tok, max_turns):
+            check(tok)
             return start_episodes(
                 rows, lambda row: ToolEpisode(row, tok, functions, schemas, budget),
                 f"--tools {tools!r}", timeout, tok, max_turns)
-        return C.SimpleNamespace(tools=schemas, start=start)
+        return C.SimpleNamespace(tools=schemas, start=start, check=check)
     if not spec:
         return None
     fn = calc.calc if spec == "calc" else loading.load_function(
         "--env", spec, "write calc, path/to/file.py:function (or :Class) or module:function")
     make = fn if inspect.isclass(fn) else lambda row: functools.partial(fn, row)
-    return C.SimpleNamespace(tools=None, start=lambda rows, tok, max_turns: start_episodes(
-        rows, make, f"--env {spec!r}", timeout, tok, max_turns))
+    return C.SimpleNamespace(tools=None, check=lambda tok: None,
+                             start=lambda rows, tok, max_turns: start_episodes(
+                                 rows, make, f"--env {spec!r}", timeout, tok, max_turns))
 
 
 def start_episodes(rows, make, who, timeout, tok, max_turns=1):

@@ -23,7 +23,7 @@ from common import first_line
 from plumbing import calc, chat_sums
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
-                            "threads", "report_to")
+                            "threads", "report_to", "save_optimizer")
 # from the command line only, never from a run folder: a folder someone gave you whose args.json
 # says true (and whose checkpoint config names code, an auto_map) would run that code on --resume
 COMMAND_LINE_ONLY = ("trust_remote_code",)

@@ -133,12 +133,19 @@ def enable_gradient_checkpointing(model):
             m.training = True
 
 
-def load_policy(args, device, checkpoint=""):
+def load_policy(args, device, checkpoint="", rows=(), env=None):
     """The trained policy and its tokenizer: args.model (a hub id or a folder), or a run's
     checkpoint folder to resume from. Fully trained: fp32 weights. With args.lora_r > 0 the base
-    is frozen (bf16 on a GPU) and only LoRA adapters (Hu et al. 2021) train, in fp32."""
+    is frozen (bf16 on a GPU) and only LoRA adapters (Hu et al. 2021) train, in fp32. Before the
+    weights load (a minute for a big model), what needs only the tokenizer and the config is
+    checked: env's chat template (--tools) and that rows' prompts fit the context."""
     tok = load_tokenizer(checkpoint or args.model, args.trust_remote_code)
     src = args.model if args.lora_r else checkpoint or args.model  # LoRA saves only adapters
+    if env is not None:
+        env.check(tok)
+    if rows:
+        config = AutoConfig.from_pretrained(src, trust_remote_code=args.trust_remote_code)
+        check_prompts(tok, config, rows, args, env.tools if env else None)
     model = load_model(src, "lm", device, frozen=args.lora_r > 0,
                        trust_remote_code=args.trust_remote_code, compile=args.compile)
     if args.gradient_checkpointing:
@@ -200,11 +207,27 @@ def load_reward_model(args, device):
     return rm
 
 
-def check_prompts(tok, model, rows, args, tools=None):
+def check_default_reward_model(args, used):
+    """ppo.py's default --reward_model is the bundled tiny-adder-rm, which reads the bundled
+    model's characters: a policy with another tokenizer (a real model) is refused in one line
+    rather than trained against it. used: the run would score with it, or start its critic
+    from it."""
+    if not used or args.reward_model != DEFAULT_REWARD_MODEL:
+        return
+    policy = load_tokenizer(args.model, args.trust_remote_code)
+    if policy.get_vocab() != load_tokenizer(DEFAULT_REWARD_MODEL).get_vocab():
+        raise C.UserError(f"--model {args.model} has its own tokenizer, and the default "
+                          "--reward_model is the bundled tiny-adder-rm, trained on the bundled "
+                          "model's sums: pass --reward_model PATH (reward_model.py makes one), or "
+                          "--rewards math --critic_init policy for the rule reward")
+
+
+def check_prompts(tok, config, rows, args, tools=None):
     """Fail early when a prompt plus max_new_tokens does not fit the model's context (tools: the
     --tools schemas the template shows in every prompt, counted too), or when the chat template
-    refuses the prompts (template_errors)."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    refuses the prompts (template_errors). config: the model's, or AutoConfig's (load_policy: the
+    weights not loaded yet)."""
+    limit = getattr(config, "max_position_embeddings", None)
     # a token stands for at most `longest` characters (its text in the vocabulary: byte-level
     # BPE's is its bytes), so a prompt of more characters than longest * (limit - max_new_tokens)
     # cannot fit: refused before it is tokenized (a 20 MB row took 90 s and 4 GB to tokenize)

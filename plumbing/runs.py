@@ -291,6 +291,10 @@ def _load_state(folder, max_steps):
         raise C.UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
                           f"({state['step']}): a resumed run goes on from there; give "
                           f"--max_steps {state['step']} or more")
+    if "optimizer" not in state:  # a finished run's last checkpoint (see save_checkpoint)
+        raise C.UserError(f"{folder} is a finished run whose last checkpoint holds no optimizer "
+                          "state (--save_optimizer keeps it): --resume cannot continue it exactly; "
+                          f"train on in a new run with --model {folder}/checkpoint")
     return state
 
 
@@ -490,12 +494,18 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
         dist.all_gather_object(rngs, rngs[0])
     weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state
-    opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \
-        if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
+    # a finished run's last checkpoint keeps no AdamW moments (twice the model) nor ppo's critic,
+    # as HF Trainer's final save; --save_optimizer keeps them: then --resume may extend the run
+    resumable = step < run.args.max_steps or getattr(run.args, "save_optimizer", False)
+    if resumable:
+        opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \
+            if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
     if run.rank > 0:
         return
-    state = {"step": step, "optimizer": opt_state, "data_rng": rng.getstate(), "rngs": rngs,
-             "nonfinite": run.nonfinite, "extra": extra, "wall_time_s": time.time() - run.t0}
+    state = {"step": step, "nonfinite": run.nonfinite}  # _load_state refuses to resume from it
+    if resumable:
+        state.update(optimizer=opt_state, data_rng=rng.getstate(), rngs=rngs, extra=extra,
+                     wall_time_s=time.time() - run.t0)
     tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)

@@ -264,9 +264,12 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
         return chat_sums.load(eval_size, lambda x: make_row(chat_sums.row(*x), "", **fields))
     rows = read_rows(spec, need_answer, split, **fields)
     random.Random(0).shuffle(rows)  # a fixed split, the same for every run and seed
-    n_eval = min(eval_size, len(rows) // 5)
+    n_eval = min(eval_size, len(rows) // 5)  # at most a fifth: four fifths stay for training
     if not n_eval:
         print(f"note: {spec} has {len(rows)} rows, too few to hold a fifth out: eval score is nan")
+    elif n_eval < eval_size:
+        print(f"note: {spec} has {len(rows)} rows: {n_eval} held out (a fifth at most), not "
+              f"--eval_size {eval_size}; {len(rows) - n_eval} left to train on")
     eval_rows, train_rows = rows[:n_eval], rows[n_eval:]
 
     def next_file_batch(rng, k):

@@ -166,7 +166,7 @@ def test_end_to_end_tiny_random_models_and_resume(tmp_path, tok, monkeypatch, ca
     args = ["--model", str(tmp_path / "policy"), "--reward_model", str(tmp_path / "rm"),
             "--batch_size", "16", "--micro_batch_size", "8", "--eval_size", "16",
             "--eval_every", "0", "--adaptive_kl", "--kl_target", "1e-6", "--kl_estimator", "k3",
-            "--kl_horizon", "16", "--output_dir", str(out)]
+            "--kl_horizon", "16", "--save_optimizer", "--output_dir", str(out)]
     run_main(monkeypatch, ppo, *args, "--max_steps", "2")
     m = read_metrics(out)
     assert [x["step"] for x in m] == [1, 2] and METRIC_KEYS["ppo"] <= set(m[0])

@@ -189,3 +189,15 @@ def test_builtin_task_split_is_held_out():
     # the warm-start data: true sums, or with carries forgotten
     assert all(column_sum(a, b) == a + b for a, b in tasks.task_train_pairs(random.Random(1), 200))
     assert column_sum(37, 48, random.Random(0), drop=1.0) == 75
+
+
+def test_an_eval_size_above_a_fifth_of_the_file_is_said_in_one_line(tmp_path, capsys):
+    """At most a fifth of a file is held out (four fifths train): asking for more says so."""
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"prompt": f"{i}+1=", "answer": str(i + 1)}) + "\n"
+                            for i in range(12)))
+    assert len(tasks.load_data(str(path), eval_size=5).eval_rows) == 2
+    assert capsys.readouterr().out == (f"note: {path} has 12 rows: 2 held out (a fifth at most), "
+                                       "not --eval_size 5; 10 left to train on\n")
+    assert len(tasks.load_data(str(path), eval_size=2).eval_rows) == 2
+    assert capsys.readouterr().out == ""

@@ -12,10 +12,45 @@ from plumbing import loading
 import ppo
 from plumbing import runs
 
-from tests.helpers import PROMPTS, run_main, tiny_config, tiny_model
+from tests.helpers import PROMPTS, one_error_line, run_main, tiny_config, tiny_model, write_jsonl
 
 
 # ---- loading.py: models offline, gradient checkpointing
+ADD_TOOL = '''
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first
+        b: the second
+    """
+    return a + b
+'''
+
+
+def test_tokenizer_checks_come_before_the_weights_load(chat_model, tmp_path, monkeypatch, capsys):
+    """What needs only the tokenizer and the config fails before any weights load (a minute for
+    a big model), in one line: --tools on a template that shows no tools, prompts longer than the
+    context, and ppo.py on a policy with its own tokenizer and the bundled toy reward model."""
+    def no_weights(*a, **kw):
+        raise AssertionError("weights loaded before the check")
+    monkeypatch.setattr(loading, "load_model", no_weights)
+    (tmp_path / "tools.py").write_text(ADD_TOOL)
+    long = write_jsonl(tmp_path / "long.jsonl", [{"prompt": "1 + 1 " * 200, "answer": "2"}] * 5)
+    for script, flags, message in [
+            (grpo, ["--tools", f"{tmp_path / 'tools.py'}:add"], "--tools needs a model whose "
+             "chat template renders tools"),
+            (grpo, ["--data", long], "5 of 5 prompts are too long"),
+            (ppo, [], f"--model {chat_model} has its own tokenizer, and the default "
+             "--reward_model is the bundled tiny-adder-rm"),
+            (ppo, ["--rewards", "math"], "pass --reward_model PATH (reward_model.py makes one), "
+             "or --rewards math --critic_init policy")]:
+        with pytest.raises(SystemExit) as e:
+            run_main(monkeypatch, script, "--model", chat_model, *flags, "--output_dir",
+                     tmp_path / "run", guard=True)
+        assert e.value.code == 2 and message in one_error_line(capsys), (flags, message)
+
+
 def test_bundled_models_load_offline():
     """With HF_HUB_OFFLINE=1 (conftest.py, as every script run here), plain transformers loads
     both bundled models from their folders."""

@@ -75,7 +75,7 @@ def test_lora_runs_learn_on_the_bundled_task_and_resume(script, flags, tmp_path,
     module = {"grpo": grpo, "reinforce": R, "ppo": ppo}[script]
     out = tmp_path / "run"
     run_main(monkeypatch, module, "--lora_r", "16", *flags, "--eval_every", "0", "--eval_size",
-             "100", "--output_dir", str(out))
+             "100", "--save_optimizer", "--output_dir", str(out))
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_after"] >= summary["eval_before"] + 0.2, summary
     assert (out / "checkpoint" / "adapter_model.safetensors").exists()

@@ -43,12 +43,36 @@ def test_resume_reproduces_a_straight_run_with_ema_state(monkeypatch, neox_dir, 
               "--eval_size", "4", "--baseline", "ema", "--lr", "1e-3", "--save_every", "2",
               "--rewards", "math,length"]
     run_main(monkeypatch, R, *common, "--output_dir", str(tmp_path / "a"), "--max_steps", "4")
-    run_main(monkeypatch, R, *common, "--output_dir", str(tmp_path / "b"), "--max_steps", "2")
+    run_main(monkeypatch, R, *common, "--output_dir", str(tmp_path / "b"), "--max_steps", "2",
+             "--save_optimizer")  # the finished run's checkpoint keeps AdamW: it may go on
     run_main(monkeypatch, R, "--resume", str(tmp_path / "b"), "--max_steps", "4")
     a = read_metrics(tmp_path / "a")
     b = read_metrics(tmp_path / "b")
     for key in ("reward", "loss", "baseline_ema", "grad_norm"):
         assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5), key
+
+
+def test_a_finished_runs_checkpoint_keeps_no_optimizer_state_unless_asked(monkeypatch, tmp_path,
+                                                                          capsys):
+    """A finished run's last checkpoint holds the model and no AdamW moments (twice the model's
+    size: 1 GB for a 135 M model), so --resume refuses it in one line; a checkpoint written
+    mid-run keeps them (resumed exactly: the tests above), and so does --save_optimizer's."""
+    out = tmp_path / "run"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+             "--output_dir", out)
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state == {"step": 2, "nonfinite": 0}
+    AutoModelForCausalLM.from_pretrained(out / "checkpoint")
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "3", guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "holds no optimizer state (--save_optimizer keeps it)" in line
+    assert f"a new run with --model {out}/checkpoint" in line
+    kept = tmp_path / "kept"
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--save_optimizer",
+             "--output_dir", kept)
+    state = torch.load(kept / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 1 and state["optimizer"]["state"]
 
 
 def test_resume_without_max_steps_continues_to_the_runs_own(monkeypatch, tmp_path, capsys):
@@ -109,7 +133,8 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, c
     assert state["step"] == stopped
     # the checkpoint is a plain HF model folder
     AutoModelForCausalLM.from_pretrained(out / "checkpoint")
-    run_main(monkeypatch, grpo, "--resume", str(out), "--max_steps", str(stopped + 3))
+    run_main(monkeypatch, grpo, "--resume", str(out), "--max_steps", str(stopped + 3),
+             "--save_optimizer")  # kept by the later resumes: each extends a finished run
     steps = [m["step"] for m in read_metrics(out)]
     assert steps == list(range(1, stopped + 4))  # no step duplicated or missing
     # killed while saving: a half-deleted checkpoint.old/ must not break the next save, and a kill
@@ -146,7 +171,7 @@ def test_a_second_ctrl_c_in_a_save_and_a_backwards_resume_get_one_line(tmp_path,
     report the run as finished."""
     out = tmp_path / "run"
     run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
-             "--output_dir", out)
+             "--save_optimizer", "--output_dir", out)
     capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "1", guard=True)
@@ -263,7 +288,8 @@ def test_a_pickled_object_in_trainer_state_is_refused_and_never_runs(tmp_path, m
     """--resume reads trainer_state.pt with weights_only=True: what the scripts write loads so,
     and a planted object is refused in one line without running."""
     run = tmp_path / "run"
-    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run)
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--save_optimizer",
+             "--output_dir", run)
     path = run / "checkpoint" / "trainer_state.pt"
     state = torch.load(path, weights_only=True)  # a plain state: tensors, numbers, lists
     assert state["step"] == 1 and isinstance(state["rngs"][0][0], torch.Tensor)
@@ -380,7 +406,7 @@ def test_a_full_disk_inside_safetensors_is_one_line_and_leaves_no_tmp(tmp_path, 
 def test_a_damaged_metrics_line_is_skipped_with_a_warning(tmp_path, monkeypatch, capsys):
     out = tmp_path / "run"
     run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
-             "--output_dir", out)
+             "--save_optimizer", "--output_dir", out)
     lines = (out / "metrics.jsonl").read_text().splitlines(keepends=True)
     (out / "metrics.jsonl").write_text("".join(["{not json\n", *lines[1:]]))
     assert [m["step"] for m in plot.read_metrics(str(out))] == [2]
@@ -400,7 +426,8 @@ def test_a_run_with_relative_paths_resumes_from_another_folder(tmp_path, monkeyp
     (work / "mine.py").write_text(REWARD_FILE.replace('row["target"]', 'row["answer"]'))
     monkeypatch.chdir(work)
     run_main(monkeypatch, grpo, *FAST_GRPO, "--data", "data.jsonl", "--reward_fn",
-             "mine.py:exact", "--max_steps", "1", "--output_dir", tmp_path / "run")
+             "mine.py:exact", "--max_steps", "1", "--save_optimizer", "--output_dir",
+             tmp_path / "run")
     saved = json.loads((tmp_path / "run" / "checkpoint" / "args.json").read_text())["args"]
     assert saved["data"] == str(work / "data.jsonl")
     assert saved["reward_fn"] == [f"{work / 'mine.py'}:exact"]

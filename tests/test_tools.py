@@ -750,7 +750,8 @@ def test_torchrun_and_resume_with_env(tmp_path, monkeypatch):
         assert b[key] == pytest.approx(a[key], rel=1e-5), key
     common = ["--env", "calc", *FAST_GRPO, "--save_every", "2"]
     run_main(monkeypatch, grpo, *common, "--output_dir", str(tmp_path / "a"), "--max_steps", "4")
-    run_main(monkeypatch, grpo, *common, "--output_dir", str(tmp_path / "b"), "--max_steps", "2")
+    run_main(monkeypatch, grpo, *common, "--output_dir", str(tmp_path / "b"), "--max_steps", "2",
+             "--save_optimizer")
     run_main(monkeypatch, grpo, "--resume", str(tmp_path / "b"), "--max_steps", "4")
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     for key in ("reward", "loss", "grad_norm", "tool_calls"):

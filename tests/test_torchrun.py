@@ -73,7 +73,8 @@ def test_torchrun_writes_one_metrics_line_per_step_and_resumes(script, flags, tm
     state gathered into the checkpoint, which from_pretrained loads, and sharded again on
     resume)."""
     out = tmp_path / "run"
-    flags = [*flags, "--eval_size", "8", "--save_every", "2", "--output_dir", str(out)]
+    flags = [*flags, "--eval_size", "8", "--save_every", "2", "--save_optimizer", "--output_dir",
+             str(out)]
     r = run_processes(tmp_path, 2, script, *flags, "--max_steps", "2")
     assert r.returncode == 0, r.stderr[-3000:]
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
