@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import fcntl
 import signal
 
 import pytest
@@ -17,7 +18,8 @@ from tools import smollm2
 
 from tests.helpers import EXTRA_ROWS, ROOT, bpe_chat_tokenizer, tiny_model
 
-torch.set_num_threads(2)
+# one thread per process when pytest-xdist runs the suite in several (`-n 2`: one per core)
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else 2)
 
 
 # The fixtures every test file shares (the autouse ones run around every test);
@@ -87,9 +89,11 @@ def smollm2_dir():
     cache = os.environ.get("MINRL_CACHE") or os.path.join(os.path.expanduser("~"), ".cache",
                                                           "minrl")
     folder = os.path.join(cache, "SmolLM2-135M-Instruct")
-    if not all(os.path.isfile(os.path.join(folder, f)) for f in smollm2.FILES):
-        os.makedirs(cache, exist_ok=True)
-        smollm2.convert(folder)
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, ".lock"), "w") as lock:  # one converter at a time (pytest -n)
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not all(os.path.isfile(os.path.join(folder, f)) for f in smollm2.FILES):
+            smollm2.convert(folder)
     return folder
 
 
