@@ -380,13 +380,13 @@ def test_check_prompts_counts_the_tool_schemas(tmp_path):
     t = template_tokenizer("qwen2_5")
     rows = [{"prompt": "1+2="}]
     alone = len(C.encode_prompts(t, ["1+2="])[0])
-    model = SimpleNamespace(config=SimpleNamespace(max_position_embeddings=alone + 100))
+    config = SimpleNamespace(max_position_embeddings=alone + 100)
     args = SimpleNamespace(chat_template="auto", max_new_tokens=100, system_prompt="")
-    loading.check_prompts(t, model, rows, args)  # fits without the tools
+    loading.check_prompts(t, config, rows, args)  # fits without the tools
     with pytest.raises(C.UserError, match=r"1 of 1 prompts are too long: .* context of \d+ tokens"
                                           r" \(longest prompt: \d+ tokens, the tools shown in it "
                                           r"included\)"):
-        loading.check_prompts(t, model, rows, args, schemas)
+        loading.check_prompts(t, config, rows, args, schemas)
 
 
 def test_a_reward_models_template_that_refuses_is_one_line(tmp_path, monkeypatch, capsys):

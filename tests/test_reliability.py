@@ -487,7 +487,8 @@ def test_resume_takes_trust_remote_code_from_the_command_line_only(tmp_path, mon
     code (an auto_map, and the file) runs nothing on --resume: the setting comes from the command
     line alone, where it may differ from the saved one."""
     run = tmp_path / "run"
-    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run)
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", run,
+             "--save_optimizer")  # so that --resume may extend the finished run
     marker, ckpt = tmp_path / "ran", run / "checkpoint"
     (ckpt / "planted.py").write_text(PLANTED.format(marker=str(marker)))
     config = json.loads((ckpt / "config.json").read_text())
@@ -587,7 +588,8 @@ def test_resume_is_exact_with_an_env_and_a_reward_that_use_random(tmp_path, monk
     common = [*FAST_GRPO, "--env", f"{mine}:noisy", "--max_turns", "2", "--reward_fn",
               f"{mine}:luck", "--save_every", "2", "--lr", "1e-3"]
     run_main(monkeypatch, grpo, *common, "--output_dir", tmp_path / "a", "--max_steps", "4")
-    run_main(monkeypatch, grpo, *common, "--output_dir", tmp_path / "b", "--max_steps", "2")
+    run_main(monkeypatch, grpo, *common, "--output_dir", tmp_path / "b", "--max_steps", "2",
+             "--save_optimizer")  # so that --resume may extend the finished run
     random.seed(7)  # what the process draws between runs does not matter
     run_main(monkeypatch, grpo, "--resume", tmp_path / "b", "--max_steps", "4")
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")

@@ -148,7 +148,7 @@ def test_scripts_run_on_the_real_tokenizer_model(module, chat_model, tmp_path, m
     flags = {grpo: ["--group_size", "4", "--prompts_per_step", "2", "--micro_batch_size", "8",
                     "--stop", "</answer>", "--beta", "0.04"],
              R: ["--samples_per_prompt", "2", "--prompts_per_step", "2"],
-             ppo: ["--batch_size", "8", "--critic_init", "policy"],
+             ppo: ["--batch_size", "8", "--critic_init", "policy", "--rewards", "math"],
              dpo: ["--batch_size", "4"]}[module]
     run_main(monkeypatch, module, "--model", chat_model, "--max_steps", "1", "--eval_every", "0",
              "--save_every", "0", "--eval_size", "4", "--max_new_tokens", "6",
