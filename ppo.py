@@ -52,6 +52,7 @@ from typing import Literal
 import torch
 from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
+from transformers.utils import logging as hf_logging
 
 import common as C
 from plumbing import envs as E
@@ -252,9 +253,12 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
                               " has a different tokenizer; use --critic_init policy")
         critic = loading.load_model(src, "rm", device, frozen=False,
                               trust_remote_code=args.trust_remote_code)
-    else:
+    else:  # a new score head, as expected: transformers' "MISSING" load report stays unsaid
+        verbosity = hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
         critic = AutoModelForSequenceClassification.from_pretrained(
             src, num_labels=1, dtype=torch.float32, trust_remote_code=args.trust_remote_code)
+        hf_logging.set_verbosity(verbosity)
         critic = critic.to(device).eval()  # eval(): dropout off
     if not isinstance(getattr(critic, "score", None), torch.nn.Linear):
         raise C.UserError(f"critic from {src!r}: its {type(critic).__name__} has no linear `score`")
