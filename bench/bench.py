@@ -36,9 +36,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
-import fastpath
-from plumbing import loading
-from plumbing import tasks
+import fastpath  # noqa: E402
+from plumbing import loading  # noqa: E402
+from plumbing import tasks  # noqa: E402
 
 
 def sync():

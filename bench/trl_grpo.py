@@ -47,8 +47,8 @@ from transformers.trainer_callback import PrinterCallback, ProgressCallback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import common as C  # noqa: E402
-from plumbing import loading
-from plumbing import tasks
+from plumbing import loading  # noqa: E402
+from plumbing import tasks  # noqa: E402
 
 PROMPTS, GROUP, NEW_TOKENS, TEMP, LR, BETA = 8, 8, 6, 1.0, 1e-4, 0.04
 

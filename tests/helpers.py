@@ -326,3 +326,25 @@ def run_processes(tmp_path, n, script, *args, tries=3):
 # ---- docs/: commands, links, the tests they name
 SCRIPTS = {"grpo": grpo, "reinforce": R, "ppo": ppo, "sft": sft, "reward_model": reward_model,
            "dpo": dpo}
+
+
+# a --tools file: add (a tool that works) and shout (one that raises)
+TOOLS_FILE = '''
+def add(a: int, b: int) -> int:
+    """Add two whole numbers.
+
+    Args:
+        a: the first number
+        b: the second number
+    """
+    return a + b
+
+
+def shout(text: str) -> str:
+    """Refuse loudly.
+
+    Args:
+        text: what to refuse
+    """
+    raise ValueError("no " + text)
+'''

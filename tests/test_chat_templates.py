@@ -12,27 +12,8 @@ from plumbing import envs as E
 from plumbing import loading
 from plumbing import runs
 
-from tests.helpers import OFF, ROOT, scripted_model
+from tests.helpers import OFF, ROOT, TOOLS_FILE as TOOLS, scripted_model
 
-TOOLS = '''
-def add(a: int, b: int) -> int:
-    """Add two whole numbers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-
-
-def shout(text: str) -> str:
-    """Refuse loudly.
-
-    Args:
-        text: what to refuse
-    """
-    raise ValueError("no " + text)
-'''
 
 HERMES_STYLE_TEMPLATE = (  # NousResearch Hermes-2-Pro's tool_use layout, in short: a 'tool' role,
     # and a tool message that ends differently when it is the last message

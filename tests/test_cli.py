@@ -15,7 +15,6 @@ from transformers import LlamaForSequenceClassification
 
 import common as C
 import dpo
-from plumbing import envs as E
 from plumbing import flags
 import grpo
 from plumbing import loading

@@ -13,7 +13,6 @@ from transformers import LlamaForSequenceClassification
 import common as C
 import dpo
 from plumbing import calc
-from plumbing import envs as E
 from plumbing import loading
 import ppo
 import reward_model

@@ -29,7 +29,8 @@ from plumbing import runs
 from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, PROMPTS, ROOT, read_metrics, rollout, run_main,
-                           run_processes, run_script, scripted_model, tiny_config, tiny_model)
+                           run_processes, run_script, scripted_model, tiny_config, tiny_model,
+                           TOOLS_FILE)
 
 
 # ---- tool use: the one sampler with env_step (common.sample), envs.py, --env / --tools
@@ -603,25 +604,6 @@ def test_chat_tool_observation_is_the_templates_difference(ends_on):
     assert roll.final == ["6912"] and roll.completion_mask[0].sum() == len(turn1) + 5
 
 
-TOOLS_FILE = '''
-def add(a: int, b: int) -> int:
-    """Add two whole numbers.
-
-    Args:
-        a: the first number
-        b: the second number
-    """
-    return a + b
-
-
-def shout(text: str) -> str:
-    """Refuse loudly.
-
-    Args:
-        text: what to refuse
-    """
-    raise ValueError("no " + text)
-'''
 
 
 def test_tools_are_shown_by_the_template_parsed_run_and_answered_as_tool_messages(tmp_path):
