@@ -482,7 +482,8 @@ def main():
                     "completion": shown[i], "reward": float(rewards[i])}
                    for i in range(0, len(rows), G)[:4]]  # one of each of the first 4 groups
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(list(sums)[1:], mask.sum()))
+        token_keys = [k for k in sums if k != "loss"]  # token_means and a switch's own
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_keys, mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)
