@@ -13,18 +13,20 @@ import reinforce
 
 def test_held_out_by_problem_in_every_phrasing():
     train, test = chat_sums.split()
-    problem = {(min(a, b), max(a, b)) for a, b, _ in test}
+    problem = {(min(a, b), max(a, b)) for a, b, _, _ in test}
     assert len(problem) == chat_sums.HELD_OUT
-    assert not any((min(a, b), max(a, b)) in problem for a, b, _ in train)  # 3+5 nor 5+3
-    assert {p for _, _, p in test} == set(range(len(chat_sums.PHRASINGS)))
-    assert len(train) + len(test) == 99 * len(chat_sums.PHRASINGS)  # all but the example 2+2
+    assert not any((min(a, b), max(a, b)) in problem for a, b, _, _ in train)  # 3+5 nor 5+3
+    assert {(p, shown) for _, _, p, shown in test} == {
+        (p, shown) for p in range(len(chat_sums.PHRASINGS)) for shown in (0, 1)}
+    assert len(train) + len(test) == 99 * len(chat_sums.PHRASINGS) * 2  # not the example 2+2
     data = tasks.load_data(chat_sums.NAME, 50)
     seen = {r["prompt"][-1]["content"] for r in data.next_batch(random.Random(0), 2000)}
     assert len(data.eval_rows) == 50 and not seen & {r["prompt"][-1]["content"]
                                                      for r in data.eval_rows}
-    row = data.eval_rows[0]
-    assert [m["role"] for m in row["prompt"]] == ["user", "assistant", "user"]
-    assert row["prompt"][-1]["content"].endswith("Answer with just the equation.")
+    shapes = {tuple(m["role"] for m in r["prompt"]) for r in data.eval_rows}
+    assert shapes == {("user", "assistant", "user"), ("user",)}  # the example shown, or not
+    assert all(r["prompt"][-1]["content"].endswith("Answer with just the equation.")
+               for r in data.eval_rows)
 
 
 @pytest.mark.parametrize("completion,reward", [
