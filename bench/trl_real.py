@@ -1,6 +1,7 @@
 """grpo.py vs TRL's GRPOTrainer on a real chat model: SmolLM2-135M-Instruct, --data chat-sums.
 
   python tools/smollm2.py                          # models/SmolLM2-135M-Instruct, once
+  python bench/trl_real.py --steps 16 --eval_size 128  # grpo.py, TRL, then a profile (RESULTS.md)
   python bench/trl_real.py --steps 4 --rounds 2    # grpo.py, TRL, grpo.py, TRL; then a profile
   python bench/trl_real.py --only profile          # where one grpo.py step's time goes
 
