@@ -63,8 +63,8 @@ def equation(a, b):
 def row(a, b, phrasing, shown=1):
     """The data row asking a + b in this phrasing, after the worked example if shown."""
     example = [question(*EXAMPLE), {"role": "assistant", "content": equation(*EXAMPLE[:2])}]
-    return {"prompt": [*example[:2 * shown], question(a, b, phrasing)], "answer": str(a + b),
-            "equation": equation(a, b)}
+    prompt = [*example, question(a, b, phrasing)] if shown else [question(a, b, phrasing)]
+    return {"prompt": prompt, "answer": str(a + b), "equation": equation(a, b)}
 
 
 def split():

@@ -50,6 +50,8 @@ def test_data_chat_sums_brings_its_defaults_and_given_flags_win(monkeypatch):
         monkeypatch.setattr(sys, "argv", [f"{script.__name__}.py", "--data=chat-sums"])
         args = parse_args(script.Args, script.__name__)
         assert args.lr == 2e-5 and args.reward_fn == chat_sums.PRESET["reward_fn"]
+        if script is ppo:  # one epoch of 2 minibatches: the toy's 4 x 2 is slow on a real model
+            assert (args.ppo_epochs, args.num_minibatches, args.max_steps) == (1, 2, 10)
         script.check_args(args) if hasattr(script, "check_args") else None
     monkeypatch.setattr(sys, "argv", ["grpo.py"])
     assert parse_args(grpo.Args, "grpo") == grpo.Args()  # without it: as it was
