@@ -1,5 +1,6 @@
 """fastpath.py: which models take the fast log-prob and sampling paths, and their memory."""
 import functools
+import gc
 from types import SimpleNamespace
 
 import torch
@@ -184,6 +185,10 @@ def test_ddp_policy_and_its_unwrapped_reference_give_bit_equal_logprobs(tmp_path
         (loss * roll.completion_mask).sum().backward()
         assert all(float(p.grad.abs().max()) == 0 for p in model.parameters())
     finally:
+        # DDP's reducer holds the group: free it first, as a run's main() returning does (freed
+        # after destroy_process_group, gloo's destructor waited on its threads forever, once)
+        ddp = lp = loss = None
+        gc.collect()
         dist.destroy_process_group()
 
 
