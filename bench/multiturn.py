@@ -60,6 +60,12 @@ def run_rollout(C, E, model, tok, prompt_ids, env, rows, max_turns, budget):
     return roll
 
 
+def bundled_policy(L):
+    """The bundled tokenizer and policy, frozen, on the CPU."""
+    tok = L.load_tokenizer(L.DEFAULT_POLICY)
+    return tok, L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+
+
 def random_qwen2(tok, eos):
     from transformers import AutoModelForCausalLM, Qwen2Config
     cfg = Qwen2Config(vocab_size=len(tok), hidden_size=384, num_hidden_layers=8,
@@ -104,8 +110,7 @@ def work(C, E, L, T):
 
 
 def tool(C, E, L, T):
-    tok = L.load_tokenizer(L.DEFAULT_POLICY)
-    model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    tok, model = bundled_policy(L)
     model.generation_config.eos_token_id = list(range(99))  # every turn is one token
     prompts = [f"{a}+{a}=" for a in range(32)]
     rows, ids = [{"prompt": p} for p in prompts], C.encode_prompts(tok, prompts, "none")
@@ -126,8 +131,7 @@ def tool(C, E, L, T):
 
 
 def step(C, E, L, T, repeats=5):
-    tok = L.load_tokenizer(L.DEFAULT_POLICY)
-    model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    tok, model = bundled_policy(L)
     model.generation_config.suppress_tokens = [tok.eos_token_id]  # every row runs 64 steps
     prompt_ids = C.encode_prompts(tok, [f"{a}+{a}=" for a in range(8)], "none")
     out = {}
@@ -204,8 +208,7 @@ def ends_at(model, eos, at):
 
 def stall(C, E, L, T):
     """32 rows whose turns end one a decode step, a 0.5 s tool: rows do not wait for others."""
-    tok = L.load_tokenizer(L.DEFAULT_POLICY)
-    model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    tok, model = bundled_policy(L)
     model = ends_at(model, tok.eos_token_id, 40)
     prompts = ["1" * k for k in range(1, 33)]  # 2 to 33 tokens (and the BOS)
     rows, ids = [{"prompt": p} for p in prompts], C.encode_prompts(tok, prompts, "none")
@@ -231,8 +234,7 @@ def memory(C, E, L, T, steps=50):
     import gc
     import resource
     import weakref
-    tok = L.load_tokenizer(L.DEFAULT_POLICY)
-    model = L.load_model(L.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    tok, model = bundled_policy(L)
     model.generation_config.eos_token_id = list(range(5, 99, 8))
     alive = weakref.WeakSet()
 
