@@ -55,6 +55,7 @@ import torch
 from tqdm import tqdm
 
 import common as C
+import objectives as O  # mismatch_weights: the sampler/trainer correction
 from plumbing import envs as E
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
@@ -84,7 +85,7 @@ class Args:
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
@@ -106,7 +107,7 @@ class Args:
     loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
     num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
     clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
-    # --- the sampler/trainer mismatch correction, see mismatch_weights() (grpo.py's flags)
+    # --- the sampler/trainer mismatch correction, see objectives.mismatch_weights (grpo's flags)
     tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
@@ -198,18 +199,6 @@ def reinforce_loss(logprobs, advantages, old_logprobs=None, clip_eps=0.2, is_wei
         per_token = -torch.min(unclipped, clipped_obj)
         clipped = (clipped_obj < unclipped).float()
     return per_token * is_weight, ratio, clipped  # is_weight: TIS (1: none)
-
-
-def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """The detached loss weight per token for the sampler/trainer mismatch (docs/policy_losses.md):
-    (B, T), (B, 1) at level sequence, 1 when cap C = 0 (off); and the raw pi_old / pi_sampler."""
-    log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
-    raw = log_w.exp()  # 1 to rounding unless they differ (bf16, vLLM, top_p)
-    if not cap:
-        return 1.0, raw
-    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw  # sequence: the product
-    # truncate: min(w, C), TIS (Yao et al. 2025); mask: w, or 0 where w > C, MIS (IcePop)
-    return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
 
 
 def sample_grad_probe(model):
@@ -349,7 +338,7 @@ def main():
                     entropy = entropy.detach()
                     old = old_logprobs[mb] if args.num_iterations > 1 else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
-                    is_weight, is_ratio = mismatch_weights(
+                    is_weight, is_ratio = O.mismatch_weights(
                         logprobs.detach() if old is None else old, roll.sample_logprobs[mb],
                         mask[mb], *tis)
                     loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], old, args.clip_eps,

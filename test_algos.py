@@ -18,6 +18,7 @@ import fastpath
 import dpo
 from plumbing.flags import parse_args
 import grpo
+import objectives
 from plumbing import loading
 import ppo
 import reinforce as R
@@ -500,18 +501,18 @@ def slow_mismatch_weight(old, sample, mask, cap, mode, level):
 def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode, level):
     lp, old, adv, mask = random_step()
     sample = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
-    w, raw = grpo.mismatch_weights(old, sample, mask, 1.5, mode, level)
+    w, raw = objectives.mismatch_weights(old, sample, mask, 1.5, mode, level)
     torch.testing.assert_close(w, slow_mismatch_weight(old, sample, mask, 1.5, mode, level))
     assert (w <= 1.5).all() and (raw * mask).max() > 1.5  # the cap is reached
     torch.testing.assert_close(raw, torch.exp((old - sample) * mask))
-    assert grpo.mismatch_weights(old, sample, mask)[0] == 1.0  # cap 0: off
+    assert objectives.mismatch_weights(old, sample, mask)[0] == 1.0  # cap 0: off
     # the weight multiplies the policy part, not the KL term (as TRL applies it)
     ref = old - 0.1
     got, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), ref, is_weight=w)
     policy, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
     torch.testing.assert_close(got, policy * w + 0.04 * C.kl_estimate(lp, ref, "k3"))
     # no mismatch and an infinite cap: the weight is 1 and the loss exactly the uncorrected one
-    w, _ = grpo.mismatch_weights(old, old.clone(), mask, math.inf, mode, level)
+    w, _ = objectives.mismatch_weights(old, old.clone(), mask, math.inf, mode, level)
     plain, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
     weighted, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), is_weight=w)
     assert (w == 1).all() and torch.equal(weighted, plain)
@@ -522,9 +523,8 @@ def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode,
 def test_reinforce_mismatch_correction_is_grpos(mode, level):
     lp, old, adv, mask = random_step()
     sample = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
-    w, raw = grpo.mismatch_weights(old, sample, mask, 1.5, mode, level)
-    w2, raw2 = R.mismatch_weights(old, sample, mask, 1.5, mode, level)
-    assert torch.equal(w, w2) and torch.equal(raw, raw2)
+    assert R.O.mismatch_weights is objectives.mismatch_weights  # one function, not a copy
+    w, raw = objectives.mismatch_weights(old, sample, mask, 1.5, mode, level)
     A = adv[:, None] * mask
     got, _, _ = reinforce_step_loss(lp, A, mask, 6, mask.sum(), is_weight=w)
     want = (-A * lp * w * mask).sum() / 6
@@ -538,7 +538,7 @@ def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
-    _, raw = grpo.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
+    _, raw = objectives.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
     # 1 up to float rounding (1e-6 on one CPU, exactly 1 on another: either may hold), and
     # exactly 1 outside the completion, where the mask zeroes log pi_old - log pi_sampler
     assert float((raw - 1).abs().max()) < 1e-4
@@ -547,7 +547,7 @@ def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     # all: the raw ratio is each step's kept mass, which a plain forward recomputes
     roll = C.sample(model, tok, prompts, 8, temperature=0.7, top_p=0.8)
     lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
-    _, raw = grpo.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
+    _, raw = objectives.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
     for i, p in enumerate(prompts):
         n = int(roll.completion_mask[i].sum())
         ids = torch.tensor([p + roll.ids[i, roll.P:roll.P + n].tolist()])
