@@ -536,8 +536,10 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
     lp = C.batched_logprobs(model, both, 1.0, 8, OFF)
     torch.testing.assert_close(lp, both.sample_logprobs, atol=2e-5, rtol=0)
     assert grpo.cat_rollouts([(a, torch.arange(3))]) is a  # one round, every row: as sampled
-    a.note = "a field of no known kind"
-    with pytest.raises(TypeError, match="'note' is a str"):  # said, not dropped
+    with pytest.raises(AttributeError):  # C.Rollout lists every field: no other can be added
+        a.note = "a field the class does not declare"
+    a.final = "a field of no kind it splits by rows"
+    with pytest.raises(TypeError, match="'final' is a str"):  # said, not dropped
         grpo.cat_rollouts([(a, torch.tensor([0])), (b, torch.tensor([1]))])
 
 
