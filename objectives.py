@@ -121,7 +121,8 @@ def vespo(logprobs, log_ratio, adv, mask, is_weight, args):
 
 
 def off_policy_keep(logprobs, sample_logprobs, adv, mask, delta):
-    """DeepSeek-V3.2: (B, 1) 0 for o_i with A_i < 0 whose mean log(pi_sampler / pi_theta) > delta."""
+    """DeepSeek-V3.2: (B, 1), 0 for o_i with A_i < 0 and a mean log(pi_sampler / pi_theta) > delta,
+    else 1."""
     drift = (sample_logprobs - logprobs.detach()) * mask  # log pi_sampler - log pi_theta
     drift = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     return ((adv >= 0) | (drift <= delta)).float()
