@@ -35,15 +35,6 @@ except ImportError:
     math_verify = None
 
 
-class UserError(Exception):
-    """Bad input: shown as one line on stderr, exit code 2, no traceback (runs.main_guard)."""
-
-
-def first_line(e):
-    """An exception's message, its first line only (or its type's name when it has none)."""
-    return (str(e).splitlines() or [type(e).__name__])[0]
-
-
 # ------------------------------------------------------------------------------------ sampling
 def as_messages(prompt):
     """A prompt as chat messages: a text is one user message; a list of messages stays as it is."""

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
+from plumbing.errors import UserError
 import objectives as O  # the objectives since DAPO (docs/policy_losses.md)
 from plumbing import envs as E
 from plumbing import flags
@@ -276,19 +277,19 @@ def sample_groups(generate, score, data, rng, run, args):
 def check_args(args):
     flags.check_args(args)
     if args.group_size < 2:
-        raise C.UserError("--group_size must be >= 2: a group of one has no relative advantage")
+        raise UserError("--group_size must be >= 2: a group of one has no relative advantage")
     if args.kl_estimator == "k1" and args.beta > 0:
-        raise C.UserError("--kl_estimator k1 in the loss has zero expected gradient (E[grad log pi]"
+        raise UserError("--kl_estimator k1 in the loss has zero expected gradient (E[grad log pi]"
                           " = 0): it only adds noise. Use k2 (reverse KL) or k3 (forward KL)")
     if args.policy_loss in ("dppo", "vespo") and args.importance_sampling_level == "sequence":
-        raise C.UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
+        raise UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
                           "--importance_sampling_level token")
     if args.multi_objective_aggregation == "normalize_then_sum" and args.overlong_penalty:
-        raise C.UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
+        raise UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
                           "one of the --rewards to normalise; write it as a --reward_fn")
     n = args.prompts_per_step * args.group_size
     if n % args.micro_batch_size:
-        raise C.UserError(f"--micro_batch_size {args.micro_batch_size} must divide "
+        raise UserError(f"--micro_batch_size {args.micro_batch_size} must divide "
                           f"prompts_per_step * group_size = {n}")
 
 
@@ -431,7 +432,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
-                   **(R.tool_metrics(roll, env) if env else {})}
+                   **(env.metrics(roll) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(rewards[i])}

@@ -55,6 +55,7 @@ import torch
 from tqdm import tqdm
 
 import common as C
+from plumbing.errors import UserError
 import objectives as O  # mismatch_weights: the sampler/trainer correction
 from plumbing import envs as E
 from plumbing import flags
@@ -225,7 +226,7 @@ def sample_grad_probe(model):
 def check_args(args):
     flags.check_args(args)
     if args.baseline == "rloo" and args.samples_per_prompt < 2:
-        raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
+        raise UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
                           "other sample to form the leave-one-out baseline")
 
 
@@ -381,7 +382,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(R.tool_metrics(roll, env) if env else {})}
+                   **(env.metrics(roll) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(scores[i])}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import common as C
+from plumbing.errors import UserError
 import fastpath
 import dpo
 from plumbing.flags import parse_args
@@ -384,7 +385,7 @@ def test_kl_in_grpo_loss_pulls_towards_the_kl_its_docstring_names():
 
 def test_grpo_refuses_k1_in_the_loss(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1"])
-    with pytest.raises(C.UserError, match="zero expected gradient"):
+    with pytest.raises(UserError, match="zero expected gradient"):
         grpo.check_args(parse_args(grpo.Args, "grpo"))
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1", "--beta", "0"])
     grpo.check_args(parse_args(grpo.Args, "grpo"))  # no KL term: nothing to refuse
@@ -610,7 +611,7 @@ def test_refusals_of_the_2026_switches(monkeypatch):
                          (["--multi_objective_aggregation", "normalize_then_sum",
                            "--overlong_penalty", "1"], "not one of the --rewards")]:
         monkeypatch.setattr(sys, "argv", ["grpo.py"] + flags)
-        with pytest.raises(C.UserError, match=match):
+        with pytest.raises(UserError, match=match):
             grpo.check_args(parse_args(grpo.Args, "grpo"))
 
 
@@ -694,7 +695,7 @@ def test_rloo_baseline_equals_slow_leave_one_out():
 
 def test_rloo_with_one_sample_refuses():
     """Refused once, when the flags are read (rloo_baseline itself assumes k >= 2)."""
-    with pytest.raises(C.UserError, match="samples_per_prompt >= 2"):
+    with pytest.raises(UserError, match="samples_per_prompt >= 2"):
         R.check_args(R.Args(baseline="rloo", samples_per_prompt=1, prompts_per_step=8,
                             micro_batch_size=8))
     # without rloo, one sample per prompt is fine
@@ -954,7 +955,7 @@ def test_adaptive_kl_moves_kl_coef_the_right_way():
 
 def test_ppo_refuses_adaptive_kl_from_zero_and_has_no_weight_decay_by_default(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ppo.py", "--adaptive_kl", "--kl_coef", "0"])
-    with pytest.raises(C.UserError, match="from --kl_coef 0 it would stay 0"):
+    with pytest.raises(UserError, match="from --kl_coef 0 it would stay 0"):
         ppo.check_args(parse_args(ppo.Args, "ppo"))
     assert ppo.Args().weight_decay == 0.0  # AdamW's own default is 0.01
 
@@ -1076,7 +1077,7 @@ def test_critic_from_policy_starts_at_zero_and_bad_tokenizer_is_refused(tmp_path
     tiny_rm().save_pretrained(tmp_path / "rm")
     args.critic_init = "reward_model"
     args.reward_model = str(tmp_path / "rm")
-    with pytest.raises(C.UserError, match="different tokenizer"):
+    with pytest.raises(UserError, match="different tokenizer"):
         ppo.load_critic(args, tok, torch.device("cpu"))
 
 

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
+from plumbing.errors import UserError
 import engine
 from plumbing import calc
 from plumbing import envs as E
@@ -228,7 +229,7 @@ def test_env_calls_of_one_decode_step_run_at_once_and_a_slow_one_stops_in_time(t
     roll = rollout(model, tok, prompts, env, [{"prompt": "1+2="}] * 8, 2, 10)
     assert roll.turns.tolist() == [1] * 8
     t0 = time.time()
-    with pytest.raises(C.UserError, match=r"--env 'test' took more than 0.5 s on the row with "
+    with pytest.raises(UserError, match=r"--env 'test' took more than 0.5 s on the row with "
                                           r"prompt '1\+2=', turn 1 \(--env_timeout\)"):
         rollout(model, tok, prompts[:2], lambda row, turns: time.sleep(3600),
                 [{"prompt": "1+2="}] * 2, 2, 10, timeout=0.5)
@@ -433,7 +434,7 @@ def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
     for flags, message in ((["--max_turns", "0"], "--max_turns must be >= 1"),
                            (["--eval_sampled"], "--eval_sampled scores mean@k"),
                            (["--env", "nocolon"], "write calc, path/to/file.py:function")):
-        with pytest.raises(C.UserError, match=message):
+        with pytest.raises(UserError, match=message):
             run_main(monkeypatch, grpo, *FAST_GRPO, "--model", neox_dir, *flags,
                      "--output_dir", str(tmp_path / "x"))
 
@@ -651,7 +652,7 @@ def test_tools_are_shown_by_the_template_parsed_run_and_answered_as_tool_message
         add_generation_prompt=True) + "5<|im_end|>"
     n = int(roll.attention_mask[0].sum())
     assert t.decode(roll.ids[0, -n:]) == whole and texts == ["5"]
-    m = runs.tool_metrics(roll, env)
+    m = E.tool_metrics(roll, env)
     assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
     assert m["tool_calls/shout"] == 1 and m["tool_errors/shout"] == 1 and m["tool_calls"] == 1
 
@@ -660,15 +661,15 @@ def test_tools_need_a_template_that_renders_them_and_a_schema_per_function(tmp_p
     (tmp_path / "tools.py").write_text(TOOLS_FILE + "\ndef bare(x):\n    return x\n")
     env = E.load_env("", f"{tmp_path / 'tools.py'}:add")
     plain = loading.load_tokenizer(loading.DEFAULT_POLICY)
-    with pytest.raises(C.UserError, match="--tools needs a model whose chat template renders"):
+    with pytest.raises(UserError, match="--tools needs a model whose chat template renders"):
         env.start([{"prompt": "1+2="}], plain, 3)
-    with pytest.raises(C.UserError, match=r"--tools: 'bare' has no schema: .* type hint"):
+    with pytest.raises(UserError, match=r"--tools: 'bare' has no schema: .* type hint"):
         E.load_env("", f"{tmp_path / 'tools.py'}:add,bare")
-    with pytest.raises(C.UserError, match="give --env or --tools, not both"):
+    with pytest.raises(UserError, match="give --env or --tools, not both"):
         E.load_env("calc", f"{tmp_path / 'tools.py'}:add")
     t = chat_tokenizer()
     t.chat_template = t.chat_template.replace("<tool_call>", "[CALL]")
-    with pytest.raises(C.UserError, match="--tools reads calls through the tokenizer's response"):
+    with pytest.raises(UserError, match="--tools reads calls through the tokenizer's response"):
         env.start([{"prompt": "1+2="}], t, 3)
 
 

