@@ -11,7 +11,6 @@ import common as C
 from plumbing.errors import UserError
 from plumbing import envs as E
 from plumbing import loading
-from plumbing import runs
 
 from tests.helpers import OFF, ROOT, TOOLS_FILE as TOOLS, scripted_model
 

@@ -27,7 +27,6 @@ import grpo
 from plumbing import loading
 import ppo
 import reinforce as R
-from plumbing import runs
 from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, PROMPTS, ROOT, read_metrics, rollout, run_main,
