@@ -350,6 +350,7 @@ def main():
                disable=run.rank > 0)
     for step in bar:
         t0 = time.time()
+        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
@@ -417,6 +418,7 @@ def main():
             if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
         all_rewards = torch.cat([r for r, _ in seen])  # every round's, with dynamic_sampling
         parts = {k: torch.cat([p[k] for _, p in seen]) for k in seen[0][1]}

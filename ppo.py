@@ -437,6 +437,7 @@ def main():
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):
                 group["lr"] = lr * (1 - step / args.max_steps)
+        # ALGO LOGIC (steps 1-4); its R.* calls guard or pass through in one process: skip them
         # 1. sample one completion per prompt and score it
         rows = data.next_batch(rng, args.batch_size)[run.rank::run.world]  # torchrun: a share
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
@@ -474,6 +475,7 @@ def main():
         stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
         # nats per sequence: what Ziegler's controller targets (the mean over all processes)
         kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
+        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 5. log, eval, checkpoint
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(raw_scores.mean()),

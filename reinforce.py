@@ -282,6 +282,7 @@ def main():
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
         t0 = time.time()
+        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample k completions per prompt (k contiguous rows each) and score them
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(k)]
@@ -359,6 +360,7 @@ def main():
             if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
         valid = mask.bool()
         # g_i: each sample's term of the first update's gradient (times N, the step's sequences)

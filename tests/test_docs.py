@@ -239,6 +239,8 @@ def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
     assert loop == 3
     assert reached == {("lib", "helper"): 2, ("lib", "inner"): 4, ("lib", "Fn.forward"): 2,
                        ("lib", "Fn.backward"): 2}
+    assert step_cost.reader_cost("algo.py", loop, reached) == 3  # lib is not the reader's
+    assert step_cost.reader_cost("lib.py", loop, reached) == 3 + 10  # as if lib were the script
 
 
 def test_readme_links_every_docs_file():

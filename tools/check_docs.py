@@ -115,7 +115,8 @@ def stdout(pattern):
     return lambda r: float(re.search(pattern, r["stdout"]).group(1))
 
 
-STEP_LINES = stdout(r"\.py: (\d+) lines")  # tools/step_cost.py's count
+STEP_LINES = stdout(r"\.py: (\d+) lines")  # tools/step_cost.py's count: the whole reach
+READER_LINES = stdout(r"reader's (\d+) lines")  # and the algorithm reader's
 
 
 # ----------------------------------------------------------------------------------- the claims
@@ -149,10 +150,16 @@ CLAIMS = [
     ("README.md", "from 0.30 at step 1 to {1.00} at step 60", CALC,
      at_step(60, "frac_tool"), 0, ("calc",)),
     ("README.md", "0.292 → {0.994} (`short` gives", OWN_REWARD, AFTER, 0, ()),
-    ("README.md", "Today grpo.py {971}", "python tools/step_cost.py grpo.py", STEP_LINES, 0, ()),
-    ("README.md", "ppo.py {918}, reinforce", "python tools/step_cost.py ppo.py", STEP_LINES, 0, ()),
-    ("README.md", "reinforce.py {908}, each", "python tools/step_cost.py reinforce.py",
+    ("README.md", "Today grpo.py {898}", "python tools/step_cost.py grpo.py", STEP_LINES, 0, ()),
+    ("README.md", "(the reader's {506}", "python tools/step_cost.py grpo.py", READER_LINES, 0, ()),
+    ("README.md", "`--env` {1,065}", "python tools/step_cost.py grpo.py --env", STEP_LINES, 0, ()),
+    ("README.md", "1,065 and {629})", "python tools/step_cost.py grpo.py --env", READER_LINES, 0,
+     ()),
+    ("README.md", "ppo.py {794} (", "python tools/step_cost.py ppo.py", STEP_LINES, 0, ()),
+    ("README.md", "794 ({495})", "python tools/step_cost.py ppo.py", READER_LINES, 0, ()),
+    ("README.md", "reinforce.py {784} (", "python tools/step_cost.py reinforce.py",
      STEP_LINES, 0, ()),
+    ("README.md", "784 ({475})", "python tools/step_cost.py reinforce.py", READER_LINES, 0, ()),
 
     ("ppo.py", "held-out greedy accuracy 0.292 -> {0.954}", "python ppo.py", AFTER, 0, ()),
     ("ppo.py", "the RM score from {1.7} to 4.8", "python ppo.py", mean("reward", first=10), 0, ()),
