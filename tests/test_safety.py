@@ -1,0 +1,70 @@
+"""Safety: no command deletes what it did not write; no flag combination trains backwards or to
+NaN without a word (MaxRL, GDPO); one-line refusals of flags no float can hold."""
+import os
+
+import pytest
+
+import common as C
+from tools import smollm2
+
+
+# ---- no command deletes what it did not write
+def fake_conversion(tmp):
+    """What convert() writes, as tiny files: the swap is tested without a 20-40 s conversion."""
+    os.makedirs(tmp)
+    for name in smollm2.FILES:
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write("new")
+
+
+def test_smollm2_out_refuses_a_folder_that_is_not_its_own_output(tmp_path, monkeypatch):
+    """--out models, --out ., a folder with a user's file, a file, a link: one line, and every
+    byte stays. A trailing slash is stripped; an earlier conversion is swapped, not merged."""
+    models = tmp_path / "models"
+    (models / "SmolLM2-135M-Instruct").mkdir(parents=True)
+    (models / "tiny-policy").mkdir()
+    (models / "tiny-policy" / "config.json").write_text("mine")
+    user = tmp_path / "work"
+    user.mkdir()
+    (user / "notes.txt").write_text("a week of work")
+    (user / "config.json").write_text("mine")
+    (tmp_path / "file").write_text("x")
+    os.symlink(user, tmp_path / "link")
+    monkeypatch.chdir(user)
+    for out in (str(models), str(models) + "/", str(user), ".", "", str(tmp_path / "file"),
+                str(tmp_path / "link"), str(tmp_path)):
+        with pytest.raises(C.UserError, match=r"--out .*(does not write|link or a file)"):
+            smollm2.replace_folder(smollm2.check_out(out), fake_conversion)
+    assert (user / "notes.txt").read_text() == "a week of work"
+    assert (models / "tiny-policy" / "config.json").read_text() == "mine"
+    # a leftover out.tmp that is not a killed conversion's is refused too, not removed
+    (tmp_path / "new.tmp").mkdir()
+    (tmp_path / "new.tmp" / "keep.txt").write_text("x")
+    with pytest.raises(C.UserError, match="new.tmp holds 1 thing"):
+        smollm2.check_out(str(tmp_path / "new"))
+    assert (tmp_path / "new.tmp" / "keep.txt").exists()
+    # its own output: a new folder (slash stripped), then an earlier conversion, replaced whole
+    out = smollm2.check_out(str(models / "SmolLM2-135M-Instruct") + "/")
+    assert out == str(models / "SmolLM2-135M-Instruct")
+    smollm2.replace_folder(out, fake_conversion)
+    (models / "SmolLM2-135M-Instruct" / "config.json").write_text("old")
+    os.remove(models / "SmolLM2-135M-Instruct" / "tokenizer.json")  # an older, partial one
+    smollm2.replace_folder(smollm2.check_out(out), fake_conversion)
+    assert sorted(os.listdir(out)) == sorted(smollm2.FILES)
+    assert (models / "SmolLM2-135M-Instruct" / "config.json").read_text() == "new"
+    assert sorted(os.listdir(models)) == ["SmolLM2-135M-Instruct", "tiny-policy"]  # no .tmp/.old
+
+
+def test_smollm2_conversion_killed_midway_leaves_the_old_folder_whole(tmp_path):
+    """A write that fails (a full disk, a kill) leaves the earlier conversion as it was."""
+    out = str(tmp_path / "m")
+    smollm2.replace_folder(out, fake_conversion)
+
+    def fails(tmp):
+        os.makedirs(tmp)
+        raise OSError("No space left on device")
+    with pytest.raises(OSError):
+        smollm2.replace_folder(smollm2.check_out(out), fails)
+    assert sorted(os.listdir(out)) == sorted(smollm2.FILES)
+    smollm2.replace_folder(smollm2.check_out(out), fake_conversion)  # its .tmp is its own: redone
+    assert not os.path.exists(out + ".tmp")
