@@ -68,3 +68,29 @@ def test_smollm2_conversion_killed_midway_leaves_the_old_folder_whole(tmp_path):
     assert sorted(os.listdir(out)) == sorted(smollm2.FILES)
     smollm2.replace_folder(smollm2.check_out(out), fake_conversion)  # its .tmp is its own: redone
     assert not os.path.exists(out + ".tmp")
+
+
+def test_merge_lora_out_refuses_a_folder_a_merge_did_not_write(tmp_path):
+    """--out a folder of the user's (or its .tmp): refused before anything is read or written;
+    an earlier merge's folder (model files only) may be replaced."""
+    from tools.merge_lora import check_out, merge
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    (tmp_path / "run" / "checkpoint" / "args.json").write_text("{}")
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "config.json").write_text("mine")
+    (mine / "train.py").write_text("mine")
+    for out in (str(mine), str(mine) + "/", str(tmp_path)):
+        with pytest.raises(C.UserError, match="which a merge does not write"):
+            merge(str(tmp_path / "run"), out)
+    assert (mine / "config.json").read_text() == "mine"
+    (tmp_path / "m.tmp").mkdir()
+    (tmp_path / "m.tmp" / "notes.txt").write_text("x")
+    with pytest.raises(C.UserError, match="m.tmp holds notes.txt"):
+        check_out(str(tmp_path / "m"))
+    earlier = tmp_path / "merged"
+    earlier.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "chat_template.jinja",
+                 "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
+        (earlier / name).write_text("")
+    assert check_out(str(earlier) + "/") == str(earlier)
