@@ -29,12 +29,21 @@ SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "
 COMMAND_LINE_ONLY = ("trust_remote_code",)
 
 
+def no_checkpoint(folder):
+    """What to do with a run folder that logged steps but was stopped before its first save."""
+    return (f"{folder!r} holds a run stopped before its first checkpoint (metrics.jsonl, no "
+            "checkpoint/; --save_every sets how often one is saved): there is nothing to "
+            f"--resume, so start again with another --output_dir (or remove {folder})")
+
+
 def _saved_args(resume_dir, algo):
     """The settings of the run in resume_dir, from its checkpoint's args.json."""
     ckpt = os.path.join(resume_dir, "checkpoint")
     if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
         os.replace(ckpt + ".old", ckpt)  # killed between save_checkpoint's two renames
     path = os.path.join(ckpt, "args.json")
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(resume_dir, "metrics.jsonl")):
+        raise C.UserError(f"--resume: {no_checkpoint(resume_dir)}")
     if not os.path.isfile(path):
         raise C.UserError(f"--resume {resume_dir!r}: no checkpoint/args.json in that folder")
     try:

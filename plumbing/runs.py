@@ -51,7 +51,7 @@ except ImportError:  # optional: torch runs without it
 
 import common as C
 from common import first_line
-from plumbing import loading
+from plumbing import flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
@@ -65,6 +65,8 @@ NO_SIGNAL = {"frac_zero_std": "every group's rewards were equal, so every advant
              "frac_truncated": "every completion was cut before its end (no EOS) and is scored "
              "so: raise --max_new_tokens"}
 NO_SIGNAL_STEPS = 5
+RUN_FILES = ("run.lock", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
+             "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -222,6 +224,11 @@ def start_run(args, algo):
                              samples=None, rank=rank, world=world,
                              saved_step=state["step"] if state else 0)
         return STARTED["run"]
+    others = sorted(set(os.listdir(folder)) - set(RUN_FILES)) if os.path.isdir(folder) else []
+    if others and not args.resume:  # a run writes (and replaces) checkpoint/, summary.json, ...
+        raise C.UserError(f"--output_dir {folder!r} holds files that are not a run's "
+                          f"({', '.join(others[:3])}), beside which a run would write and replace "
+                          "its own: give a new or empty folder")
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.add(folder)
@@ -232,8 +239,12 @@ def start_run(args, algo):
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
     state = _load_state(folder, args.max_steps) if args.resume else None
-    if not state and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
-        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl): continue "
+    held = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
+    if not state and held and not os.path.exists(os.path.join(folder, "checkpoint")):
+        raise C.UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
+    if not state and (held or os.path.exists(os.path.join(folder, "checkpoint"))):
+        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
+                          f"checkpoint/), which a new run would replace: continue "
                           f"it with --resume {folder}, or choose another --output_dir")
     for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
         shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)

@@ -5,7 +5,10 @@ import os
 import pytest
 
 import common as C
+import grpo
 from tools import smollm2
+
+from tests.helpers import FAST_GRPO, one_error_line, run_main
 
 
 # ---- no command deletes what it did not write
@@ -94,3 +97,41 @@ def test_merge_lora_out_refuses_a_folder_a_merge_did_not_write(tmp_path):
                  "model-00001-of-00002.safetensors", "model.safetensors.index.json"):
         (earlier / name).write_text("")
     assert check_out(str(earlier) + "/") == str(earlier)
+
+
+def test_output_dir_holding_a_users_files_is_refused_and_left_as_it_was(tmp_path, monkeypatch,
+                                                                          capsys):
+    """--output_dir . or a folder of one's own, with a checkpoint/ of one's own in it: a run
+    would replace checkpoint/ and summary.json there; it is refused in one line, nothing
+    written (no run.lock either)."""
+    mine = tmp_path / "project"
+    (mine / "checkpoint").mkdir(parents=True)
+    (mine / "checkpoint" / "weights.bin").write_text("a week of training")
+    (mine / "train.py").write_text("mine")
+    before = sorted(os.listdir(mine))
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", mine,
+                 guard=True)
+    assert "holds files that are not a run's (train.py)" in one_error_line(capsys)
+    assert sorted(os.listdir(mine)) == before
+    assert (mine / "checkpoint" / "weights.bin").read_text() == "a week of training"
+    (mine / "train.py").unlink()  # a checkpoint/ alone (of a run, or not): not replaced either
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", mine,
+                 guard=True)
+    assert "already holds a run (metrics.jsonl or checkpoint/)" in one_error_line(capsys)
+    assert (mine / "checkpoint" / "weights.bin").read_text() == "a week of training"
+
+
+def test_a_run_stopped_before_its_first_checkpoint_says_the_way_forward(tmp_path, monkeypatch,
+                                                                        capsys):
+    """S13: a run killed after logging steps but before its first save: neither a new run in
+    its folder nor --resume points at the other; both say to start again elsewhere."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    for argv in (["--output_dir", out], ["--resume", out]):
+        with pytest.raises(SystemExit):
+            run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "3", *argv, guard=True)
+        line = one_error_line(capsys)
+        assert "stopped before its first checkpoint" in line and "another --output_dir" in line
