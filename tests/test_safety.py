@@ -135,3 +135,17 @@ def test_a_run_stopped_before_its_first_checkpoint_says_the_way_forward(tmp_path
             run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "3", *argv, guard=True)
         line = one_error_line(capsys)
         assert "stopped before its first checkpoint" in line and "another --output_dir" in line
+
+
+def test_build_models_replaces_only_a_bundled_models_folder(tmp_path):
+    """tools/build_models.py DEST replaces DEST/tiny-adder, ...: refused when one holds anything
+    else (before the build); the bundled models themselves pass."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(C.__file__), "tools"))
+    import build_models
+    (tmp_path / "tiny-adder").mkdir()
+    (tmp_path / "tiny-adder" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="tiny-adder holds notes.txt, which this does not"):
+        build_models.check_dest(str(tmp_path / "tiny-adder"))
+    for name in ("tiny-adder", "tiny-adder-rm", "tiny-calc"):
+        build_models.check_dest(os.path.join(os.path.dirname(C.__file__), "models", name))
