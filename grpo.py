@@ -165,8 +165,9 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (std(rewards) + eps)
-    elif scale == "mean":  # MaxRL: (r - mean) / (mean + eps); a group with no success has A = 0
-        adv = adv / (r.mean(1, keepdim=True) + eps)
+    elif scale == "mean":  # MaxRL: (r - mean) / (mean + eps); A = 0 where the mean is <= 0 (no
+        mean = r.mean(1, keepdim=True)  # success; rewards < 0 would flip A's sign): as AllenAI's
+        adv = torch.where(mean > 0, adv / (mean + eps), 0.0)  # open-instruct and Google's Tunix
     return adv.view(-1)
 
 
@@ -328,6 +329,9 @@ def check_args(args):
     if args.policy_loss in ("dppo", "vespo") and args.importance_sampling_level == "sequence":
         raise C.UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
                           "--importance_sampling_level token")
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards == "mean":
+        raise C.UserError("--scale_rewards mean (MaxRL) with normalize_then_sum (GDPO): GDPO "
+                          "scales each reward by its own std (as TRL), so MaxRL would be ignored")
     if args.multi_objective_aggregation == "normalize_then_sum" and args.overlong_penalty:
         raise C.UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
                           "one of the --rewards to normalise; write it as a --reward_fn")
@@ -344,6 +348,8 @@ def main():
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
+    if args.scale_rewards == "mean":  # MaxRL: rewards that can be < 0 are refused
+        flags.check_maxrl(weights, "--scale_rewards mean", args.overlong_penalty)
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
         prompt_field=args.prompt_field, answer_field=args.answer_field,

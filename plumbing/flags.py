@@ -36,6 +36,19 @@ def no_checkpoint(folder):
             f"--resume, so start again with another --output_dir (or remove {folder})")
 
 
+def check_maxrl(weights, flag, overlong_penalty=0.0):
+    """MaxRL (arXiv 2602.02710) divides by each group's mean reward, read as a success rate: a
+    reward that can be negative (length, a reward model's score, a negative weight, DAPO's
+    overlong penalty) is refused. Your own functions' rewards < 0 meet the guard instead: A = 0
+    in a group whose mean is <= 0 (as the reference implementations)."""
+    signed = [n for n, w in weights.items() if n in ("length", "rm") or w < 0]
+    if signed or overlong_penalty:
+        what = f"--rewards {','.join(signed)}" if signed else "--overlong_penalty"
+        raise C.UserError(f"{flag} (MaxRL) divides by each group's mean reward, a success rate; "
+                          f"{what} makes rewards negative, where its advantages would flip sign: "
+                          "give rewards in [0, 1], or another baseline")
+
+
 def _saved_args(resume_dir, algo):
     """The settings of the run in resume_dir, from its checkpoint's args.json."""
     ckpt = os.path.join(resume_dir, "checkpoint")

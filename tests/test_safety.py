@@ -1,11 +1,14 @@
 """Safety: no command deletes what it did not write; no flag combination trains backwards or to
 NaN without a word (MaxRL, GDPO); one-line refusals of flags no float can hold."""
 import os
+from types import SimpleNamespace
 
 import pytest
+import torch
 
 import common as C
 import grpo
+import reinforce
 from tools import smollm2
 
 from tests.helpers import FAST_GRPO, one_error_line, run_main
@@ -149,3 +152,72 @@ def test_build_models_replaces_only_a_bundled_models_folder(tmp_path):
         build_models.check_dest(str(tmp_path / "tiny-adder"))
     for name in ("tiny-adder", "tiny-adder-rm", "tiny-calc"):
         build_models.check_dest(os.path.join(os.path.dirname(C.__file__), "models", name))
+
+
+# ---- no flag combination trains backwards or to NaN without a word
+def naive_maxrl(rewards, G, eps=1e-4):
+    """MaxRL's advantage, one group at a time, with the guard of AllenAI's open-instruct and
+    Google's Tunix: A = (r - m) / (m + eps) for the group mean m > 0, else 0."""
+    out = []
+    for i in range(0, len(rewards), G):
+        group = [float(r) for r in rewards[i:i + G]]
+        m = sum(group) / G
+        out += [(r - m) / (m + eps) if m > 0 else 0.0 for r in group]
+    return torch.tensor(out)
+
+
+def test_maxrl_advantages_with_rewards_of_both_signs_and_partial_credit_match_a_naive_loop():
+    """grpo --scale_rewards mean and reinforce --baseline maxrl: non-0/1 rewards (0.5, 0.25,
+    2.5) and negative ones, groups whose mean is < 0, exactly 0 with mixed signs (unguarded:
+    +-1e4), and > 0 with a negative member. No advantage points against r - mean (the sign flip
+    the unguarded formula gave for a group mean < 0)."""
+    rewards = torch.tensor([1.0, 0.5, 0.25, 0.0,    # partial credit: mean 0.4375
+                            -1.0, -0.5, 0.0, -2.0,  # all <= 0: mean < 0, A = 0
+                            -1.0, 1.0, 0.0, 0.0,    # mean exactly 0, mixed signs: A = 0
+                            2.5, -0.5, 0.0, 1.0,    # mean 0.75 > 0 with a negative reward
+                            0.0, 0.0, 0.0, 0.0,     # no success: A = 0
+                            -0.1, 0.05, 0.0, 0.0])  # mean -0.0125: unguarded, A ~ -8 for 0.05
+    want = naive_maxrl(rewards, 4)
+    got = grpo.group_advantages(rewards, 4, "mean")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    centred = rewards - rewards.view(-1, 4).mean(1).repeat_interleave(4)
+    assert (got * centred >= 0).all() and got[4:12].eq(0).all() and got[16:].eq(0).all()
+    assert float(got.abs().max()) < 10  # no +-1e4 from a mean near 0
+    mask = torch.ones(len(rewards), 3)
+    mask[::3, 2] = 0  # ragged lengths: A on every real token, 0 on padding
+    args = SimpleNamespace(baseline="maxrl", samples_per_prompt=4, whiten=False)
+    adv = reinforce.advantages(reinforce.kl_returns(rewards, mask), mask, args)
+    torch.testing.assert_close(adv, want[:, None] * mask, rtol=1e-6, atol=1e-6)
+
+
+def test_gdpo_with_one_sample_per_prompt_gives_zero_as_trl_not_nan():
+    """C.normalize_then_sum with groups of one: each reward's group std is TRL's 0, so every
+    advantage is 0 (it was NaN, and the run stopped after 10 skipped updates); reinforce.py
+    refuses the flags at start, since nothing could be learned."""
+    parts = {"math": torch.tensor([1.0, 0.0, 1.0]), "format": torch.tensor([0.0, 1.0, 1.0])}
+    got = C.normalize_then_sum(parts, {"math": 1.0, "format": 0.5}, 1)
+    assert torch.equal(got, torch.zeros(3))
+
+
+@pytest.mark.parametrize("script,argv,message", [
+    (grpo, ["--scale_rewards", "mean", "--rewards", "math=1,length=1"],
+     "--scale_rewards mean (MaxRL) divides by each group's mean reward, a success rate; "
+     "--rewards length makes rewards negative"),
+    (grpo, ["--scale_rewards", "mean", "--rewards", "math=1,format=-0.5"], "--rewards format"),
+    (grpo, ["--scale_rewards", "mean", "--overlong_penalty", "1"], "--overlong_penalty makes"),
+    (grpo, ["--scale_rewards", "mean", "--rewards", "math,format", "--multi_objective_aggregation",
+            "normalize_then_sum"], "MaxRL would be ignored"),
+    (reinforce, ["--baseline", "maxrl", "--rewards", "length"], "--baseline maxrl (MaxRL)"),
+    (reinforce, ["--baseline", "maxrl", "--beta", "0.05"], "the KL penalty in the return"),
+    (reinforce, ["--baseline", "maxrl", "--rewards", "math,format",
+                 "--multi_objective_aggregation", "normalize_then_sum"], "GDPO's normalised"),
+    (reinforce, ["--samples_per_prompt", "1", "--rewards", "math,format",
+                 "--multi_objective_aggregation", "normalize_then_sum"],
+     "GDPO) needs --samples_per_prompt >= 2"),
+])
+def test_flag_combinations_that_would_train_backwards_are_refused_in_one_line(
+        script, argv, message, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, script, *argv, "--output_dir", tmp_path / "run", guard=True)
+    assert e.value.code == 2 and message in one_error_line(capsys)
+    assert not (tmp_path / "run").exists()

@@ -184,5 +184,9 @@ def test_gdpo_normalize_then_sum_equals_trls_in_grpo_and_reinforce():
         named = {f"r{j}": parts[:, j] for j in range(K)}
         got = C.normalize_then_sum(named, dict(zip(named, weights)), G)
         assert float((want - got).abs().max()) < 1e-5 * max(1.0, float(want.abs().max()))
+    # one sample per prompt: TRL's per-reward std is 0, so is every advantage (ours was NaN)
+    parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    got = C.normalize_then_sum({"a": parts[:, 0], "b": parts[:, 1]}, {"a": 1.0, "b": 0.5}, 1)
+    assert torch.equal(got, trl_normalize_then_sum(parts, [1.0, 0.5], 1))
     # reinforce.py's GDPO is the same function on the same parts (one copy, in common.py)
     assert reinforce.C.normalize_then_sum is grpo.C.normalize_then_sum
