@@ -184,6 +184,9 @@ def parse_args(args_cls, algo, doc=""):
     return args
 
 
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
+
+
 def arg(default, valid):
     """An Args field whose valid range is declared beside it, e.g. `lr: float = arg(1e-4, "> 0")`.
     valid: conditions, comma-separated ("> 0", ">= 0, <= 4 * cores"), or an interval ("(0, 1]");
@@ -222,6 +225,9 @@ def check_args(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise C.UserError(f"--{f.name} must be a finite number, not {value}")
+        if isinstance(value, float) and abs(value) > FP32_MAX:  # torch cannot pass it to a kernel
+            raise C.UserError(f"--{f.name} {value:g} is beyond float32's largest number "
+                              f"({FP32_MAX:.4g}), in which the losses are computed")
         if "valid" in f.metadata:
             check_range(f.name, value, f.metadata["valid"])
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun

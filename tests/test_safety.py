@@ -221,3 +221,15 @@ def test_flag_combinations_that_would_train_backwards_are_refused_in_one_line(
         run_main(monkeypatch, script, *argv, "--output_dir", tmp_path / "run", guard=True)
     assert e.value.code == 2 and message in one_error_line(capsys)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flag", ["--clip_eps", "--clip_eps_high", "--seq_clip_eps",
+                                  "--seq_clip_eps_high", "--tis_cap"])
+def test_a_float_flag_beyond_float32_is_one_line_not_a_traceback(flag, tmp_path, monkeypatch,
+                                                                 capsys):
+    """S14: 1e39 passed the ranges (> 0) and failed in torch.clamp ("cannot be converted to type
+    float without overflow"); every float flag is now checked against float32's largest."""
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, flag, "1e39", "--output_dir", tmp_path / "run", guard=True)
+    assert e.value.code == 2 and f"{flag} 1e+39 is beyond float32's largest number" in \
+        one_error_line(capsys)
