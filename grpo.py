@@ -34,6 +34,7 @@ Run:  python grpo.py                     # bundled tiny model and task, CPU, und
           --lr 1e-6 --micro_batch_size 16    # micro-batches change memory, not the gradient
 Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to about 0.99.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
 import time
 from dataclasses import dataclass, field

@@ -44,6 +44,7 @@ Run:  python ppo.py                      # bundled policy + reward model, 2-core
 Expect (bundled default): held-out greedy accuracy 0.292 -> 0.954, the RM score from 1.7 to 4.8
 (means over the first and the last 10 steps) with `gold` rising beside it, to 0.93.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import random
 import time
 from dataclasses import dataclass, field

@@ -46,6 +46,7 @@ Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-c
           --max_new_tokens 256 --baseline rloo --beta 0.05 --lr 1e-6 --compile
 Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.99 with rloo.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
 import time
 from dataclasses import dataclass, field

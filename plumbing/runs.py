@@ -51,7 +51,7 @@ except ImportError:  # optional: torch runs without it
 
 import common as C
 from common import first_line
-from plumbing import flags, loading
+from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
@@ -74,6 +74,8 @@ def main_guard(main):
     """Run main(). Bad input exits 2 with one line; out of memory exits 1 with what to change;
     anything else keeps its traceback. The last checkpoint and metrics stay intact either way."""
     STARTED["run"] = None
+    if signal.getsignal(signal.SIGINT) is ctrl_c.starting:  # from here Ctrl-C is handled below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             main()
