@@ -145,6 +145,7 @@ def parse_args(args_cls, algo, doc=""):
     pre.add_argument("--resume", default="")
     pre.add_argument("--env", default="")
     pre.add_argument("--data", default="")
+    pre.add_argument("--rewards", default=None)
     known = pre.parse_known_args()[0]
     resume = known.resume
     saved = _saved_args(resume, algo) if resume else {}
@@ -153,7 +154,10 @@ def parse_args(args_cls, algo, doc=""):
     names = {f.name for f in dataclasses.fields(args_cls)}
     if "env" in names:  # --env calc brings its own defaults (calc.preset); given flags still win
         parser.set_defaults(**calc.preset(known.env, algo))
-    parser.set_defaults(**chat_sums.preset(known.data, algo, names))  # --data chat-sums's own
+    preset = chat_sums.preset(known.data, algo, names)  # --data chat-sums's own defaults; your
+    if known.rewards is not None and "asked_answer" not in known.rewards:  # --rewards replace
+        preset.pop("reward_fn", None)  # its reward function (never blamed on a --reward_fn)
+    parser.set_defaults(**preset)
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
     for a in sys.argv[1:]:

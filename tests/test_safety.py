@@ -233,3 +233,52 @@ def test_a_float_flag_beyond_float32_is_one_line_not_a_traceback(flag, tmp_path,
         run_main(monkeypatch, grpo, flag, "1e39", "--output_dir", tmp_path / "run", guard=True)
     assert e.value.code == 2 and f"{flag} 1e+39 is beyond float32's largest number" in \
         one_error_line(capsys)
+
+
+# ---- run-keeping edge cases
+CTRL_C_AT_IMPORT = """
+import os, runpy, signal, sys
+class CtrlC:  # Ctrl-C arrives while {module} is being imported, wherever that falls in time
+    def find_spec(self, name, path, target=None):
+        if name == "{module}":
+            os.kill(os.getpid(), signal.SIGINT)
+sys.meta_path.insert(0, CtrlC())
+sys.path.insert(0, {root!r})
+sys.argv = [os.path.join({root!r}, "{script}"), "--output_dir", {out!r}]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("script,module,line", [
+    ("grpo.py", "torch", "interrupted while starting: nothing was written"),
+    ("sft.py", "transformers", "interrupted while starting: nothing was written")])
+def test_ctrl_c_in_the_first_seconds_is_one_line_not_a_traceback(script, module, line, tmp_path):
+    """S12: Ctrl-C while torch or transformers are imported (seconds on a busy laptop): one line,
+    exit 130 (once main() has begun, runs.main_guard says it: test_reliability)."""
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.abspath(C.__file__))
+    out = str(tmp_path / "run")
+    code = CTRL_C_AT_IMPORT.format(module=module, root=root, script=script, out=out)
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 130 and p.stderr.strip().splitlines() == [line], p.stderr[-600:]
+    assert not os.path.exists(out)
+
+
+def test_messages_name_what_the_user_gave(monkeypatch, tmp_path):
+    """S15: --data chat-sums --rewards math is the user's math reward, not an error blaming a
+    --reward_fn they never gave (the preset's reward applies only when --rewards is not given or
+    names it); --model FILE.gguf says how to convert it."""
+    import sys
+    from plumbing import flags, loading
+    for rewards, fns in (("math", []), ("math,asked_answer", ["plumbing.chat_sums:asked_answer"])):
+        monkeypatch.setattr(sys, "argv", ["grpo.py", "--data", "chat-sums", "--rewards", rewards])
+        args = flags.parse_args(grpo.Args, "grpo")
+        assert args.reward_fn == fns and args.max_new_tokens == 10  # the rest of the preset stays
+        weights = loading.parse_rewards(args.rewards, "", loading.load_reward_fns(args.reward_fn))
+        assert list(weights) == rewards.split(",")
+    gguf = tmp_path / "model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF")
+    for name in (str(gguf), "SmolLM2.gguf"):
+        with pytest.raises(C.UserError, match=r"is a GGUF file; .*python tools/smollm2.py"):
+            loading.load_model(name, "lm", torch.device("cpu"))
