@@ -120,6 +120,7 @@ class Args:
     # DeepSeek-V3.2: drop o_i if A_i < 0 and its mean log(pi_sampler / pi_theta) > this; 0: off
     off_policy_mask: float = arg(0.0, ">= 0")  # (TRL's example: 0.5) [off_policy_mask_threshold]
     unbiased_kl: bool = False  # beta's KL term times rho (DeepSeek-V3.2) [use_bias_correction_kl]
+    dppo_ratio_cap: float = arg(0.0, ">= 0")  # dppo: sg(rho_s) capped at C (DPPO authors 3); 0 off
     sampler_kl_coef: float = arg(0.0, ">= 0")  # kappa (log pi_theta/pi_sampler)^2 (prime-rl: 1e-3)
     multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
     # --- optimisation
@@ -210,7 +211,10 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
         moved = logprobs.exp() - sample_logprobs.exp()  # pi_theta - pi_sampler, the token's prob
         # M = 0 (no gradient) where it moved past delta in A's direction: up with A > 0, down A < 0
         is_clipped = ((adv > 0) & (moved > eps[1]) | (adv < 0) & (moved < -eps[0])).float()
-        loss = -(1 - is_clipped) * torch.exp(logprobs - sample_logprobs) * adv
+        rho_s = torch.exp(logprobs - sample_logprobs)  # its gradient rho_s grad log pi, with
+        if args.dppo_ratio_cap:  # the detached rho_s capped at C (the DPPO authors: 3; 0: off)
+            rho_s = rho_s * (rho_s.clamp(max=args.dppo_ratio_cap) / rho_s).detach()
+        loss = -(1 - is_clipped) * rho_s * adv
     else:  # VESPO: -sg(phi(w_i)) A log pi_theta, phi(w) = w^k exp(lambda (1 - w)), phi(1) = 1
         # log w_i = sum_t log rho_i,t (+ TIS's log weight, 0 when off), clamped as VESPO and TRL
         log_is = torch.log(torch.as_tensor(is_weight)).clamp(LOG_1E8, 20).sum(-1, keepdim=True)

@@ -410,7 +410,7 @@ def main():
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
-    if run.state:
+    if run.state and "critic" in run.state["extra"]:  # (not in a finished run's last one)
         critic.load_state_dict(run.state["extra"]["critic"])
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     value_model = R.wrap_model(ValueModel(critic), args.fsdp)  # the critic's forward, V (B, T)

@@ -304,7 +304,9 @@ def _load_state(folder, max_steps):
         raise C.UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
                           f"({state['step']}): a resumed run goes on from there; give "
                           f"--max_steps {state['step']} or more")
-    if "optimizer" not in state:  # a finished run's last checkpoint (see save_checkpoint)
+    finishing = state["step"] == max_steps and "extra" in state and not os.path.exists(
+        os.path.join(folder, "summary.json"))  # killed in its final eval: --resume finishes it
+    if "optimizer" not in state and not finishing:  # a finished run's last checkpoint
         raise C.UserError(f"{folder} is a finished run whose last checkpoint holds no optimizer "
                           "state (--save_optimizer keeps it): --resume cannot continue it exactly; "
                           f"train on in a new run with --model {folder}/checkpoint")
@@ -354,7 +356,9 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
             print(f"memory: AdamW's moments will add {8 * weights / 2**20:,.0f} MB from step 2")
         return 0, eval_before, {}
     s = run.state
-    if isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
+    if "optimizer" not in s:  # the last step's checkpoint: only the final eval is left to do
+        pass
+    elif isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
         set_optimizer_state_dict(torch.nn.ModuleList(trained), opt, s["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
     else:
@@ -515,10 +519,12 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
             if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
     if run.rank > 0:
         return
-    state = {"step": step, "nonfinite": run.nonfinite}  # _load_state refuses to resume from it
+    # the last one without AdamW (nor ppo's critic): --resume may only finish it (the final eval)
+    state = {"step": step, "nonfinite": run.nonfinite, "data_rng": rng.getstate(), "rngs": rngs,
+             "extra": {k: v for k, v in extra.items() if resumable or k != "critic"},
+             "wall_time_s": time.time() - run.t0}
     if resumable:
-        state.update(optimizer=opt_state, data_rng=rng.getstate(), rngs=rngs, extra=extra,
-                     wall_time_s=time.time() - run.t0)
+        state["optimizer"] = opt_state
     tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)

@@ -282,3 +282,49 @@ def test_messages_name_what_the_user_gave(monkeypatch, tmp_path):
     for name in (str(gguf), "SmolLM2.gguf"):
         with pytest.raises(C.UserError, match=r"is a GGUF file; .*python tools/smollm2.py"):
             loading.load_model(name, "lm", torch.device("cpu"))
+
+
+def test_a_run_killed_in_its_final_eval_is_finished_by_resume(tmp_path, monkeypatch, capsys):
+    """R9: killed after its last step's checkpoint, during the final held-out eval (no
+    summary.json): --resume runs only that eval and writes the summary an uninterrupted run
+    writes; once finished, --resume refuses again (no optimizer state to extend it)."""
+    import json
+    from plumbing import runs
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    argv = [*FAST_GRPO, "--max_steps", "2", "--save_every", "0"]
+    run_main(monkeypatch, grpo, *argv, "--output_dir", straight)
+    finish = runs.finish_run
+
+    def killed_in_final_eval(*a, **kw):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(runs, "finish_run", killed_in_final_eval)
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, *argv, "--output_dir", killed, guard=True)
+    assert not (killed / "summary.json").exists() and (killed / "checkpoint").exists()
+    monkeypatch.setattr(runs, "finish_run", finish)
+    run_main(monkeypatch, grpo, "--resume", killed)
+    want, got = (json.loads((d / "summary.json").read_text()) for d in (straight, killed))
+    assert got["evals"] == want["evals"] and got["steps"] == 2 and not got["interrupted"]
+    with pytest.raises(SystemExit):
+        run_main(monkeypatch, grpo, "--resume", killed, guard=True)
+    assert "holds no optimizer state" in one_error_line(capsys)
+
+
+def test_dppo_ratio_cap_caps_the_detached_ratio_as_the_dppo_authors():
+    """--dppo_ratio_cap C: the gradient -M min(rho_s, C) A grad log pi_theta, token by token, with
+    rho_s = pi_theta / pi_sampler; C = 0 leaves the uncapped -M rho_s A grad log pi."""
+    g = torch.Generator().manual_seed(0)
+    sample = -torch.rand(6, 5, generator=g) * 3
+    lp = (sample + torch.randn(6, 5, generator=g) * 1.5).requires_grad_()  # rho_s up to ~e^4
+    adv, mask = torch.randn(6, generator=g), torch.ones(6, 5)
+    for cap in (0.0, 3.0):
+        args = grpo.Args(policy_loss="dppo", beta=0.0, dppo_ratio_cap=cap, clip_eps=0.9,
+                         clip_eps_high=0.9)
+        loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, args, None, 1.0, sample)
+        (grad,) = torch.autograd.grad(loss.sum(), lp)
+        rho = (lp.detach() - sample).exp()
+        w = rho.clamp(max=cap) if cap else rho
+        keep = 1 - logs["clip_frac"]
+        torch.testing.assert_close(grad, -keep * w * adv[:, None])  # d(log pi)/d lp = 1
+        torch.testing.assert_close(loss.detach(), -keep * w * adv[:, None])
+        assert (rho > 3).any() and keep.sum() > 10  # the cap had tokens to act on
