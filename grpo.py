@@ -92,7 +92,7 @@ class Args:
     clip_eps: float = arg(0.2, "> 0")  # eps_low: the ratio is clipped below 1 - eps_low (PPO)
     clip_eps_high: float = arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
     num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
-    loss_agg: LossAgg = "token-mean"  # normaliser, see aggregate() (DAPO and TRL: token-mean)
+    loss_agg: LossAgg = "token-mean"  # see aggregate(): token-mean DAPO, TRL; seq-sum LUSPO
     scale_rewards: Literal["group", "batch", "none", "mean"] = "group"  # none: Dr.GRPO, mean: MaxRL
     mask_truncated: bool = False  # completions with no EOS carry no loss (DAPO overlong filtering)
     overlong_penalty: float = arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
@@ -117,8 +117,8 @@ class Args:
     vespo_lambda_pos: float = arg(3.0, ">= 1e-4")  # lambda for A >= 0 (TRL: 3; >= 1e-4 as TRL)
     vespo_k_neg: float = arg(3.0, ">= 0")  # k for A < 0 (TRL: 3)
     vespo_lambda_neg: float = arg(2.0, ">= 1e-4")  # lambda for A < 0 (TRL: 2)
-    # DeepSeek-V3.2: drop o_i if A_i < 0 and its mean log(pi_sampler / pi_theta) > this; 0: off
-    off_policy_mask: float = arg(0.0, ">= 0")  # (TRL's example: 0.5) [off_policy_mask_threshold]
+    # DeepSeek-V3.2: drop o_i if A_i < 0 and its mean log(pi_sampler / pi_theta) > this
+    off_policy_mask: float | None = arg(None, ">= 0")  # off (TRL: 0.5) [off_policy_mask_threshold]
     unbiased_kl: bool = False  # beta's KL term times rho (DeepSeek-V3.2) [use_bias_correction_kl]
     dppo_ratio_cap: float = arg(0.0, ">= 0")  # dppo: sg(rho_s) capped at C (DPPO authors 3); 0 off
     sampler_kl_coef: float = arg(0.0, ">= 0")  # kappa (log pi_theta/pi_sampler)^2 (prime-rl: 1e-3)
@@ -225,7 +225,7 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
         phi = torch.exp(lam + k * log_w - lam * log_w.exp())  # (B, 1), detached
         loss = -phi * adv * logprobs
         is_clipped, logs["vespo_phi"] = torch.zeros_like(logprobs), phi.expand_as(logprobs)
-    if args.off_policy_mask:  # DeepSeek-V3.2: o_i with A_i < 0 and a mean drift > delta: no loss
+    if args.off_policy_mask is not None:  # DeepSeek-V3.2: o_i with A_i < 0 and a drift > delta
         drift = (sample_logprobs - logprobs.detach()) * mask  # log pi_sampler - log pi_theta
         drift = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
         keep = ((adv >= 0) | (drift <= args.off_policy_mask)).float()

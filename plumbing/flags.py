@@ -232,7 +232,7 @@ def check_args(args):
         if isinstance(value, float) and abs(value) > FP32_MAX:  # torch cannot pass it to a kernel
             raise C.UserError(f"--{f.name} {value:g} is beyond float32's largest number "
                               f"({FP32_MAX:.4g}), in which the losses are computed")
-        if "valid" in f.metadata:
+        if "valid" in f.metadata and value is not None:  # None: a switch left off
             check_range(f.name, value, f.metadata["valid"])
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
     for name in ("prompts_per_step", "batch_size"):  # they count the whole step, all processes

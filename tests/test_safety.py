@@ -328,3 +328,24 @@ def test_dppo_ratio_cap_caps_the_detached_ratio_as_the_dppo_authors():
         torch.testing.assert_close(grad, -keep * w * adv[:, None])  # d(log pi)/d lp = 1
         torch.testing.assert_close(loss.detach(), -keep * w * adv[:, None])
         assert (rho > 3).any() and keep.sum() > 10  # the cap had tokens to act on
+
+
+def test_off_policy_mask_0_is_trls_threshold_0_and_luspo_is_in_help(capsys, monkeypatch):
+    """--off_policy_mask left out: off; 0: TRL's threshold 0, every negative sample that drifted
+    at all is dropped (0 meant "off" before). --help names LUSPO beside --loss_agg seq-sum."""
+    import sys
+    lp = torch.tensor([[-1.0, -1.0], [-1.0, -1.0], [-1.0, -1.0]])
+    sample = torch.tensor([[-0.9, -1.0], [-1.1, -1.0], [-0.9, -1.0]])  # drift +0.05, -0.05, +0.05
+    adv, mask = torch.tensor([-1.0, -1.0, 1.0]), torch.ones(3, 2)
+    dropped = {}
+    for delta in (None, 0.0, 0.1):
+        args = grpo.Args(beta=0.0, off_policy_mask=delta)
+        _, logs = grpo.per_token_loss(lp, lp, adv, mask, args, None, 1.0, sample)
+        dropped[delta] = logs.get("seq_masked", torch.zeros(3, 2))[:, 0].tolist()
+    assert dropped == {None: [0, 0, 0], 0.0: [1, 0, 0], 0.1: [0, 0, 0]}
+    monkeypatch.setattr(sys, "argv", ["grpo.py", "--help"])
+    from plumbing import flags
+    with pytest.raises(SystemExit):
+        flags.parse_args(grpo.Args, "grpo", grpo.__doc__)
+    text = " ".join(capsys.readouterr().out.split())
+    assert "seq-sum LUSPO" in text and "--off_policy_mask X off (TRL: 0.5)" in text
