@@ -65,6 +65,8 @@ NO_SIGNAL = {"frac_zero_std": "every group's rewards were equal, so every advant
              "frac_truncated": "every completion was cut before its end (no EOS) and is scored "
              "so: raise --max_new_tokens"}
 NO_SIGNAL_STEPS = 5
+# what gloo (and NCCL) raise in a collective when another process of the launch has exited
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash")
 RUN_FILES = ("run.lock", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
              "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
 
@@ -93,6 +95,9 @@ def main_guard(main):
         say_once(f"error: {e}")
         sys.exit(2)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
+        if PEER_GONE.search(str(e)):  # torchrun: another process failed (and said why) while
+            say_once("error: another process of this torchrun stopped: see its line")  # this
+            sys.exit(1)  # one waited for it in a collective; its traceback would bury that line
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise  # a CPU allocation that fails is a RuntimeError (DefaultCPUAllocator)
         say_once(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
