@@ -51,20 +51,18 @@ except ImportError:  # optional: torch runs without it
 
 import common as C
 from common import first_line
-from plumbing import loading
+from plumbing import flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
-# log_step warns when a step's whole batch gives no learning signal, several steps in a row
-NO_SIGNAL = {"frac_zero_std": "every group's rewards were equal, so every advantage is 0 and "
-             "nothing is learned: likely the reward cannot tell this model's completions apart "
-             "(does it read fields the rows have? is the task out of reach, or solved already?)",
-             "frac_truncated": "every completion was cut before its end (no EOS) and is scored "
-             "so: raise --max_new_tokens"}
-NO_SIGNAL_STEPS = 5
+# warn_if_stuck's levels: nearly every completion cut; KL to pi_ref (nats per token) that means the
+# policy has left its start (documented runs: under 0.5 on SmolLM2, docs/real_model.md, up to 1.5
+# on the bundled 1 M adder; a reward-hacked SmolLM2 run at the adder's lr: 4.4); clip_frac: most
+# tokens' ratio left the clip range in one step (bundled ppo: under 0.2)
+CUT, KL_BREAKING, CLIP_BREAKING = 0.9, 3.0, 0.5
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -139,6 +137,7 @@ class Run:
     nonfinite_in_row: int = 0
     saved_step: int = 0  # the step of the checkpoint on disk (0: none yet)
     warned: set = field(default_factory=set)  # kinds of skipped update already reported
+    streaks: set = field(default_factory=set)  # warn_if_stuck's kinds that held at the last step
     tracker: object = None  # --report_to: the experiment tracker's module or writer (rank 0)
 
 
@@ -433,16 +432,51 @@ def log_step(run, metrics, bar, samples, opt):
                     columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
             run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
-    for key, why in NO_SIGNAL.items():  # once a streak: on its NO_SIGNAL_STEPS-th step
-        last = [m.get(key) for m in run.history[-NO_SIGNAL_STEPS - 1:]]  # and the step before
-        streak = last[-NO_SIGNAL_STEPS:] == [1] * NO_SIGNAL_STEPS
-        if streak and (len(last) == NO_SIGNAL_STEPS or last[0] != 1):
-            tqdm.write(f"warning: {key} 1 in steps {step - NO_SIGNAL_STEPS + 1}-{step}: {why}")
     if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
         tqdm.write(f"note: step {step}: an observation was cut by --max_new_tokens (obs_truncated)")
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
         device = opt.param_groups[0]["params"][0].device
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
+
+
+def warn_if_stuck(run, metrics, roll, args):
+    """A run that cannot learn says so at once, one line a streak (a kind is said again only
+    after a step without it), in the log and in metrics (warning: the kinds, warnings: how many;
+    a tracker gets the count): nearly every completion cut by --max_new_tokens (with a value that
+    fits), and while the reward has not risen above step 1's, every group's rewards equal or one
+    reward for every completion (no advantage, nothing learned); at any step, KL to pi_ref or the
+    step's own clipping past a level that means the run is breaking. Call before log_step."""
+    kl_flag = "--kl_coef" if hasattr(args, "kl_coef") else "--beta"
+    first = run.history[0]["reward"] if run.history else metrics["reward"]
+    flat = metrics["reward"] <= first + 1e-6  # nothing gained since step 1 (solved groups: not)
+    ended = roll.completion_mask.sum(-1)[~roll.truncated]  # the lengths of completions that ended
+    fits = max(4 * args.max_new_tokens, 2 * int(ended.max()) if len(ended) else 0)
+    checks = {  # kind: (condition, the line)
+        "truncated": (metrics["frac_truncated"] >= CUT, f"{metrics['frac_truncated']:.0%} of "
+                      f"completions were cut by --max_new_tokens {args.max_new_tokens} (no EOS) "
+                      f"and score as cut: try --max_new_tokens {fits}, or ask for shorter "
+                      "answers (--system_prompt)"),
+        "constant_reward": (flat and metrics.get("reward_std", 1) < 1e-6, "every completion got "
+                            f"the same reward, {metrics['reward']:.3g}: nothing is learned; does "
+                            "your reward read fields the rows have, and can this model reach it?"),
+        "zero_std": (flat and metrics.get("frac_zero_std", 0) == 1 and
+                     metrics.get("reward_std", 1) >= 1e-6, "every group's rewards were equal, so "
+                     "every advantage is 0 and nothing is learned: the task is out of reach or "
+                     "solved already, or the reward cannot tell the completions apart"),
+        "kl": (metrics.get("kl", 0) > KL_BREAKING, f"kl {metrics.get('kl', 0):.3g} nats per token "
+               f"to the reference: the policy has left its start (reward hacking or collapse; "
+               f"read samples.jsonl): lower --lr {args.lr:g} or raise {kl_flag}"),
+        "clip": (metrics.get("clip_frac", 0) > CLIP_BREAKING, f"clip_frac "
+                 f"{metrics.get('clip_frac', 0):.2f}: most tokens' ratio left the clip range "
+                 f"within one step, the updates are too large: lower --lr {args.lr:g}")}
+    said = []
+    for kind, (bad, line) in checks.items():
+        if bad and kind not in run.streaks and run.rank == 0:
+            tqdm.write(f"warning: step {metrics['step']}: {line}")
+            said.append(kind)
+        (run.streaks.add if bad else run.streaks.discard)(kind)
+    if said:  # only then: a run without warnings logs the same keys as before
+        metrics.update(warning=",".join(said), warnings=len(said))
 
 
 def tool_metrics(roll, env):
@@ -746,7 +780,8 @@ def finish_run(run, metric, eval_before, evaluate, charts=("reward", "gold", "kl
                "evals": {"before": eval_before, "after": eval_after},
                "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
                "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
-               "interrupted": stopped, "tokens_per_s": round(tokens_per_s, 1)}
+               "interrupted": stopped, "tokens_per_s": round(tokens_per_s, 1),
+               "model_defaults": flags.MODEL_DEFAULTS}
     with open(os.path.join(run.dir, "summary.json"), "w") as f:
         json.dump(_json_safe(summary), f, indent=2)
     run.metrics.close()
