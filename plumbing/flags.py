@@ -219,14 +219,14 @@ def parse_args(args_cls, algo, doc=""):
         rows = math.prod(getattr(args, n) for n in ("prompts_per_step", "group_size",
                                                     "samples_per_prompt", "batch_size")
                          if hasattr(args, n))  # the step's rows: 16 must divide them
-        args.micro_batch_size = real["micro_batch_size"] = math.gcd(real["micro_batch_size"], rows)
+        real["micro_batch_size"] = math.gcd(real["micro_batch_size"], rows)
+        args.micro_batch_size = real["micro_batch_size"]
     MODEL_DEFAULTS.clear()
     MODEL_DEFAULTS.update({k: getattr(args, k) for k, v in real.items()
                            if k not in given and k not in task and k not in saved})
     if MODEL_DEFAULTS and os.environ.get("RANK", "0") == "0":
         shown = " ".join(f"--{k} {v}" for k, v in MODEL_DEFAULTS.items())
-        print(f"defaults for a pretrained model (flags you give win; plumbing/flags.py REAL_MODEL): "
-              f"{shown}")
+        print(f"defaults for a pretrained model (flags you give win; flags.REAL_MODEL): {shown}")
     return args
 
 

@@ -129,6 +129,24 @@ def test_readme_installs_first_and_its_test_command_is_the_one_ci_runs():
     assert tests.replace("python ", "python3 ", 1) in ci
     assert any("pip install" in line and line.endswith(install[len("pip install"):])
                for line in ci), (install, ci)
+    # the docs' fast claims first: a stale count fails CI, not a student's run of the suite
+    fast = "python3 tools/check_docs.py --fast"
+    assert fast in ci and ci.index(fast) < ci.index(tests.replace("python ", "python3 ", 1))
+
+
+def test_check_docs_fast_runs_no_training(monkeypatch, capsys):
+    """tools/check_docs.py --fast (.ci/run): its claims' commands train nothing (counts, line
+    costs, python -c on the project's constants), it covers the step costs, the real-model page
+    and the memory and reliability pages."""
+    fast = [c for c in check_docs.CLAIMS if "fast" in c[5]]
+    assert {"README.md", "docs/real_model.md", "docs/memory.md", "docs/reliability.md"} <= {
+        c[0] for c in fast}
+    for command in {c[2] for c in fast}:
+        assert not re.search(r"python (grpo|ppo|reinforce|sft|dpo|reward_model)\.py", command)
+    monkeypatch.setattr(sys, "argv", ["check_docs.py", "--fast", "--list"])
+    check_docs.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"{len(fast)} claims") and "MISSING" not in "".join(out)
 
 
 def anchor(heading):
