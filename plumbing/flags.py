@@ -85,16 +85,20 @@ def help_text(args_cls, algo, doc):
 # defaults replace the bundled 1 M adder's; explicit flags, --data chat-sums's preset, --env calc's
 # and a resumed run's settings still win. Each value, and where it comes from:
 REAL_MODEL = {
-    # TRL 1.16 GRPOConfig samples up to 512 (max_completion_length), earlier TRL 256: room for a
-    # sentence or a short derivation; rows that end sooner cost only their length
-    "max_new_tokens": 256,
+    # room for a few sentences (TRL: 256, 512 in 1.16's GRPOConfig, for reasoning on a GPU): a
+    # step samples until its longest row ends, so on a CPU one rambling row of 256 tokens made a
+    # step of SmolLM2-135M 3-4x longer than its 18-token mean needs; a cap that cuts nearly
+    # every answer is a warning at step 1 that names the value that fits (runs.warn_if_stuck)
+    "max_new_tokens": 128,
     # measured on SmolLM2-135M-Instruct, chat-sums (docs/real_model.md): 1e-5 and 2e-5 reach the
     # same held-out score in 16 steps, 5e-5 overshoots, 1e-4 (the adder's) hacked a reward; TRL's
     # 1e-6 (DeepSeekMath's) is for hundreds of steps on larger models
     "lr": 1e-5,
     "temperature": 0.7,  # measured there: mixed rewards within groups (TRL's PPO/RLOO used 0.7)
     "beta": 0.0,  # TRL 1.16 GRPOConfig, DAPO, Dr. GRPO: no reference model to hold and run
-    "micro_batch_size": 16,  # the README's GPU line: 16 rows of 256 tokens per forward
+    # rows per forward: memory, not the gradient; 16 rows of 256 tokens peaked at 11.6 GB on
+    # SmolLM2-135M (CPU, fp32), 8 fits a laptop (the README's GPU line uses 16)
+    "micro_batch_size": 8,
     "eval_size": 128,  # docs/real_model.md: a standard error of 0.04 at 0.43, 128 greedy answers
 }
 REAL_MODEL_ALGO = {

@@ -443,12 +443,15 @@ def warn_if_stuck(run, metrics, roll, args):
     """A run that cannot learn says so at once, one line a streak (a kind is said again only
     after a step without it), in the log and in metrics (warning: the kinds, warnings: how many;
     a tracker gets the count): nearly every completion cut by --max_new_tokens (with a value that
-    fits), and while the reward has not risen above step 1's, every group's rewards equal or one
-    reward for every completion (no advantage, nothing learned); at any step, KL to pi_ref or the
+    fits), and while the reward has not risen above step 1's, every group's rewards equal, one
+    reward for every completion (no advantage, nothing learned) or, of several rewards, one that
+    gave every completion 0 (the others teach what they pay for); at any step, KL to pi_ref or the
     step's own clipping past a level that means the run is breaking. Call before log_step."""
     kl_flag = "--kl_coef" if hasattr(args, "kl_coef") else "--beta"
     first = run.history[0]["reward"] if run.history else metrics["reward"]
     flat = metrics["reward"] <= first + 1e-6  # nothing gained since step 1 (solved groups: not)
+    parts = [k for k in metrics if k.startswith("reward/")]  # several rewards: one that is 0
+    zero = [k for k in parts if metrics[k] == 0]  # for every completion teaches nothing
     ended = roll.completion_mask.sum(-1)[~roll.truncated]  # the lengths of completions that ended
     fits = max(4 * args.max_new_tokens, 2 * int(ended.max()) if len(ended) else 0)
     checks = {  # kind: (condition, the line)
@@ -463,6 +466,10 @@ def warn_if_stuck(run, metrics, roll, args):
                      metrics.get("reward_std", 1) >= 1e-6, "every group's rewards were equal, so "
                      "every advantage is 0 and nothing is learned: the task is out of reach or "
                      "solved already, or the reward cannot tell the completions apart"),
+        "zero_part": (flat and len(parts) > 1 and bool(zero), f"{', '.join(zero)} gave every "
+                      f"completion 0: only {', '.join(k for k in parts if k not in zero)} "
+                      "teach(es), and the model learns what they pay for, not this; can it be "
+                      "earned from here (read samples.jsonl; a --system_prompt)?"),
         "kl": (metrics.get("kl", 0) > KL_BREAKING, f"kl {metrics.get('kl', 0):.3g} nats per token "
                f"to the reference: the policy has left its start (reward hacking or collapse; "
                f"read samples.jsonl): lower --lr {args.lr:g} or raise {kl_flag}"),
@@ -726,18 +733,40 @@ def spark(values, width=60):
     return f"{line}  [{lo:.3g} .. {hi:.3g}]"
 
 
-def _plot(run, keys):
-    """curves.png of the given metrics; returns why not when matplotlib is missing."""
+def curve_panels(history, eval_points):
+    """curves.png's panels, [(title, steps, values)]: what a user looks at first. The held-out
+    score (eval_points: [(step, score)], before, during, after), the reward, each reward
+    component when there are several, gold, entropy, and kl only when it was computed (beta 0
+    logs kl 0: no panel)."""
+    logged = list(dict.fromkeys(k for m in history for k in m))
+    parts = [k for k in logged if k.startswith("reward/")]
+    keys = ["reward"] + (parts if len(parts) > 1 else []) + ["gold", "entropy"]
+    keys = [k for k in keys if k in logged] + (["kl"] if any(m.get("kl") for m in history) else [])
+    panels = [("held-out eval", *map(list, zip(*eval_points)))] if eval_points else []
+    return panels + [(k, [m["step"] for m in history if k in m], [m[k] for m in history if k in m])
+                     for k in keys]
+
+
+def _plot(run, eval_points):
+    """curves.png of curve_panels; returns what it wrote, or why not (no matplotlib, no steps)."""
     try:
         import matplotlib
     except ImportError:
         return "no curves.png: pip install matplotlib for it"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
-    for ax, k in zip(axes[0], keys):
-        ax.plot([m["step"] for m in run.history if k in m], [m[k] for m in run.history if k in m])
-        ax.set_title(k)
+    panels = curve_panels(run.history, eval_points)
+    if not panels:
+        return "no curves.png: no steps were logged"
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (title, xs, ys) in zip(axes.flat, panels):
+        ax.plot(xs, ys, marker="." if len(xs) < 20 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(os.path.join(run.dir, "curves.png"))
     plt.close(fig)
@@ -798,7 +827,10 @@ def finish_run(run, metric, eval_before, evaluate, charts=("reward", "gold", "kl
     keys = [k for k in charts if any(k in m for m in run.history)]
     for key in keys:
         print(f"{key:>8} {spark([m[key] for m in run.history if key in m])}")
-    plot = _plot(run, keys) if keys else "no curves.png: no steps were logged"
+    last = run.history[-1]["step"] if run.history else 0
+    evals = [(0, eval_before["eval"])] + [(m["step"], m["eval"]) for m in run.history
+                                          if "eval" in m] + [(last, eval_after["eval"])]
+    plot = _plot(run, [(x, y) for x, y in evals if math.isfinite(y)] if run.history else [])
     print(f"wall time {summary['wall_time_s']:.0f} s, peak memory {summary['peak_mem_mb']:.0f} MB")
     print(f"wrote {run.dir}/: metrics.jsonl, samples.jsonl, summary.json, checkpoint/, {plot}")
     if stopped:

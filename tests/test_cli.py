@@ -243,6 +243,9 @@ class RunsCommand:
 
 
 BAD = [(["--model", "/no/such/folder"], "no such local folder"),
+       # a mistyped local folder (models/ is a folder here): never tried on the hub
+       (["--model", "models/tiny-addr"], "no such local folder (did you mean models/tiny-adder?)"),
+       (["--model", "./tiny-adder"], "'./tiny-adder': no such local folder, and not a hub id"),
        (["--model", "nobody-here/no-such-model"], "could not be loaded"),
        (["--model", loading.DEFAULT_REWARD_MODEL], "no causal-LM head"),
        (["--model", "{d}/nopad"], "neither a pad nor an eos token"),

@@ -134,6 +134,24 @@ def test_readme_installs_first_and_its_test_command_is_the_one_ci_runs():
     assert fast in ci and ci.index(fast) < ci.index(tests.replace("python ", "python3 ", 1))
 
 
+def test_the_docs_user_files_define_what_their_commands_name(tmp_path):
+    """The user's files the docs show (README's my_rewards.py, docs/tool_use.md's my_tools.py)
+    define every function their commands name: cut out of the docs, they load as printed."""
+    from plumbing import envs, loading
+    for doc, name, loader in (("README.md", "my_rewards.py", None),
+                              ("docs/tool_use.md", "my_tools.py", envs.load_tools)):
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        code = re.search(rf"```python\n# {name}\n(.*?)```", text, re.S).group(1)
+        (tmp_path / name).write_text(code)
+        for spec in set(re.findall(rf"{name}:([\w,]+)", text)):
+            path = f"{tmp_path / name}:{spec}"
+            if loader:
+                assert sorted(loader(path)[0]) == sorted(spec.split(",")), (doc, spec)
+            else:  # --reward_fn FILE:NAME,FILE:NAME: one each
+                fn = spec.split(",")[0]
+                assert callable(loading.load_reward_fns([f"{tmp_path / name}:{fn}"])[fn])
+
+
 def test_check_docs_fast_runs_no_training(monkeypatch, capsys):
     """tools/check_docs.py --fast (.ci/run): its claims' commands train nothing (counts, line
     costs, python -c on the project's constants), it covers the step costs, the real-model page

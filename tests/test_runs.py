@@ -88,6 +88,10 @@ def test_a_run_that_cannot_learn_says_so_at_step_one_once_a_streak(capsys):
     assert said == ["warning: step 3: every group's rewards were equal, so every advantage is 0 "
                     "and nothing is learned: the task is out of reach or solved already, or the "
                     "reward cannot tell the completions apart"]
+    m, said = step(4, **{"reward/exact": 0.0, "reward/mentions": 0.1})  # partial credit only
+    assert said == ["warning: step 4: reward/exact gave every completion 0: only reward/mentions "
+                    "teach(es), and the model learns what they pay for, not this; can it be "
+                    "earned from here (read samples.jsonl; a --system_prompt)?"]
     m, said = step(4, reward=0.9, frac_zero_std=1.0, reward_std=0.0)  # risen: solved groups
     m, said = step(5, reward=0.9, kl=4.4)
     assert said == ["warning: step 5: kl 4.4 nats per token to the reference: the policy has "
@@ -99,6 +103,20 @@ def test_a_run_that_cannot_learn_says_so_at_step_one_once_a_streak(capsys):
     args.kl_coef = 0.05  # ppo names its own flag
     m, said = step(7, kl=5.0)
     assert said and said[0].endswith("raise --kl_coef") and m["warning"] == "kl"
+
+
+def test_curves_show_the_held_out_score_entropy_each_reward_and_kl_only_when_computed():
+    """curves.png's panels: held-out eval (before, during, after), reward, each component when
+    there are several, gold, entropy; kl only when some step computed it (beta 0 logs 0)."""
+    history = [{"step": s, "reward": 0.5, "reward/math": 0.4, "reward/short": 0.1, "gold": 0.4,
+                "entropy": 0.3, "kl": 0.0, **({"eval": 0.6} if s == 2 else {})} for s in (1, 2, 3)]
+    panels = runs.curve_panels(history, [(0, 0.3), (2, 0.6), (3, 0.9)])
+    assert [p[0] for p in panels] == ["held-out eval", "reward", "reward/math", "reward/short",
+                                      "gold", "entropy"]
+    assert panels[0][1:] == ([0, 2, 3], [0.3, 0.6, 0.9])
+    history[1]["kl"] = 0.02
+    del history[0]["reward/short"], history[1]["reward/short"], history[2]["reward/short"]
+    assert [p[0] for p in runs.curve_panels(history, [])] == ["reward", "gold", "entropy", "kl"]
 
 
 # ---- runs.py: --report_to, the experiment trackers
@@ -146,12 +164,12 @@ def test_report_to_tensorboard_writes_what_its_own_reader_reads_back(monkeypatch
     metrics = read_metrics(out)
     events = EventAccumulator(str(out / "tensorboard"))
     events.Reload()
-    keys = {k for k, v in metrics[0].items() if isinstance(v, (int, float)) and k != "step"}
+    keys = {k for m in metrics for k, v in m.items() if isinstance(v, (int, float)) and k != "step"}
     assert set(events.Tags()["scalars"]) == keys
-    for key in keys:
-        assert [e.step for e in events.Scalars(key)] == [1, 2], key
+    for key in keys:  # every step's, and a step's warnings count (runs.warn_if_stuck) at its step
+        assert [e.step for e in events.Scalars(key)] == [m["step"] for m in metrics if key in m]
         assert [e.value for e in events.Scalars(key)] == pytest.approx(
-            [m[key] for m in metrics], rel=1e-6, abs=1e-12), key
+            [m[key] for m in metrics if key in m], rel=1e-6, abs=1e-12), key
     [text] = events.Tags()["tensors"]  # add_text: the first step's samples, as JSON
     [sample] = events.Tensors(text)
     logged = json.loads(sample.tensor_proto.string_val[0])
