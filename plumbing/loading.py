@@ -50,7 +50,7 @@ def _check_source(name):
     if os.path.isdir(name):
         return
     head = name.split("/")[0]
-    path_like = (name.startswith((".", "/", "~")) or os.sep in name or "\\" in name
+    path_like = (name.startswith((".", "/", "~")) or "\\" in name
                  or "/" in name and os.path.isdir(head))
     if path_like or not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name):
         near = os.path.dirname(os.path.expanduser(name)) or "."
