@@ -107,9 +107,11 @@ REAL_MODEL_ALGO = {
     # verl's critic lr; one epoch of 2 minibatches (OpenRLHF, verl), 32 prompts (docs/real_model.md)
     "ppo": {"critic_init": "policy", "critic_lr": 1e-5, "ppo_epochs": 1, "num_minibatches": 2,
             "batch_size": 32},
-    "sft": {"lr": 2e-5},  # TRL 1.16 SFTConfig's learning_rate
-    "dpo": {"lr": 1e-6},  # TRL 1.16 DPOConfig's learning_rate (the DPO paper: 5e-7)
+    # sft, dpo: the lr (TRL 1.16 SFTConfig's and DPOConfig's learning_rate; the DPO paper 5e-7),
+    # and from above the micro-batch, the held-out size and the greedy answers' length
+    "sft": {"lr": 2e-5}, "dpo": {"lr": 1e-6},
 }
+RL = ("grpo", "reinforce", "ppo")  # REAL_MODEL's sampling and KL defaults: the RL scripts only
 MODEL_DEFAULTS = {}  # the REAL_MODEL values this run took (summary.json: model_defaults)
 
 
@@ -133,7 +135,9 @@ def real_model_preset(model, algo, names):
     flags (names) only; {} for the bundled models and toys."""
     if not model or _small_model(model) or algo not in REAL_MODEL_ALGO:
         return {}
-    return {k: v for k, v in {**REAL_MODEL, **REAL_MODEL_ALGO[algo]}.items() if k in names}
+    common = {k: v for k, v in REAL_MODEL.items()  # dpo's beta is another beta
+              if algo in RL or k in ("micro_batch_size", "eval_size", "max_new_tokens")}
+    return {k: v for k, v in {**common, **REAL_MODEL_ALGO[algo]}.items() if k in names}
 
 
 PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env", "tools")
