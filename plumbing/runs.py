@@ -137,7 +137,6 @@ class Run:
     nonfinite_in_row: int = 0
     saved_step: int = 0  # the step of the checkpoint on disk (0: none yet)
     warned: set = field(default_factory=set)  # kinds of skipped update already reported
-    streaks: set = field(default_factory=set)  # warn_if_stuck's kinds that held at the last step
     tracker: object = None  # --report_to: the experiment tracker's module or writer (rank 0)
 
 
@@ -439,49 +438,54 @@ def log_step(run, metrics, bar, samples, opt):
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
+def stuck(m, first):
+    """The kinds of warn_if_stuck that hold for the metrics line m (first: step 1's reward)."""
+    flat = m["reward"] <= first + 1e-6  # nothing gained since step 1 (solved groups: not)
+    parts = [k for k in m if k.startswith("reward/")]
+    return {"truncated": m.get("frac_truncated", 0) >= CUT,
+            "constant_reward": flat and m.get("reward_std", 1) < 1e-6,
+            "zero_std": flat and m.get("frac_zero_std", 0) == 1 and m.get("reward_std", 1) >= 1e-6,
+            "zero_part": flat and len(parts) > 1 and any(m[k] == 0 for k in parts),
+            "kl": m.get("kl", 0) > KL_BREAKING, "clip": m.get("clip_frac", 0) > CLIP_BREAKING}
+
+
 def warn_if_stuck(run, metrics, roll, args):
-    """A run that cannot learn says so at once, one line a streak (a kind is said again only
-    after a step without it), in the log and in metrics (warning: the kinds, warnings: how many;
-    a tracker gets the count): nearly every completion cut by --max_new_tokens (with a value that
-    fits), and while the reward has not risen above step 1's, every group's rewards equal, one
-    reward for every completion (no advantage, nothing learned) or, of several rewards, one that
-    gave every completion 0 (the others teach what they pay for); at any step, KL to pi_ref or the
-    step's own clipping past a level that means the run is breaking. Call before log_step."""
-    kl_flag = "--kl_coef" if hasattr(args, "kl_coef") else "--beta"
+    """A run that cannot learn says so at once, one line a streak (a kind is said when it holds
+    and did not at the step before, a resumed run's too), in the log and in metrics (warning: the
+    kinds, warnings: how many; a tracker gets the count): nearly every completion cut by
+    --max_new_tokens (with a value that fits), and while the reward has not risen above step 1's,
+    every group's rewards equal, one reward for every completion (no advantage, nothing learned)
+    or, of several rewards, one that gave every completion 0 (the others teach what they pay
+    for); at any step, KL to pi_ref or the step's own clipping past a level that means the run is
+    breaking. Call before log_step."""
     first = run.history[0]["reward"] if run.history else metrics["reward"]
-    flat = metrics["reward"] <= first + 1e-6  # nothing gained since step 1 (solved groups: not)
-    parts = [k for k in metrics if k.startswith("reward/")]  # several rewards: one that is 0
-    zero = [k for k in parts if metrics[k] == 0]  # for every completion teaches nothing
+    now, before = stuck(metrics, first), stuck(run.history[-1], first) if run.history else {}
+    parts = [k for k in metrics if k.startswith("reward/")]
+    zero = [k for k in parts if metrics[k] == 0]  # a reward that pays no completion
     ended = roll.completion_mask.sum(-1)[~roll.truncated]  # the lengths of completions that ended
     fits = max(4 * args.max_new_tokens, 2 * int(ended.max()) if len(ended) else 0)
-    checks = {  # kind: (condition, the line)
-        "truncated": (metrics["frac_truncated"] >= CUT, f"{metrics['frac_truncated']:.0%} of "
-                      f"completions were cut by --max_new_tokens {args.max_new_tokens} (no EOS) "
-                      f"and score as cut: try --max_new_tokens {fits}, or ask for shorter "
-                      "answers (--system_prompt)"),
-        "constant_reward": (flat and metrics.get("reward_std", 1) < 1e-6, "every completion got "
-                            f"the same reward, {metrics['reward']:.3g}: nothing is learned; does "
-                            "your reward read fields the rows have, and can this model reach it?"),
-        "zero_std": (flat and metrics.get("frac_zero_std", 0) == 1 and
-                     metrics.get("reward_std", 1) >= 1e-6, "every group's rewards were equal, so "
-                     "every advantage is 0 and nothing is learned: the task is out of reach or "
-                     "solved already, or the reward cannot tell the completions apart"),
-        "zero_part": (flat and len(parts) > 1 and bool(zero), f"{', '.join(zero)} gave every "
-                      f"completion 0: only {', '.join(k for k in parts if k not in zero)} "
-                      "teach(es), and the model learns what they pay for, not this; can it be "
-                      "earned from here (read samples.jsonl; a --system_prompt)?"),
-        "kl": (metrics.get("kl", 0) > KL_BREAKING, f"kl {metrics.get('kl', 0):.3g} nats per token "
-               f"to the reference: the policy has left its start (reward hacking or collapse; "
-               f"read samples.jsonl): lower --lr {args.lr:g} or raise {kl_flag}"),
-        "clip": (metrics.get("clip_frac", 0) > CLIP_BREAKING, f"clip_frac "
-                 f"{metrics.get('clip_frac', 0):.2f}: most tokens' ratio left the clip range "
-                 f"within one step, the updates are too large: lower --lr {args.lr:g}")}
-    said = []
-    for kind, (bad, line) in checks.items():
-        if bad and kind not in run.streaks and run.rank == 0:
-            tqdm.write(f"warning: step {metrics['step']}: {line}")
-            said.append(kind)
-        (run.streaks.add if bad else run.streaks.discard)(kind)
+    lines = {
+        "truncated": f"{metrics['frac_truncated']:.0%} of completions were cut by --max_new_tokens "
+                     f"{args.max_new_tokens} (no EOS) and score as cut: try --max_new_tokens "
+                     f"{fits}, or ask for shorter answers (--system_prompt)",
+        "constant_reward": f"every completion got the same reward, {metrics['reward']:.3g}: "
+                           "nothing is learned; does your reward read fields the rows have, and "
+                           "can this model reach it?",
+        "zero_std": "every group's rewards were equal, so every advantage is 0 and nothing is "
+                    "learned: the task is out of reach or solved already, or the reward cannot "
+                    "tell the completions apart",
+        "zero_part": f"{', '.join(zero)} gave every completion 0: only "
+                     f"{', '.join(k for k in parts if k not in zero)} teach(es), and the model "
+                     "learns what they pay for, not this; can it be earned from here (read "
+                     "samples.jsonl; a --system_prompt)?",
+        "kl": f"kl {metrics.get('kl', 0):.3g} nats per token to the reference: the policy has "
+              "left its start (reward hacking or collapse; read samples.jsonl): lower --lr "
+              f"{args.lr:g} or raise {'--kl_coef' if hasattr(args, 'kl_coef') else '--beta'}",
+        "clip": f"clip_frac {metrics.get('clip_frac', 0):.2f}: most tokens' ratio left the clip "
+                f"range within one step, the updates are too large: lower --lr {args.lr:g}"}
+    said = [kind for kind, bad in now.items() if bad and not before.get(kind)]
+    for kind in said if run.rank == 0 else []:
+        tqdm.write(f"warning: step {metrics['step']}: {lines[kind]}")
     if said:  # only then: a run without warnings logs the same keys as before
         metrics.update(warning=",".join(said), warnings=len(said))
 
