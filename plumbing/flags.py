@@ -91,8 +91,8 @@ REAL_MODEL = {
     # every answer is a warning at step 1 that names the value that fits (runs.warn_if_stuck)
     "max_new_tokens": 128,
     # measured on SmolLM2-135M-Instruct, chat-sums (docs/real_model.md): 1e-5 and 2e-5 reach the
-    # same held-out score in 16 steps, 5e-5 overshoots, 1e-4 (the adder's) hacked a reward; TRL's
-    # 1e-6 (DeepSeekMath's) is for hundreds of steps on larger models
+    # same held-out score in 16 steps, 5e-5 overshoots (1e-4 is the 1 M adder's); TRL's 1e-6
+    # (DeepSeekMath's) is for hundreds of steps on larger models
     "lr": 1e-5,
     "temperature": 0.7,  # measured there: mixed rewards within groups (TRL's PPO/RLOO used 0.7)
     "beta": 0.0,  # TRL 1.16 GRPOConfig, DAPO, Dr. GRPO: no reference model to hold and run
@@ -226,7 +226,7 @@ def parse_args(args_cls, algo, doc=""):
     if "micro_batch_size" in real and "micro_batch_size" not in given | set(task) | set(saved):
         rows = math.prod(getattr(args, n) for n in ("prompts_per_step", "group_size",
                                                     "samples_per_prompt", "batch_size")
-                         if hasattr(args, n))  # the step's rows: 16 must divide them
+                         if hasattr(args, n))  # the step's rows: the micro-batch divides them
         real["micro_batch_size"] = math.gcd(real["micro_batch_size"], rows)
         args.micro_batch_size = real["micro_batch_size"]
     MODEL_DEFAULTS.clear()
