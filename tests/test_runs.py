@@ -105,6 +105,18 @@ def test_a_run_that_cannot_learn_says_so_at_step_one_once_a_streak(capsys):
     assert said and said[0].endswith("raise --kl_coef") and m["warning"] == "kl"
 
 
+@pytest.mark.parametrize("script", ["grpo", "reinforce", "ppo"])
+def test_the_bundled_defaults_warn_of_nothing(script, tmp_path, monkeypatch, capsys):
+    """The bundled task with each RL script's defaults learns, so warn_if_stuck says nothing
+    (their first 10 steps here; the full documented runs were checked too: grpo's kl peaks at 1.5
+    nats, ppo's clip_frac at 0.18)."""
+    module = __import__(script)
+    run_main(monkeypatch, module, "--max_steps", "10", "--eval_every", "0", "--eval_size", "20",
+             "--save_every", "0", "--output_dir", tmp_path / script)
+    assert not any("warning" in m for m in read_metrics(tmp_path / script))
+    assert "warning: step" not in capsys.readouterr().out
+
+
 def test_curves_show_the_held_out_score_entropy_each_reward_and_kl_only_when_computed():
     """curves.png's panels: held-out eval (before, during, after), reward, each component when
     there are several, gold, entropy; kl only when some step computed it (beta 0 logs 0)."""
