@@ -55,8 +55,9 @@ def help_text(args_cls, algo, doc):
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     out = [f"usage: python {algo}.py [--flag VALUE ...]", "", doc.split("\n\n")[0]]
     if algo in REAL_MODEL_ALGO:  # the defaults below are the bundled model's
-        out += ["", "The defaults shown are the bundled tiny model's; a pretrained --model takes "
-                "plumbing/flags.py's", "REAL_MODEL instead (printed at the start; docs/real_model.md)."]
+        out += ["", "The defaults shown are the bundled tiny model's; a pretrained --model "
+                "takes plumbing/flags.py's", "REAL_MODEL instead (printed at the start; "
+                "docs/real_model.md)."]
     for line in inspect.getsource(args_cls).splitlines():
         title = re.match(r"    # --- (.+)", line)
         flag = re.match(r"    (\w+): .*?(?:  # (.+))?$", line)
