@@ -20,7 +20,7 @@ is and is not contained, each line tested). Each call runs a fresh interpreter u
   cannot mount, remount or unmount anything; it dies with the run (--die-with-parent);
 - limits: `timeout` seconds of wall clock (default 5; CPU time too), `memory_mb` (default 512) of
   address space per process and of resident memory for the whole call, `processes` (default 16)
-  in the whole call (the last two checked every 20 ms: the call is stopped, not the host), 16 MB
+  in the whole call (the last two checked every 10 ms: the call is stopped, not the host), 16 MB
   a file, 64 open files, output cut to `output_chars` (default 2,000) characters; at most
   MAX_CALLS calls at once (a call waits for a slot; under minrl's envs the wait does not count
   against --env_timeout).
@@ -55,8 +55,8 @@ except ImportError:
 
 
 def sandbox():
-    """The bwrap command line that runs this interpreter as the module docstring says, checked
-    by running it once; or None where bwrap is missing or cannot start and MINRL_UNSAFE_TOOLS=1
+    """The bwrap command line (up to the command it runs) that builds the sandbox of the module
+    docstring for this interpreter, checked by running it once; or None where bwrap is missing or cannot start and MINRL_UNSAFE_TOOLS=1
     (said once). Anything else is refused: RuntimeError, one line naming the fix."""
     bwrap = shutil.which("bwrap")
     if bwrap is None and os.environ.get(UNSAFE) != "1":
@@ -90,10 +90,10 @@ def sandbox():
                         for q in (os.path.abspath(p), os.path.realpath(p))}):  # links to
         cmd += ["--ro-bind", path, path]
     cmd += ["--proc", "/proc", "--remount-ro", "/proc", "--dev", "/dev",
-            "--size", str(TMPFS_MB << 20), "--tmpfs", "/dev/shm", "--chdir", "/tmp",
-            "--", sys.executable, "-I"]
+            "--size", str(TMPFS_MB << 20), "--tmpfs", "/dev/shm", "--chdir", "/tmp"]
     try:
-        tried = subprocess.run(cmd + ["-c", "pass"], capture_output=True, text=True, timeout=30)
+        tried = subprocess.run(cmd + ["--", sys.executable, "-I", "-c", "pass"],
+                               capture_output=True, text=True, timeout=30)
         why = tried.returncode and (tried.stderr.strip().splitlines()
                                     or [f"exit code {tried.returncode}"])[-1]
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -157,9 +157,10 @@ def run_python(code, timeout=TIMEOUT_S, memory_mb=MEMORY_MB, output_chars=OUTPUT
             path = os.path.join(folder, "code.py")  # a file, not an argument: any bytes, any
             with open(path, "wb") as f:  # length (a NUL byte is the interpreter's SyntaxError)
                 f.write(str(code).encode("utf-8", "replace"))
-            if SANDBOX:
-                cmd, cwd = SANDBOX[:-3] + ["--ro-bind", path, "/code.py"] + SANDBOX[-3:] + [
-                    "/code.py"], "/"
+            if SANDBOX:  # the file bound read-only at /code.py, the only file of the call in sight
+                cmd = SANDBOX + ["--ro-bind", path, "/code.py", "--", sys.executable, "-I",
+                                 "/code.py"]
+                cwd = "/"
             else:
                 cmd, cwd = [sys.executable, "-I", path], folder
             proc = subprocess.Popen(
@@ -170,7 +171,7 @@ def run_python(code, timeout=TIMEOUT_S, memory_mb=MEMORY_MB, output_chars=OUTPUT
                 preexec_fn=functools.partial(_limits, timeout, memory_mb))
             note, deadline = None, time.monotonic() + timeout
             try:
-                while note is None and proc.poll() is None:  # every 20 ms: time, processes,
+                while note is None and proc.poll() is None:  # every 10 ms: time, processes,
                     pids = processes_of(proc.pid)  # memory (bwrap's own two processes count)
                     if time.monotonic() > deadline:
                         note = f"stopped: took more than {timeout:g} s"
@@ -178,7 +179,7 @@ def run_python(code, timeout=TIMEOUT_S, memory_mb=MEMORY_MB, output_chars=OUTPUT
                         note = f"stopped: more than {processes} processes"
                     elif resident_mb(pids) > memory_mb:
                         note = f"stopped: more than {memory_mb} MB of memory in all its processes"
-                    time.sleep(0.02)
+                    time.sleep(0.01)
             finally:  # whatever it started goes too (in the sandbox: its PID namespace dies)
                 for pid in [-proc.pid] + processes_of(proc.pid):
                     with contextlib.suppress(OSError):
