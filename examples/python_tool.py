@@ -56,8 +56,9 @@ except ImportError:
 
 def sandbox():
     """The bwrap command line (up to the command it runs) that builds the sandbox of the module
-    docstring for this interpreter, checked by running it once; or None where bwrap is missing or cannot start and MINRL_UNSAFE_TOOLS=1
-    (said once). Anything else is refused: RuntimeError, one line naming the fix."""
+    docstring for this interpreter, checked by running it once; or None where bwrap is missing
+    or cannot start and MINRL_UNSAFE_TOOLS=1 (said once). Anything else is refused: RuntimeError,
+    one line naming the fix."""
     bwrap = shutil.which("bwrap")
     if bwrap is None and os.environ.get(UNSAFE) != "1":
         raise RuntimeError("python_tool: bubblewrap (bwrap) is not installed: install it (apt-get "

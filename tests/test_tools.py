@@ -931,8 +931,8 @@ def test_python_tool_refuses_without_bubblewrap_unless_told(tmp_path):
 
 def test_tool_calls_restart_the_deadline_and_a_paused_wait_does_not_count(tok):
     """--env_timeout is per tool call (run_tool restarts it): three calls of 0.6 s in one turn
-    pass a 1 s limit; time inside envs.paused() (python_tool waiting for a sandbox) does not
-    count; a plain 1.8 s call still stops the run."""
+    pass a 1.5 s limit; time inside envs.paused() (python_tool waiting for a sandbox) does not
+    count; a plain 3 s call still stops the run."""
     model = tiny_model("llama", seed=4)
     model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
     prompts = C.encode_prompts(tok, ["1+2="] * 2)
@@ -945,13 +945,31 @@ def test_tool_calls_restart_the_deadline_and_a_paused_wait_does_not_count(tok):
 
     def waits(row, turns):
         with E.paused():
-            time.sleep(1.8)
+            time.sleep(2)
         return None
     for env in (three_calls, waits):
-        roll = rollout(model, tok, prompts, env, rows, 2, 10, timeout=1.0)
+        roll = rollout(model, tok, prompts, env, rows, 2, 10, timeout=1.5)
         assert roll.turns.tolist() == [1, 1]
-    with pytest.raises(C.UserError, match="took more than 1 s"):
-        rollout(model, tok, prompts, lambda row, turns: time.sleep(1.8), rows, 2, 10, timeout=1.0)
+    with pytest.raises(C.UserError, match="took more than 1.5 s"):
+        rollout(model, tok, prompts, lambda row, turns: time.sleep(3), rows, 2, 10, timeout=1.5)
+
+
+def test_three_looping_snippets_in_one_turn_do_not_stop_the_run(tok):
+    """S7 through the sandbox: a turn whose three python calls each loop until their 1 s limit
+    takes over 3 s, yet passes a 3 s --env_timeout (per call, and the wait for a sandbox slot
+    is paused); 12 rows at once share the 8 slots."""
+    P = python_tool()
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
+    tools = {"python": lambda code: P.run_python(code, timeout=1)}
+
+    def env(row, turns):
+        results = [E.run_tool(tools, "python", {"code": "while True: pass"}) for _ in range(3)]
+        assert all(r.endswith("(stopped: took more than 1 s)") for r, _ in results), results
+        return None
+    prompts = C.encode_prompts(tok, ["1+2="] * 12)
+    roll = rollout(model, tok, prompts, env, [{"prompt": "1+2="}] * 12, 2, 10, timeout=3)
+    assert roll.turns.tolist() == [1] * 12
 
 
 def test_a_tool_that_exits_is_an_error_result_and_eleven_results_keep_their_order():
