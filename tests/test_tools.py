@@ -848,6 +848,9 @@ ESCAPES = {
                                 "time.sleep(30)", "(stopped: more than 512 MB of memory in all"),
     "fill /dev/shm": ("for k in range(8):\n    open(f'/dev/shm/{k}', 'wb').write(bytes(12 << 20))",
                       "No space left on device"),  # 64 MB, as /tmp
+    "swap its output file for a FIFO": ("import os\np = os.readlink('/proc/self/fd/1')\n"
+                                        "os.unlink(p.replace(' (deleted)', ''))\nos.mkfifo(p)",
+                                        "FileNotFoundError"),  # it has no name
     "a NUL byte": ("print(1)\x00", "SyntaxError: source code cannot contain null bytes"),
     "128 KB of code": ("x = 1\n" * 22000 + "print('ran')", "ran\n"),
 }
