@@ -827,11 +827,12 @@ def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anythi
 
 
 # what the code inside tries -> what it must get; each a line of docs/tool_use.md's table
+LIBC = "import ctypes\nc = ctypes.CDLL(None, use_errno=True)\n"  # the system calls themselves
 ESCAPES = {
-    "remount / read-write": ("import subprocess\nprint(subprocess.run(['mount', '-o', "
-                             "'remount,bind,rw', '/'], capture_output=True).returncode)", "32\n"),
-    "unmount /tmp": ("import subprocess\nprint(subprocess.run(['umount', '-l', '/tmp'], "
-                     "capture_output=True).returncode)", "32\n"),
+    "remount / read-write": (LIBC + "print(c.mount(None, b'/', None, 32 | 4096, None), "
+                             "ctypes.get_errno())", "-1 1\n"),  # EPERM (MS_REMOUNT | MS_BIND)
+    "unmount /tmp": (LIBC + "print(c.umount2(b'/tmp', 2), ctypes.get_errno())",  # MNT_DETACH
+                     "-1 1\n"),
     "a new user namespace": ("import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))",
                              "-1\n"),  # CLONE_NEWUSER refused (bubblewrap 0.8+)
     "write /proc/sys": ("open('/proc/sys/kernel/core_pattern', 'w')", "Read-only file system"),
@@ -839,8 +840,9 @@ ESCAPES = {
     "see the host's /tmp": ("import os\nprint(sorted(os.listdir('/tmp')))", "[]\n"),
     "see the checkout": (f"open({ROOT + '/README.md'!r})", "No such file or directory"),
     "kill the run": ("import os\nos.kill(os.getppid(), 9)\nprint(os.getppid())", "1\n"),
-    "read the run's environment": ("import os\nprint(sorted(os.environ))",
-                                   "['HOME', 'LC_CTYPE', 'PATH', 'PWD']\n"),
+    "read the run's environment": ("import os\nprint('MINRL_TEST_SECRET' in os.environ, "
+                                   "sorted(set(os.environ) - {'LC_CTYPE', 'PWD'}))",
+                                   "False ['HOME', 'PATH']\n"),
     "fork 300 processes": ("import os, time\nfor _ in range(300):\n    if os.fork() == 0:\n"
                            "        time.sleep(30)\n", "(stopped: more than 16 processes)"),
     "1.6 GB across processes": ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
