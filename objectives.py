@@ -30,7 +30,7 @@ LOG_1E8 = math.log(1e-8)  # VESPO: the floor of its log-weights (its code, and T
 def switched_on(args):
     """Whether a flag since DAPO changes GRPO's loss: then per_token_loss here computes it."""
     return bool(args.policy_loss != "clip" or args.importance_sampling_level == "sequence"
-                or args.off_policy_mask or args.unbiased_kl or args.sampler_kl_coef)
+                or args.off_policy_mask is not None or args.unbiased_kl or args.sampler_kl_coef)
 
 
 def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=None,
@@ -54,11 +54,11 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
     elif args.policy_loss == "sapo":
         loss, clipped = sapo(ratio, adv, args.sapo_tau_pos, args.sapo_tau_neg)
     elif args.policy_loss == "dppo":  # clip_eps, clip_eps_high are its delta_low, delta_high
-        loss, clipped = dppo(logprobs, sample_logprobs, adv, *eps)
+        loss, clipped = dppo(logprobs, sample_logprobs, adv, *eps, args.dppo_ratio_cap)
     else:  # vespo: the mismatch weight goes inside its w
         loss, logs["vespo_phi"] = vespo(logprobs, log_ratio, adv, mask, is_weight, args)
         clipped, is_weight = torch.zeros_like(logprobs), 1.0
-    if args.off_policy_mask:  # DeepSeek-V3.2: no loss on o_i with A_i < 0 that drifted
+    if args.off_policy_mask is not None:  # DeepSeek-V3.2: no loss on o_i, A_i < 0, that drifted
         keep = off_policy_keep(logprobs, sample_logprobs, adv, mask, args.off_policy_mask)
         loss, logs["seq_masked"] = loss * keep, (1 - keep).expand_as(logprobs)
     kl = torch.zeros_like(logprobs) if ref_logprobs is None else C.kl_estimate(
@@ -99,12 +99,16 @@ def sapo(ratio, adv, tau_pos, tau_neg):
     return -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv, torch.zeros_like(ratio)
 
 
-def dppo(logprobs, sample_logprobs, adv, delta_low, delta_high):
+def dppo(logprobs, sample_logprobs, adv, delta_low, delta_high, cap=0.0):
     """DPPO binary-TV: -M rho_s A, rho_s = pi_theta / pi_sampler; M = 0 (no gradient) where the
-    token's probability moved past delta in A's direction: up with A > 0, down with A < 0."""
+    token's probability moved past delta in A's direction: up with A > 0, down with A < 0.
+    cap C > 0: rho_s's gradient rho_s grad log pi with the detached rho_s capped at C."""
     moved = logprobs.exp() - sample_logprobs.exp()  # pi_theta - pi_sampler
     masked = ((adv > 0) & (moved > delta_high) | (adv < 0) & (moved < -delta_low)).float()
-    return -(1 - masked) * torch.exp(logprobs - sample_logprobs) * adv, masked
+    rho_s = torch.exp(logprobs - sample_logprobs)
+    if cap:  # the DPPO authors: 3
+        rho_s = rho_s * (rho_s.clamp(max=cap) / rho_s).detach()
+    return -(1 - masked) * rho_s * adv, masked
 
 
 def vespo(logprobs, log_ratio, adv, mask, is_weight, args):
