@@ -38,6 +38,7 @@ Run:  python dpo.py                      # bundled: data/rankings.jsonl, 2-core 
           --micro_batch_size 8 --max_new_tokens 256
 Expect (bundled default): held-out greedy accuracy from 0.29 to about 0.83 (see README).
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -206,6 +207,8 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="dpo",
                disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update:
+            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # save, stop at once
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)

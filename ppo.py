@@ -44,6 +44,7 @@ Run:  python ppo.py                      # bundled policy + reward model, 2-core
 Expect (bundled default): held-out greedy accuracy 0.292 -> 0.954, the RM score from 1.7 to 4.8
 (means over the first and the last 10 steps) with `gold` rising beside it, to 0.93.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import random
 import time
 from dataclasses import dataclass, field
@@ -409,7 +410,7 @@ def main():
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
-    if run.state:
+    if run.state and "critic" in run.state["extra"]:  # (not in a finished run's last one)
         critic.load_state_dict(run.state["extra"]["critic"])
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     value_model = R.wrap_model(ValueModel(critic), args.fsdp)  # the critic's forward, V (B, T)
@@ -432,6 +433,11 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
                disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda kl_coef=kl_coef: R.save_checkpoint(  # Ctrl-C before
+            run, model, tok, opt, rng, step, {"eval_before": eval_before, "kl_coef": kl_coef,
+                                              "score_norm": norm,  # the update: save, stop
+                                              "critic": R.full_state_dict(critic)},
+            trained=[model, value_model]))
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):

@@ -33,6 +33,7 @@ Run:  python sft.py                      # bundled: data/demonstrations.jsonl, 2
 Expect (bundled default): the demonstrations forget a carry 30% of the time, the bundled policy
 70%, so held-out greedy accuracy rises from 0.29 to about 0.93, the held-out loss from 0.29 to 0.19.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
 import os
 import random
@@ -188,6 +189,8 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="sft",
                disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update:
+            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # save, stop at once
         t0 = time.time()
         # the lr from the step number, so resuming needs no scheduler state
         warm = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0

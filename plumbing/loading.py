@@ -49,6 +49,11 @@ def _check_source(name):
     local model would cost a minute of hub retries offline before its error)."""
     if os.path.isdir(name):
         return
+    if name.lower().endswith(".gguf"):  # llama.cpp's one-file format, which from_pretrained reads
+        raise C.UserError(f"model {name!r} is a GGUF file; give a model folder or hub id: convert"
+                          " it as tools/smollm2.py does (python tools/smollm2.py for SmolLM2-135M-"
+                          "Instruct; others: from_pretrained(folder, gguf_file=name), then "
+                          "save_pretrained)")
     head = name.split("/")[0]
     path_like = (name.startswith((".", "/", "~")) or "\\" in name
                  or "/" in name and os.path.isdir(head))

@@ -51,13 +51,17 @@ except ImportError:  # optional: torch runs without it
 
 import common as C
 from common import first_line
-from plumbing import flags, loading
+from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
-STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
+STOP = {"requested": False, "abandon": None}  # Ctrl-C: the loop saves, then stops (step_start)
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
+# what gloo (and NCCL) raise in a collective when another process of the launch has exited
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash")
+RUN_FILES = ("run.lock", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
+             "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
 # warn_if_stuck's levels: nearly every completion cut (chat-sums's seed 0 cuts 0.875 at step 1 by
 # design: its sentences score 0 anyway); KL to pi_ref (nats per token) that means the policy has
 # left its start (documented runs: under 0.5 on SmolLM2, docs/real_model.md, up to 1.5 on the
@@ -71,10 +75,15 @@ def main_guard(main):
     """Run main(). Bad input exits 2 with one line; out of memory exits 1 with what to change;
     anything else keeps its traceback. The last checkpoint and metrics stay intact either way."""
     STARTED["run"] = None
+    if signal.getsignal(signal.SIGINT) is ctrl_c.starting:  # from here Ctrl-C is handled below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             main()
+        except StepAbandoned:  # Ctrl-C before the step's update: save the last completed one
+            _abandon_step()
         finally:
+            STOP["abandon"] = None
             if dist.is_initialized():  # torchrun: leave the process group before exiting (gloo's
                 dist.destroy_process_group()  # threads otherwise abort the process at exit)
             # a run that failed (or --sanity) before logging a step leaves no empty folder
@@ -88,6 +97,9 @@ def main_guard(main):
         say_once(f"error: {e}")
         sys.exit(2)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
+        if PEER_GONE.search(str(e)):  # torchrun: another process failed (and said why) while
+            say_once("error: another process of this torchrun stopped: see its line")  # this
+            sys.exit(1)  # one waited for it in a collective; its traceback would bury that line
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise  # a CPU allocation that fails is a RuntimeError (DefaultCPUAllocator)
         say_once(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
@@ -221,6 +233,11 @@ def start_run(args, algo):
                              samples=None, rank=rank, world=world,
                              saved_step=state["step"] if state else 0)
         return STARTED["run"]
+    others = sorted(set(os.listdir(folder)) - set(RUN_FILES)) if os.path.isdir(folder) else []
+    if others and not args.resume:  # a run writes (and replaces) checkpoint/, summary.json, ...
+        raise C.UserError(f"--output_dir {folder!r} holds files that are not a run's "
+                          f"({', '.join(others[:3])}), beside which a run would write and replace "
+                          "its own: give a new or empty folder")
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.add(folder)
@@ -231,8 +248,12 @@ def start_run(args, algo):
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
     state = _load_state(folder, args.max_steps) if args.resume else None
-    if not state and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
-        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl): continue "
+    held = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
+    if not state and held and not os.path.exists(os.path.join(folder, "checkpoint")):
+        raise C.UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
+    if not state and (held or os.path.exists(os.path.join(folder, "checkpoint"))):
+        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
+                          f"checkpoint/), which a new run would replace: continue "
                           f"it with --resume {folder}, or choose another --output_dir")
     for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
         shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)
@@ -290,17 +311,59 @@ def _load_state(folder, max_steps):
         raise C.UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
                           f"({state['step']}): a resumed run goes on from there; give "
                           f"--max_steps {state['step']} or more")
-    if "optimizer" not in state:  # a finished run's last checkpoint (see save_checkpoint)
+    finishing = state["step"] == max_steps and "extra" in state and not os.path.exists(
+        os.path.join(folder, "summary.json"))  # killed in its final eval: --resume finishes it
+    if "optimizer" not in state and not finishing:  # a finished run's last checkpoint
         raise C.UserError(f"{folder} is a finished run whose last checkpoint holds no optimizer "
                           "state (--save_optimizer keeps it): --resume cannot continue it exactly; "
                           f"train on in a new run with --model {folder}/checkpoint")
     return state
 
 
+class StepAbandoned(Exception):
+    """Ctrl-C before a step's first update: main_guard saves the last completed step, exits."""
+
+
+def step_start(run, rng, step, save):
+    """Called first in each step. Until the step's first update (finite_update), a Ctrl-C
+    abandons the step at once (a real model's step takes minutes): main_guard puts back the RNG
+    states of this moment (the data stream rng's too) and calls save() (save_checkpoint of the
+    last completed step, with its arguments bound now); a resume then goes on exactly as the
+    uninterrupted run. One process only: under torchrun Ctrl-C finishes the step as before."""
+    STOP["abandon"] = None
+    if run.world == 1:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        np_rng = numpy.random.get_state() if numpy is not None else None
+        STOP["abandon"] = (step, save, rng, rng.getstate(), torch.get_rng_state(), cuda,
+                           random.getstate(), np_rng)
+
+
+def _abandon_step():
+    """main_guard, on StepAbandoned: the RNG states step_start kept, then its save()."""
+    step, save, rng, data, cpu, cuda, python, np_rng = STOP["abandon"]
+    STOP["abandon"] = None
+    rng.setstate(data)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    random.setstate(python)
+    if np_rng is not None:
+        numpy.random.set_state(np_rng)
+    run = STARTED["run"]
+    if step > run.saved_step:  # steps done since the last checkpoint: save them
+        save()
+    say_once(f"\ninterrupted: step {step + 1} abandoned before its update; " + (
+        f"the checkpoint of step {step} resumes exactly (--resume {run.dir})" if step else
+        "nothing was trained yet"))
+    sys.exit(130)
+
+
 def _on_sigint(signum, frame):
     if STOP["requested"]:  # a second Ctrl-C exits at once; the last checkpoint is still intact
         raise KeyboardInterrupt
     STOP["requested"] = True
+    if STOP.get("abandon"):  # no update yet in this step: stop now (step_start)
+        raise StepAbandoned
     print("\nCtrl-C: finishing this step, then saving a checkpoint (again to quit at once)",
           file=sys.stderr)
 
@@ -340,7 +403,9 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
             print(f"memory: AdamW's moments will add {8 * weights / 2**20:,.0f} MB from step 2")
         return 0, eval_before, {}
     s = run.state
-    if isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
+    if "optimizer" not in s:  # the last step's checkpoint: only the final eval is left to do
+        pass
+    elif isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
         set_optimizer_state_dict(torch.nn.ModuleList(trained), opt, s["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
     else:
@@ -363,6 +428,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 def finite_update(run, *grad_norms):
     """True when every gradient norm is finite: the update may go ahead (and a row of skipped ones
     ends); else the update is skipped and counted (skip_update)."""
+    STOP["abandon"] = None  # the update begins: a Ctrl-C from here finishes the step
     if all(torch.isfinite(n) for n in grad_norms):
         run.nonfinite_in_row = 0
         return True
@@ -548,10 +614,12 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
             if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
     if run.rank > 0:
         return
-    state = {"step": step, "nonfinite": run.nonfinite}  # _load_state refuses to resume from it
+    # the last one without AdamW (nor ppo's critic): --resume may only finish it (the final eval)
+    state = {"step": step, "nonfinite": run.nonfinite, "data_rng": rng.getstate(), "rngs": rngs,
+             "extra": {k: v for k, v in extra.items() if resumable or k != "critic"},
+             "wall_time_s": time.time() - run.t0}
     if resumable:
-        state.update(optimizer=opt_state, data_rng=rng.getstate(), rngs=rngs, extra=extra,
-                     wall_time_s=time.time() - run.t0)
+        state["optimizer"] = opt_state
     tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)

@@ -238,7 +238,7 @@ def test_the_top_level_is_the_reading_list():
     top = top_level_py()
     assert len(top) <= 13, (f"{len(top)} tracked .py files at the top ({top}): the top level is "
                             "the reading list; put the plumbing in plumbing/, or, if a new "
-                            "module earns its place, raise this 13 and README's reading list")
+                            "script earns its place, raise this 13 and README's reading list")
     assert {"grpo.py", "ppo.py", "reinforce.py", "sft.py", "reward_model.py", "dpo.py",
             "common.py", "engine.py", "fastpath.py", "test_algos.py"} <= set(top)
 
