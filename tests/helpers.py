@@ -20,6 +20,7 @@ from transformers import Qwen2Config
 
 import common as C
 import fastpath
+import distill
 import dpo
 from plumbing import envs as E
 import grpo
@@ -325,7 +326,7 @@ def run_processes(tmp_path, n, script, *args, tries=3):
 
 # ---- docs/: commands, links, the tests they name
 SCRIPTS = {"grpo": grpo, "reinforce": R, "ppo": ppo, "sft": sft, "reward_model": reward_model,
-           "dpo": dpo}
+           "dpo": dpo, "distill": distill}
 
 
 # a --tools file: add (a tool that works) and shout (one that raises)
