@@ -147,12 +147,13 @@ def generalized_jsd(log_ps, log_pt, beta):
 
 def chunk_divergence(xs, xt, targets, heads, beta, temperature):
     """One chunk of n positions: student and teacher final hidden states xs, xt (n, H) through
-    their LM heads (logits / temperature, fp32) -> D_t, log pi_theta(o_t), log pi_T(o_t), (n,)."""
+    their LM heads (logits / temperature, fp32) -> D_t, log pi_theta(o_t), log pi_T(o_t) and the
+    student's entropy (logged only), (n,) each."""
     log_ps = (heads[0](xs).float() / temperature).log_softmax(-1)  # (n, V)
     log_pt = (heads[1](xt).float() / temperature).log_softmax(-1)
     pick = targets[:, None]
     return (generalized_jsd(log_ps, log_pt, beta), log_ps.gather(-1, pick)[:, 0],
-            log_pt.gather(-1, pick)[:, 0])
+            log_pt.gather(-1, pick)[:, 0], -(log_ps.exp() * log_ps).sum(-1).detach())
 
 
 def chunked_divergence(xs, xt, targets, heads, beta, temperature, chunk):
@@ -318,7 +319,7 @@ def main():
         # 3. one update; the loss is summed over each micro-batch's tokens / the step's tokens
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_local = float(mask.sum().clamp(min=1))  # for the logged means: this process's tokens
-        sums = dict.fromkeys(("loss", "kl") + (("divergence",) if heads else ()), 0.0)
+        sums = dict.fromkeys(("loss", "kl", "entropy") + (("divergence",) if heads else ()), 0.0)
         mbs = C.micro_batches(mask, args.micro_batch_size)
         for i, mb in enumerate(mbs):
             valid = mask[mb].bool()  # the micro-batch's completion tokens: N of them
@@ -326,10 +327,11 @@ def main():
             with R.sync_gradients(train_model, now=i == len(mbs) - 1):  # DDP: at the last
                 with amp:
                     if args.loss == "opd":
-                        logprobs, _ = C.token_logprobs(train_model, roll.ids[mb],
-                                                       roll.attention_mask[mb], T,
-                                                       args.temperature)
+                        logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
+                                                             roll.attention_mask[mb], T,
+                                                             args.temperature, entropy=True)
                         lp, t_lp = logprobs[valid], teacher_logprobs[mb][valid]  # (N,)
+                        entropy = entropy[valid].detach()  # logged only
                         loss = pg_loss(lp, lp.detach(), opd_advantages(lp, t_lp, args.kl_coef)
                                        + adv)
                     else:  # jsd: final hidden states, then both LM heads a chunk at a time
@@ -337,7 +339,7 @@ def main():
                         with torch.no_grad(), R.adapters_off(teacher):
                             xt = final_hidden(teacher, t_roll.ids[mb], t_roll.attention_mask[mb],
                                               T)
-                        div, lp, t_lp = chunked_divergence(xs[valid], xt[valid],
+                        div, lp, t_lp, entropy = chunked_divergence(xs[valid], xt[valid],
                                                            roll.ids[mb, -T:][valid], heads,
                                                            args.beta, args.temperature, chunk)
                         loss = div + pg_loss(lp, lp.detach(), adv)  # + the RL part, if any
@@ -347,6 +349,7 @@ def main():
                 (loss * run.world).backward()  # gradients add up over the micro-batches
             sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             sums["kl"] += float((lp - t_lp).detach().sum()) / n_local  # KL(pi_theta || pi_T), k1
+            sums["entropy"] += float(entropy.sum()) / n_local
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
@@ -364,7 +367,8 @@ def main():
                     "completion": completions[i], "reward": float(scores[i])}
                    for i in range(0, len(rows), k)[:4]]  # one sample of each of 4 prompts
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(("kl", "divergence"), mask.sum()))
+        metrics = R.global_mean(metrics, weights=dict.fromkeys(("kl", "entropy", "divergence"),
+                                                               mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
         R.log_step(run, metrics, bar, samples, opt)

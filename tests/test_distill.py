@@ -35,7 +35,8 @@ def slow_jsd(ps, pt, beta):
 @pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
 def test_chunked_divergence_equals_the_definition_at_every_position(beta):
     """chunked_divergence, 3 positions a chunk, gives each position's generalized JSD written out
-    over the vocabulary, and the log-probs of the sampled tokens under both models; whole or in
+    over the vocabulary, the log-probs of the sampled tokens under both models and the student's
+    entropy; whole or in
     chunks, the same values and gradients."""
     g = torch.Generator().manual_seed(0)
     N, H, V, temperature = 7, 5, 11, 0.7
@@ -44,15 +45,16 @@ def test_chunked_divergence_equals_the_definition_at_every_position(beta):
     ws, wt = (torch.randn(V, H, generator=g, dtype=torch.float64) for _ in range(2))
     y = torch.randint(V, (N,), generator=g)
     heads = (lambda x: x @ ws.T, lambda x: x @ wt.T)
-    div, lp, t_lp = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=3)
+    div, lp, t_lp, ent = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=3)
     ps, pt = ((x @ w.T / temperature).softmax(-1) for x, w in ((xs, ws), (xt, wt)))
     for i in range(N):
         want = slow_jsd(ps[i].detach(), pt[i], beta)  # fp32 logits (as the LM head's): ~1e-7
         assert float(div[i].detach()) == pytest.approx(want, rel=1e-5, abs=1e-6)
         assert float(lp[i].detach()) == pytest.approx(float(ps[i, y[i]].log()), rel=1e-5)
         assert float(t_lp[i]) == pytest.approx(float(pt[i, y[i]].log()), rel=1e-5)
+        assert float(ent[i]) == pytest.approx(float(-(ps[i] * ps[i].log()).sum()), rel=1e-5)
     (g_chunks,) = torch.autograd.grad(div.sum(), xs)
-    whole, _, _ = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=N)
+    whole, *_ = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=N)
     (g_whole,) = torch.autograd.grad(whole.sum(), xs)
     torch.testing.assert_close(g_chunks, g_whole, rtol=0, atol=1e-6)
 
@@ -75,7 +77,7 @@ def test_jsd_equals_trls_distillation_loss(beta, temperature):
     g_want = torch.autograd.grad(want, (hs, ws))
     valid = mask.bool()
     y = torch.zeros(int(valid.sum()), dtype=torch.long)
-    div, _, _ = distill.chunked_divergence(hs[valid], ht[valid], y, (lambda x: x @ ws.T,
+    div, *_ = distill.chunked_divergence(hs[valid], ht[valid], y, (lambda x: x @ ws.T,
                                            lambda x: x @ wt.T), beta, temperature, chunk=4)
     got = div.sum() / mask.sum()
     g_got = torch.autograd.grad(got, (hs, ws))
