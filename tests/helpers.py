@@ -249,7 +249,7 @@ import os, sys
 sys.path.insert(0, os.environ["MINRL_ROOT"])
 import torch
 import common as C
-import dpo, grpo, ppo, reinforce, reward_model, sft
+import distill, dpo, grpo, ppo, reinforce, reward_model, sft
 from plumbing import runs
 real_sample = C.sample
 
@@ -271,7 +271,7 @@ def sample(model, tok, prompt_ids, *args, env_step=None, **kwargs):  # each row 
 
 C.sample = sample
 script = {"grpo": grpo, "ppo": ppo, "reinforce": reinforce, "sft": sft, "dpo": dpo,
-          "reward_model": reward_model}[sys.argv[1]]
+          "reward_model": reward_model, "distill": distill}[sys.argv[1]]
 sys.argv = sys.argv[1:]
 runs.main_guard(script.main)
 """
