@@ -153,7 +153,7 @@ CLAIMS = [
     ("README.md", "0.898, 300 steps, {34} s", "python reward_model.py", WALL_S, WALL, ()),
     ("README.md", "| 0.292 → {0.834}, 150 steps, 18 s |", "python dpo.py", AFTER, 0, ()),
     ("README.md", "| 0.292 → 0.834, 150 steps, {18} s |", "python dpo.py", WALL_S, WALL, ()),
-    ("README.md", "`EXERCISES.md` has {18} \"change one line",
+    ("README.md", "`EXERCISES.md` has {19} \"change one line",
      "grep -c '^## [0-9]' EXERCISES.md", stdout(r"(\d+)"), 0, FAST),
     ("README.md", "goes {0.280}-0.294 → 0.896-0.936", CALC, BEFORE, 0, ("calc",)),
     ("README.md", "goes 0.280-{0.294} → 0.896-0.936", "python grpo.py --env calc --seed 1",
