@@ -120,7 +120,7 @@ def stdout(pattern):
     return lambda r: float(re.search(pattern, r["stdout"]).group(1))
 
 
-STEP_LINES = stdout(r"\.py: (\d+) lines")  # tools/step_cost.py's count: the whole reach
+STEP_LINES = stdout(r"\.py(?: --env)?: (\d+) lines")  # tools/step_cost.py's count: the whole reach
 READER_LINES = stdout(r"reader's (\d+) lines")  # and the algorithm reader's
 FAST = ("fast",)  # no training: seconds (--fast; .ci/run)
 # the real-model task's sizes and defaults (docs/real_model.md), from plumbing/chat_sums.py
