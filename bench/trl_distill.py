@@ -36,7 +36,9 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 PROMPTS, NEW_TOKENS, TEMP, LR, BETA = 64, 6, 1.0, 1e-4, 1.0
-REAL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
+REAL = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")  # tools/smollm2.py's folder, or
+if not os.path.isfile(os.path.join(REAL, "config.json")):  # the test tier's converted copy
+    REAL = os.path.expanduser(os.path.join("~", ".cache", "minrl", "SmolLM2-135M-Instruct"))
 
 
 def settings(a):
@@ -55,7 +57,10 @@ def run_distill_py(a, out_dir):
            str(prompts), "--samples_per_prompt", "1", "--max_new_tokens", str(new_tokens),
            "--temperature", str(temp), "--lr", str(lr), "--eval_every", "0", "--eval_size", "4",
            "--save_every", "0", "--samples_every", "0", "--threads", str(a.threads)]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    done = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if done.returncode:
+        sys.exit(f"error: distill.py failed: {done.stderr.strip().splitlines()[-1:]}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         metrics = [json.loads(line) for line in f]
     with open(os.path.join(out_dir, "summary.json")) as f:

@@ -44,15 +44,23 @@ def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
     0's: the driver leaves rank 1's RNG elsewhere), unevenly split between the processes, and
     every logged number is what one process logs on the same rows (token means weighted by
     their tokens, stds over all rows), the step an int."""
+    assert_one_step_matches(tmp_path, script, flags, ("ddp", "fsdp"))
+
+
+def assert_one_step_matches(tmp_path, script, flags, modes):
+    """One step of `script` in 1 process and in 2 (each of modes: DDP, --fsdp): the same logged
+    numbers and (almost) the same weights."""
     out = {}
     for name, n, extra in (("one", 1, []), ("ddp", 2, []), ("fsdp", 2, ["--fsdp"])):
+        if name != "one" and name not in modes:
+            continue
         out[name] = tmp_path / name
         r = run_processes(tmp_path, n, script, *flags, *extra, "--max_steps", "1", "--eval_size",
                           "8", "--output_dir", str(out[name]))
         assert r.returncode == 0, r.stderr[-3000:]
     m1 = read_metrics(out["one"])
     a = load_file(out["one"] / "checkpoint" / "model.safetensors")
-    for name in ("ddp", "fsdp"):
+    for name in modes:
         m2 = read_metrics(out[name])
         assert len(m2) == 1 and m2[0]["grad_norm"] == pytest.approx(m1[0]["grad_norm"], rel=1e-5)
         assert m2[0]["reward"] == pytest.approx(m1[0]["reward"], abs=1e-9)
@@ -64,6 +72,18 @@ def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
         close = sum(int(((a[k] - b[k]).abs() <= 1e-6).sum()) for k in a)
         assert close / sum(a[k].numel() for k in a) >= 0.98, name
         assert max(float((a[k] - b[k]).abs().max()) for k in a) < 2e-4  # at most one lr of a flip
+
+
+def test_distill_jsd_under_torchrun_makes_the_one_process_update(tmp_path):
+    """distill.py --loss jsd (both LM heads a chunk at a time, outside DDP's forward) under DDP:
+    the one-process step; --fsdp, which shards the head, is refused in one line."""
+    flags = ["--prompts_per_step", "8", "--micro_batch_size", "4", "--loss", "jsd",
+             "--beta", "0.5", "--teacher_system_prompt", "1+1=2"]
+    assert_one_step_matches(tmp_path, "distill", flags, ("ddp",))
+    r = run_processes(tmp_path, 2, "distill", *flags, "--fsdp", "--max_steps", "1",
+                      "--output_dir", str(tmp_path / "bad"))
+    assert r.returncode != 0 and r.stderr.count("error: --fsdp shards the LM head") == 1, \
+        r.stderr[-3000:]
 
 
 @pytest.mark.parametrize("script,flags", [
