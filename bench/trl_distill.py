@@ -4,6 +4,7 @@
   python grpo.py --output_dir runs/teacher        # the teacher: a GRPO checkpoint (~15 s)
   python bench/trl_distill.py --teacher runs/teacher/checkpoint   # --steps 30 --threads 1
   python bench/trl_distill.py --real --steps 6 --threads 2   # SmolLM2-135M-Instruct, chat-sums
+  python bench/trl_distill.py --real --prompts 8 --steps 3 --warmup 1 --threads 2   # smaller
 
 Both train the bundled student models/tiny-adder toward --teacher for --steps optimizer steps:
 64 prompts a step, one completion each, at most 6 new tokens, temperature 1.0, the generalized JSD
@@ -12,8 +13,9 @@ with beta 1 (the reverse KL over the whole vocabulary, TRL's default; distill.py
 gradient checkpointing (TRL's default is on), fp32 on a CPU. Each runs in its own process
 (python distill.py, and this file with --trl_only), so each peak memory is its own process's.
 --real: student and teacher both models/SmolLM2-135M-Instruct (tools/smollm2.py; the teacher a
-frozen copy: the loss starts at 0 and the step's work is the same), --data chat-sums's prompts
-(chat messages, the chat template), 32 prompts a step, 10 new tokens, temperature 0.7, lr 2e-5.
+frozen copy: the loss starts at 0 and the step's work is the same; models/ or the test tier's
+~/.cache/minrl copy), --data chat-sums's prompts (chat messages, the chat template), 32 prompts
+a step (--prompts), 10 new tokens, temperature 0.7, lr 2e-5.
 
 What is timed (wall clock, mean over the steps after --warmup):
   distill.py  `step_time` from its metrics.jsonl: sampling, rewards, teacher and student
@@ -44,8 +46,8 @@ if not os.path.isfile(os.path.join(REAL, "config.json")):  # the test tier's con
 def settings(a):
     """(student, teacher, prompts a step, new tokens, temperature, lr, distill.py's data flags)."""
     if a.real:
-        return REAL, REAL, 32, 10, 0.7, 2e-5, ["--model", REAL, "--data", "chat-sums"]
-    return None, a.teacher, PROMPTS, NEW_TOKENS, TEMP, LR, []
+        return REAL, REAL, a.prompts or 32, 10, 0.7, 2e-5, ["--model", REAL, "--data", "chat-sums"]
+    return None, a.teacher, a.prompts or PROMPTS, NEW_TOKENS, TEMP, LR, []
 
 
 def run_distill_py(a, out_dir):
@@ -123,6 +125,7 @@ def main():
     p.add_argument("--real", action="store_true", help="SmolLM2-135M-Instruct on chat-sums")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--prompts", type=int, default=0, help="prompts a step (0: 64, --real 32)")
     p.add_argument("--warmup", type=int, default=3, help="first steps left out of the s/step mean")
     p.add_argument("--threads", type=int, default=1, help="torch threads for both")
     p.add_argument("--trl_only", action="store_true", help="(internal) TRL's run, as JSON")
@@ -141,8 +144,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         metrics, summary = run_distill_py(a, os.path.join(tmp, "distill"))
     out = subprocess.run([sys.executable, __file__, "--trl_only", "--teacher", a.teacher,
-                          "--steps", str(a.steps), "--seed", str(a.seed), "--threads",
-                          str(a.threads), *(["--real"] if a.real else [])], check=True,
+                          "--steps", str(a.steps), "--prompts", str(a.prompts), "--seed",
+                          str(a.seed), "--threads", str(a.threads),
+                          *(["--real"] if a.real else [])], check=True,
                          capture_output=True, text=True, cwd=ROOT)
     theirs = json.loads(out.stdout.strip().splitlines()[-1])
     ours_t = mean([m["step_time"] for m in metrics][a.warmup:])
