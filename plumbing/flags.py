@@ -20,7 +20,7 @@ from transformers import HfArgumentParser
 
 import common as C
 from common import first_line
-from plumbing import calc, chat_sums
+from plumbing import calc, chat_sums, rg
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to", "save_optimizer")
@@ -132,6 +132,7 @@ def parse_args(args_cls, algo, doc=""):
     if "env" in names:  # --env calc brings its own defaults (calc.preset); given flags still win
         parser.set_defaults(**calc.preset(known.env, algo))
     parser.set_defaults(**chat_sums.preset(known.data, algo, names))  # --data chat-sums's own
+    parser.set_defaults(**rg.preset(known.data, algo, names))  # --data rg:...'s own
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
     for a in sys.argv[1:]:
@@ -213,6 +214,9 @@ def check_args(args):
     if getattr(args, "fsdp", False) and args.lora_r:  # DDP replicates LoRA's few weights cheaply
         raise C.UserError("--fsdp with --lora_r is not supported: LoRA trains a few adapter "
                           "weights; under torchrun without --fsdp, DDP replicates them cheaply")
+    if world > 1 and (getattr(args, "curriculum_up", 0) or getattr(args, "skip_uniform", 0)):
+        raise C.UserError("--curriculum_up and --skip_uniform under torchrun are not supported yet:"
+                          " each process sees its share of the rewards, so their draws would part")
     if world > 1 and getattr(args, "dynamic_sampling", False):
         raise C.UserError("--dynamic_sampling under torchrun is not supported yet: processes "
                           "would keep different numbers of rows")

@@ -25,6 +25,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
 from common import first_line
+from plumbing import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
@@ -305,7 +306,7 @@ def load_reward_fns(specs):
     for spec in (s for item in specs for s in item.split(",") if s):
         fn = load_function("--reward_fn", spec, "write path/to/file.py:function")
         name = spec.rpartition(":")[2]
-        if name in C.RULES or name == "rm":
+        if name in C.RULES or name == "rm" or name in tasks.REWARDS:
             raise C.UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
         fns[name] = functools.partial(checked_reward, name, fn)
     return fns
@@ -346,8 +347,8 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
     weights = {}
     for part in filter(None, (spec or ",".join(fns) or default).split(",")):
         name, _, w = part.partition("=")
-        if name not in C.RULES and name != "rm" and name not in fns:
-            known = ", ".join([*C.RULES, "rm", *fns])
+        if name not in C.RULES and name != "rm" and name not in fns and name not in tasks.REWARDS:
+            known = ", ".join([*C.RULES, "rm", *tasks.REWARDS, *fns])
             raise C.UserError(f"--rewards: unknown reward {name!r} (known: {known})")
         if name in weights:  # math=1,math=2: one would silently win
             raise C.UserError(f"--rewards names {name!r} twice: give each reward one weight")
@@ -364,4 +365,5 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
     for name in (n for n in fns if n not in weights):  # imported, and never called
         raise C.UserError(f"--reward_fn {name!r} is loaded but --rewards {spec!r} does not use "
                           f"it: add {name}=W to --rewards, or drop that --reward_fn")
+    fns.update({n: tasks.REWARDS[n] for n in weights if n in tasks.REWARDS})  # rg, random
     return weights
