@@ -406,7 +406,7 @@ def main():
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, rows, completions, rewards, seen = sample_groups(generate, score, data, rng,
                                                                    run, args)
-        data_logs = tasks.observe(data.state, rows, rewards, roll.parts, G)  # curriculum, skips
+        data_logs = data.observe(rows, rewards, roll.parts, G)  # curriculum, skips (tasks.observe)
         if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue

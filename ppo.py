@@ -449,7 +449,7 @@ def main():
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         raw_scores, parts = C.compute_rewards(rows, completions, weights, fns)
-        data_logs = tasks.observe(data.state, rows, raw_scores, parts, 1)  # curriculum, skips
+        data_logs = data.observe(rows, raw_scores, parts, 1)  # curriculum, skips (tasks.observe)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue

@@ -306,7 +306,7 @@ def main():
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
-        data_logs = tasks.observe(data.state, rows, scores, parts, k)  # curriculum, skips
+        data_logs = data.observe(rows, scores, parts, k)  # curriculum, skips (tasks.observe)
         signal = scores  # what the returns are made of: the weighted sum of the rewards, or
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO's, each one first
             signal = C.normalize_then_sum(parts, weights, k, std=R.global_std)

@@ -8,6 +8,7 @@ held-out score is (eval_metric). Every error names the file, the row and the fie
 calculator tool task is envs.py; a prompt as token ids, common.encode_prompts.
 """
 import csv
+import functools
 import json
 import math
 import os
@@ -251,15 +252,16 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train",
     a file or 'hf:...' -> its rows (read_rows). fields: make_row's prompt_field, answer_field and
     system_prompt. need_answer: every row must have an answer with a number (the math reward).
     curriculum (up, down) and skip (k, keep): see observe (off: up 0, k 0).
-    Returns next_batch(rng, k) -> k training rows, eval_rows (held out), rows (all) and state: what
-    next_batch reads besides the rng (observe's, saved in checkpoints), so saving both resumes the
-    data stream exactly."""
+    Returns next_batch(rng, k) -> k training rows, eval_rows (held out), rows (all), observe(rows,
+    rewards, parts, group_size) (observe on state) and state: what next_batch reads besides the
+    rng (saved in checkpoints), so saving both resumes the data stream exactly."""
     data = load_rows(spec, eval_size, need_answer, split, curriculum[0] > 0, **fields)
     data.state = getattr(data, "state", {})  # (rg's next_batch reads its levels there)
     data.state.update(up=curriculum[0], down=curriculum[1], skip=skip[0], keep=skip[1],
                       visits={}, recent={}, skipped=0)
     if skip[0]:
         data.next_batch = skipping(data.next_batch, data.state)
+    data.observe = functools.partial(observe, data.state)  # the loop's call after scoring
     return data
 
 

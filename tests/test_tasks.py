@@ -173,18 +173,21 @@ def test_data_rg_brings_its_defaults_and_given_flags_win(monkeypatch):
 
 
 @needs_rg
-@pytest.mark.parametrize("script", [grpo, reinforce])
+@pytest.mark.parametrize("script", [grpo, reinforce, ppo])
 def test_curriculum_skips_and_random_reward_resume_exactly(script, chat_model, monkeypatch,
                                                            tmp_path):
     """A run stopped after step 2 of 4 and resumed logs what the straight run logged: the
     curriculum's levels, the prompts' visits (what is skipped) and the random rewards' RNG are in
     the checkpoint. (Random rewards: a level's mean, about 0.5, clears up = 0.01.)"""
-    group = "--group_size" if script is grpo else "--samples_per_prompt"
+    batch = {grpo: ["--prompts_per_step", "4", "--group_size", "2"],
+             reinforce: ["--prompts_per_step", "4", "--samples_per_prompt", "2"],
+             ppo: ["--batch_size", "8", "--critic_init", "policy", "--ppo_epochs", "1",
+                   "--num_minibatches", "1"]}[script]  # 8 samples a step
     flags = ["--model", chat_model, "--data", "rg:chain_sum?size=3", "--rewards", "random=1",
-             "--curriculum_up", "0.01", "--skip_uniform", "1", "--max_steps", "4",
-             "--prompts_per_step", "4", group, "2", "--max_new_tokens", "3", "--lr", "1e-3",
-             "--eval_size", "4", "--eval_every", "0", "--save_every", "0", "--micro_batch_size",
-             "8", "--chat_template", "none", "--temperature", "1.0"]
+             "--curriculum_up", "0.01", "--skip_uniform", "1", "--max_steps", "4", *batch,
+             "--max_new_tokens", "3", "--lr", "1e-3", "--eval_size", "4", "--eval_every", "0",
+             "--save_every", "0", "--micro_batch_size", "8", "--chat_template", "none",
+             "--temperature", "1.0"]
     monkeypatch.setattr(tasks, "CURRICULUM_WINDOW", 16)  # a level every 2 steps, at most
     run_main(monkeypatch, script, *flags, "--output_dir", str(tmp_path / "a"))
     real_log = runs.log_step
