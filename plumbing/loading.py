@@ -365,5 +365,6 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
     for name in (n for n in fns if n not in weights):  # imported, and never called
         raise C.UserError(f"--reward_fn {name!r} is loaded but --rewards {spec!r} does not use "
                           f"it: add {name}=W to --rewards, or drop that --reward_fn")
-    fns.update({n: tasks.REWARDS[n] for n in weights if n in tasks.REWARDS})  # rg, random
+    for name in (n for n in weights if n in tasks.REWARDS):  # rg, random: the scripts' fns
+        fns[name] = tasks.REWARDS[name]
     return weights
