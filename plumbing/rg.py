@@ -46,7 +46,7 @@ ASK = "\n\nWork it out briefly, then give the final answer in <answer></answer> 
 # about 8 tokens, a tagged answer after a line of work about 20: 24 cuts few; T 0.7 and lr 2e-5
 # as chat-sums' preset (docs/real_model.md); beta 0 loads no reference model
 PRESET = {"rewards": "rg=1", "max_new_tokens": 24, "temperature": 0.7, "lr": 2e-5, "beta": 0.0,
-          "prompts_per_step": 4, "micro_batch_size": 32, "eval_size": 128, "max_steps": 30,
+          "prompts_per_step": 4, "micro_batch_size": 32, "eval_size": 128, "max_steps": 20,
           "eval_every": 10, "save_every": 0, "samples_every": 5}
 PRESET_ALGO = {"grpo": {"group_size": 8},
                "reinforce": {"samples_per_prompt": 8, "baseline": "rloo"},
@@ -124,6 +124,7 @@ def generator(name, settings, seed, level=None):
                           f"{dict(settings)} ({type(e).__name__}: {C.first_line(e)})") from None
 
 
+@functools.lru_cache(maxsize=None)
 def max_level(name):
     """The highest curriculum level that still raises some attribute of name's curriculum."""
     return max(len(a.levels) for a in factory.create_curriculum(name).attributes.values()) - 1
@@ -195,9 +196,15 @@ def scorer(name):
     return factory.get_score_answer_fn(name)
 
 
+def score(completion, row):
+    try:
+        return float(scorer(row["rg_task"])(stated_answer(completion), row["rg_entry"]))
+    except Exception:  # a verifier that chokes on the model's text (an expression it cannot
+        return 0.0  # parse): a wrong answer, not a crashed run
+
+
 def reward(completions, rows):
     """--rewards rg: each row's generator scores the answer its completion states (0-1)."""
     if rows and "rg_task" not in rows[0]:
         raise C.UserError("--rewards rg scores reasoning-gym's rows: give --data rg:NAME")
-    return [float(scorer(r["rg_task"])(stated_answer(c), r["rg_entry"]))
-            for c, r in zip(completions, rows)]
+    return [score(c, r) for c, r in zip(completions, rows)]
