@@ -1,5 +1,5 @@
 """common.py: the algorithmic core that every training script shares, and must share identically:
-sampling (one turn, or a multi-turn episode with a tool: one decode loop) -> log-probs and KL
+sampling (one turn; the multi-turn episodes of tool use are engine.py's) -> log-probs and KL
 -> rewards -> held-out eval. The fast paths (same numbers) are in fastpath.py; the plumbing an
 algorithm reader can skip in the folder plumbing/ (never imported here).
 
@@ -20,9 +20,7 @@ import functools
 import inspect
 import math
 import re
-from dataclasses import dataclass, field
 from types import SimpleNamespace
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -120,22 +118,6 @@ def eos_ids(model, tok):
     return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
 
 
-class Request(NamedTuple):  # what sample() hands env_step for a row whose turn just ended
-    row: int  # the row's index in the batch
-    turn: list  # the turn's token ids, as sampled
-    budget: int  # tokens left for the observation and all that follows it
-    eos: int | None  # the EOS the turn ended on (None: a stop string ended it)
-
-
-@dataclass
-class RowState:  # one row of sample(), as nanochat's engine keeps it
-    n: int = 0  # tokens written so far, the model's and observations': the column of the next
-    begun: int = 0  # the column where its current turn began
-    state: str = "sample"  # its logits are ready; "wait": its env call runs; "feed": see below
-    feed: list = field(default_factory=list)  # state "feed": the ids to forward (the turn's
-    # last token, sampled but not yet forwarded, then the observation's)
-
-
 def draw(probs, u):
     """Inverse-CDF sampling, one uniform u in [0, 1) a row: the token whose share of the
     cumulative distribution holds u * total (probs need not sum to 1: top-p zeroes some)."""
@@ -145,28 +127,41 @@ def draw(probs, u):
     return torch.searchsorted(cdf, x, right=True)[:, 0]  # cdf[k-1] <= x < cdf[k]: p_k > 0
 
 
+def next_token(logits, temperature=1.0, top_p=1.0, greedy=False, never=None, u=None):
+    """Each row's next token (b,) and its log-prob (b,) from its logits (b, V): at the temperature,
+    from the top_p nucleus, never a suppressed id; greedy: the argmax. By torch.multinomial (one
+    stream for the batch), or with u (b,) one uniform a row by draw() (engine.py's streams)."""
+    z = masked_logits(logits.float(), never) / temperature
+    probs = z.softmax(-1)
+    if top_p < 1.0:  # nucleus: keep the smallest set of tokens with mass >= top_p
+        p_sorted, idx = probs.sort(-1, descending=True)
+        drop = p_sorted.cumsum(-1) - p_sorted >= top_p
+        probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
+    if greedy:
+        nxt = z.argmax(-1)
+    elif u is None:
+        nxt = torch.multinomial(probs, 1).squeeze(-1)
+    else:
+        nxt = draw(probs, u)
+    lp = z.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
+    if top_p < 1.0:  # drawn from the kept tokens, renormalised: their mass probs.sum()
+        lp -= probs.sum(-1).log()
+    return nxt, lp
+
+
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
-           amp=None, stop=(), share_prompts=True, env_step=None):
-    """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row's
-    turn ends at its first EOS or at the token that completes a `stop` string (greedy: the argmax,
-    not a draw); without env_step the row is then done and leaves the batch and the cache.
-    With env_step (envs.start_episodes) it sends a Request and waits while the others go on:
-    env_step(requests, wait) starts their calls and returns [(row, observation ids, or None: the
-    episode ended)] of those finished (wait: block until one has). An observation goes through
-    the KV cache in one forward (completion_mask 0, sample_logprobs 0); no token is forwarded
-    twice. max_new_tokens counts observations too."""
+           amp=None, stop=(), share_prompts=True):
+    """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row
+    ends at its first EOS or at the token that completes a `stop` string, and leaves the batch
+    and the cache. greedy: the argmax, not a draw. (Multi-turn episodes: engine.sample.)"""
     B, N, device = len(prompt_ids), max_new_tokens, next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
-    out = torch.full((B, N), tok.pad_token_id, device=device)  # row i's tokens at columns 0..n-1
+    out = torch.full((B, N), tok.pad_token_id, device=device)  # row i's token t at column t
     out_lp = torch.zeros(B, N, device=device)
-    is_obs = torch.zeros(B, N, dtype=torch.bool, device=device)  # fed, not sampled
-    finished = torch.zeros(B, dtype=torch.bool, device=device)  # ended by EOS / stop / the env
-    rows = [RowState() for _ in range(B)]
+    lengths = torch.full((B,), N, device=device)  # tokens each row wrote
+    finished = torch.zeros(B, dtype=torch.bool, device=device)  # ended by EOS / stop
     window = max(map(len, stop), default=0) + 2  # a stop string spans <= 1 token per character
-    # with an env, rows join and leave forwards as their tools answer, so each row draws from
-    # its own stream: u[i, k] draws row i's k-th token, whoever shares its forwards
-    u = torch.rand(B, N, device=device) if env_step is not None else None
     with amp or torch.autocast(device.type, enabled=False):
         # the prefill: every row's prompt; share_prompts (the fast path, same numbers): each
         # distinct prompt once, its KV cache then copied to its rows (a GRPO group's G rows)
@@ -175,104 +170,36 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
         ids, prompt_mask = left_pad(prompts, tok.pad_token_id, device)
         cache = DynamicCache()
         logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
-        logits = logits.logits[:, -1]  # (b, V): each row's next-token logits (state "sample")
+        logits = logits.logits[:, -1]  # (b, V): each row's next-token logits
         if row_of is not None:
             fastpath.copy_to_rows(cache, row_of)
             logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
-        batch = torch.arange(B, device=device)  # the rows in the KV cache, in its order
-        kv_mask = prompt_mask  # (b, S): the cache columns that hold a row's tokens
         never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
-        forward = functools.partial(_forward, model)
-        while True:
-            # 1. observations that arrived go through the model, for their rows only
-            feeding = [j for j, i in enumerate(batch.tolist()) if rows[i].state == "feed"]
-            if feeding:  # plain: the whole batch, the others fed padding; here: these rows alone
-                feeds = [rows[i].feed for i in batch[feeding].tolist()]
-                logits[feeding], kv_mask = fastpath.feed_rows(forward, cache, kv_mask, feeding,
-                                                              feeds, tok.pad_token_id)
-                for i in batch[feeding].tolist():
-                    rows[i].state, rows[i].feed = "sample", []
-            # 2. every row whose logits are ready draws its next token (logits: last column)
-            drawing = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
-                                   device=device)
-            who, requests = batch[drawing], []
-            if len(who):
-                col = torch.tensor([rows[i].n for i in who.tolist()], device=device)
-                z = masked_logits(logits[drawing].float(), never) / temperature
-                probs = z.softmax(-1)
-                if top_p < 1.0:  # nucleus: keep the smallest set of tokens with mass >= top_p
-                    p_sorted, idx = probs.sort(-1, descending=True)
-                    drop = p_sorted.cumsum(-1) - p_sorted >= top_p
-                    probs = probs.scatter(-1, idx, p_sorted.masked_fill(drop, 0.0))
-                if greedy:
-                    nxt = z.argmax(-1)
-                elif u is None:  # one stream for the batch, as torch.multinomial draws
-                    nxt = torch.multinomial(probs, 1).squeeze(-1)
-                else:
-                    nxt = draw(probs, u[who, col])
-                lp = z.log_softmax(-1).gather(-1, nxt[:, None])[:, 0]
-                if top_p < 1.0:  # drawn from the kept tokens, renormalised: mass probs.sum()
-                    lp -= probs.sum(-1).log()
-                out[who, col], out_lp[who, col] = nxt, lp
-                ended = torch.isin(nxt, eos)  # the model's turn ended on its EOS
-                if stop:  # decode each row's last few tokens: does a stop string end here?
-                    recent = out[who].tolist()
-                    tails = [tok.decode(x[max(rows[i].begun, n + 1 - window):n + 1])
-                             for i, n, x in zip(who.tolist(), col.tolist(), recent)]
-                    ended |= torch.tensor([any(s in x for s in stop) for x in tails],
-                                          device=device)
-                for i, e, x in zip(who.tolist(), ended.tolist(), nxt.tolist()):
-                    r = rows[i]
-                    r.n += 1
-                    if e and env_step is not None:  # its env answers: a Request, then it waits
-                        requests.append(Request(i, out[i, r.begun:r.n].tolist(), N - r.n,
-                                                x if x in eos else None))
-                        r.state = "wait"
-                    elif e or r.n == N:  # its EOS (no env), or the budget is spent
-                        r.state, finished[i] = "done", e
-            # 3. the env: start the new calls; the answers of those finished (wait if no row can
-            # go on without one); an observation is written now, and fed at the next forward
-            waiting = any(r.state == "wait" for r in rows)
-            for i, obs in env_step(requests, not drawing.any()) if waiting else []:
-                r = rows[i]
-                if obs is None:  # the episode ended
-                    r.state, finished[i] = "done", True
-                    continue
-                out[i, r.n:r.n + len(obs)] = torch.tensor(obs, dtype=torch.long)
-                is_obs[i, r.n:r.n + len(obs)] = True
-                r.feed = [int(out[i, r.n - 1])] + list(obs)  # the turn's last token, then it
-                r.n += len(obs)
-                r.begun, r.state = r.n, "done" if r.n == N else "feed"
-            # 4. rows done leave the batch and the KV cache
-            keep = [j for j, i in enumerate(batch.tolist()) if rows[i].state != "done"]
-            if not keep:
+        batch, kv_mask = torch.arange(B, device=device), prompt_mask  # the rows still going
+        for t in range(N):
+            nxt, lp = next_token(logits, temperature, top_p, greedy, never)
+            out[batch, t], out_lp[batch, t] = nxt, lp
+            ended = torch.isin(nxt, eos)
+            if stop:  # decode each row's last few tokens: does a stop string end here?
+                tails = [tok.decode(x[max(0, t + 1 - window):t + 1]) for x in out[batch].tolist()]
+                ended |= torch.tensor([any(s in x for s in stop) for x in tails], device=device)
+            finished[batch[ended]], lengths[batch[ended]] = True, t + 1
+            if ended.all() or t + 1 == N:
                 break
-            if len(keep) < len(batch):
-                keep = torch.tensor(keep, device=device)
+            if ended.any():  # rows done leave the batch and the KV cache
+                keep = (~ended).nonzero()[:, 0]
                 cache.batch_select_indices(keep)
-                batch, logits, kv_mask = batch[keep], logits[keep], kv_mask[keep]
-            # 5. a decode step: the rows that drew give their token; the others (waiting, or to
-            # be fed next) ride along as padding with attention 0: their columns stay empty
-            going = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
-                                 device=device)
-            if going.any():
-                nxt = torch.tensor([int(out[i, rows[i].n - 1]) if rows[i].state == "sample"
-                                    else tok.pad_token_id for i in batch.tolist()], device=device)
-                pos = kv_mask.sum(-1, keepdim=True)  # the new token's position
-                kv_mask = torch.cat([kv_mask, going[:, None].long()], 1)
-                step = _forward(model, nxt[:, None], kv_mask, pos, cache, keep=1).logits[:, -1]
-                logits = torch.where(going[:, None], step, logits)
-            if env_step is not None:  # the empty columns: dropped once they are half the cache
-                kv_mask = fastpath.compact(cache, kv_mask)
-    lengths = torch.tensor([r.n for r in rows], device=device)
+                batch, nxt, kv_mask = batch[keep], nxt[keep], kv_mask[keep]
+            pos = kv_mask.sum(-1, keepdim=True)  # the new token's position
+            kv_mask = torch.cat([kv_mask, torch.ones_like(kv_mask[:, :1])], 1)
+            logits = _forward(model, nxt[:, None], kv_mask, pos, cache, keep=1).logits[:, -1]
     T = int(lengths.max())
     real = torch.arange(T, device=device)[None] < lengths[:, None]
-    completion_mask = (real & ~is_obs[:, :T]).float()  # the model's tokens, not observations
-    P = ids.shape[1]
+    completion_mask = real.float()  # 1 on each token written, EOS included
     return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
                            attention_mask=torch.cat([prompt_mask, real.long()], 1),
                            truncated=~finished, sample_logprobs=out_lp[:, :T] * completion_mask,
-                           P=P)
+                           P=ids.shape[1])
 
 
 def decode_completions(tok, roll):
@@ -282,19 +209,16 @@ def decode_completions(tok, roll):
 
 
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
-    """One completion per row by sample(); with env (envs.load_env) one multi-turn episode per row,
-    each on its own copy of the row. Returns the rollout and the texts rewards read (with env, the
-    text after the last observation). greedy (held-out eval): the argmax, at temperature 1."""
-    tools = env.tools if env else None  # --tools: their JSON schemas, rendered by the template
-    prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
+    """One completion per row by sample() -> (the rollout, the texts rewards read). With env
+    (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
+    (engine.generate). greedy (held-out eval): the argmax, at temperature 1."""
+    if env is not None:
+        return env.generate(model, tok, rows, args, amp, greedy)
+    prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
-    env_step, finish = env.start(rows, tok, args.max_turns) if env else (None, None)
     roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy, amp,
-                  args.stop, env_step=env_step)
-    if env is None:
-        return roll, decode_completions(tok, roll)
-    finish(roll)  # the episodes' turns and observations: roll.final, roll.transcript, ...
-    return roll, roll.final  # the text after the last observation
+                  args.stop)
+    return roll, decode_completions(tok, roll)
 
 
 # ------------------------------------------------------------------------------ log-probs, KL

@@ -1,11 +1,11 @@
-"""fastpath.py: the fast paths of common.py's sampling and log-probs. Same values and gradients
-as the plain versions there (tested); read those first, and come here for how it is made cheap.
-Pure torch: the model's forward comes in as a function, forward(ids, mask, pos, cache, keep,
-hidden) (common._forward with its model bound): this file imports nothing of the project.
+"""fastpath.py: the fast paths of common.py's sampling and log-probs, and engine.py's. Same values
+and gradients as the plain versions there (tested); read those first, and come here for how it is
+made cheap. Pure torch: the model's forward comes in as a function, forward(ids, mask, pos, cache,
+keep, hidden) (common._forward with its model bound): this file imports nothing of the project.
 
 - distinct, copy_to_rows: sample()'s prefill runs each distinct prompt once and copies its KV
   cache to every row of its group (GRPO's G rows, RLOO's k samples).
-- feed_rows, forward_rows, compact: a multi-turn sample() feeds an observation to its rows
+- feed_rows, forward_rows, compact: engine.sample (multi-turn) feeds an observation to its rows
   alone, the others' KV cache growing by empty (masked) columns; compact drops them.
 - final_hidden, head_logprobs: token_logprobs() without the padding columns, with a
   shared-prompt KV cache, and with the LM head run a chunk at a time on the final hidden states,
@@ -36,7 +36,7 @@ def copy_to_rows(cache, row_of):
 
 
 def feed_rows(forward, cache, mask, rows, feeds, pad_id):
-    """sample()'s observations: feeds[k], the ids of the batch's row rows[k], go through the
+    """engine.sample's observations: feeds[k], the ids of the batch's row rows[k], go through the
     model in one forward, each row's ids at the right end with padding (attention 0) before them,
     positions counting on from the row's tokens. Returns those rows' logits at the last column
     (k, V) and the cache's attention mask (b, S + W), W the longest feed."""

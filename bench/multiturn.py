@@ -51,13 +51,19 @@ def run_rollout(C, E, model, tok, prompt_ids, env, rows, max_turns, budget):
     make = lambda row: (lambda turns: env(row, turns))  # noqa: E731
     if "who" in inspect.signature(E.start_episodes).parameters:  # episodes count their turns
         env_step, finish = E.start_episodes(rows, make, "--env 'bench'", 60, tok, max_turns)
-        roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step)
+        roll = multi_turn_sampler(C)(model, tok, prompt_ids, budget, env_step=env_step)
     else:
         env_step, finish = E.start_episodes(rows, make, "--env", "bench", 60, tok)
         roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, max_turns=max_turns)
     if callable(finish):  # the episodes' fields (roll.turns): since episodes keep their turns
         finish(roll)
     return roll
+
+
+def multi_turn_sampler(C):
+    """engine.sample since the engine has its own module; common.sample before."""
+    return importlib.import_module("engine").sample if importlib.util.find_spec("engine") else (
+        C.sample)
 
 
 def bundled_policy(L):
@@ -255,7 +261,7 @@ def memory(C, E, L, T, steps=50):
     out = {}
     for step_ in range(1, steps + 1):
         env_step, finish = E.start_episodes(rows, Big, "--env 'bench'", 60, tok, 3)
-        roll = C.sample(model, tok, ids, 24, env_step=env_step)
+        roll = multi_turn_sampler(C)(model, tok, ids, 24, env_step=env_step)
         finish(roll)
         del env_step, finish, roll
         if step_ in (2, 10, 25, 50):

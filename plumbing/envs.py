@@ -5,7 +5,7 @@ str | None, called with its own copy of the data row and the model's turns so fa
 texts); or a class, built once per episode as Class(row), whose step(turns) answers. The answer
 is the observation (a tool's output, as text, which is tokenized as text: never a special
 token), or token ids (chat_observation: a chat template's own markers), or None to end the
-episode. common.sample feeds the observation through the same KV cache and the model goes on.
+episode. engine.sample feeds the observation through the same KV cache and the model goes on.
 Pick one with --env FILE.py:NAME (or package.module:name), or --env calc (the calculator, calc.py);
 or give --tools FILE.py:NAME,... : plain Python functions that the model's chat template shows it,
 whose calls are parsed in the model's own format (ToolEpisode). docs/tool_use.md has the details.
@@ -24,6 +24,7 @@ import torch
 from transformers.utils import get_json_schema
 
 import common as C
+import engine
 from common import first_line
 from plumbing import loading
 from plumbing import calc
@@ -71,13 +72,14 @@ def _worker():
 def load_env(spec, tools="", timeout=ENV_TIMEOUT_S, budget=None):
     """--env (calc, FILE.py:FUNCTION, FILE.py:Class or module:name) or --tools -> the run's
     environment, or None: a namespace with start(rows, tok, max_turns) -> (env_step, finish) for
-    common.sample and common.generate, and tools, the JSON schemas that the prompts' chat
-    template renders (--tools; else None). Each row gets its own episode, built from its own
-    copy of the row: a function env(row, turns) -> str | None is called with that copy; a class
-    is built as Class(row) and its step(turns) called. Every error is one line naming the env
-    and the row: a raise (even SystemExit), a result that is not a string, token ids or None,
-    or a call slower than `timeout` seconds (--env_timeout). budget (--max_new_tokens): --tools
-    cuts each result to it as text, before it is rendered or tokenized."""
+    engine.sample, generate (engine.generate, which common.generate calls), and tools, the JSON
+    schemas that the prompts' chat template renders (--tools; else None). Each row gets its own
+    episode, built from its own copy of the row: a function env(row, turns) -> str | None is
+    called with that copy; a class is built as Class(row) and its step(turns) called. Every error
+    is one line naming the env and the row: a raise (even SystemExit), a result that is not a
+    string, token ids or None, or a call slower than `timeout` seconds (--env_timeout). budget
+    (--max_new_tokens): --tools cuts each result to it as text, before it is rendered or
+    tokenized."""
     if spec and tools:
         raise C.UserError("give --env or --tools, not both: --tools is an env of its own")
     if tools:
@@ -94,20 +96,28 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S, budget=None):
             return start_episodes(
                 rows, lambda row: ToolEpisode(row, tok, functions, schemas, budget),
                 f"--tools {tools!r}", timeout, tok, max_turns)
-        return C.SimpleNamespace(tools=schemas, start=start, check=check)
+        return with_engine(C.SimpleNamespace(tools=schemas, start=start, check=check))
     if not spec:
         return None
     fn = calc.calc if spec == "calc" else loading.load_function(
         "--env", spec, "write calc, path/to/file.py:function (or :Class) or module:function")
     make = fn if inspect.isclass(fn) else lambda row: functools.partial(fn, row)
-    return C.SimpleNamespace(tools=None, check=lambda tok: None,
-                             start=lambda rows, tok, max_turns: start_episodes(
-                                 rows, make, f"--env {spec!r}", timeout, tok, max_turns))
+    return with_engine(C.SimpleNamespace(tools=None, check=lambda tok: None,
+                                         start=lambda rows, tok, max_turns: start_episodes(
+                                             rows, make, f"--env {spec!r}", timeout, tok,
+                                             max_turns)))
+
+
+def with_engine(env):
+    """The env with the sampler of its episodes: env.generate, engine.generate bound to it, which
+    common.generate calls for a run with an env."""
+    env.generate = functools.partial(engine.generate, env=env)
+    return env
 
 
 def start_episodes(rows, make, who, timeout, tok, max_turns=1):
     """One episode per row, each made (on its first call) from a deep copy of its row and keeping
-    its own turns and observations. Returns env_step(requests, wait) for common.sample, which
+    its own turns and observations. Returns env_step(requests, wait) for engine.sample, which
     starts each row's call in a thread of its own (submit) and hands back the observations of
     the calls that have finished (observation_ids: cut to the budget), or None for an episode
     that ended (the env's None, or no call after its max_turns-th turn); and finish(roll), which
@@ -146,7 +156,7 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
     running = {}  # row -> (its call's Future, when it started, its Request)
 
     def env_step(requests, wait=False):
-        """Start the calls of the rows whose turns just ended (a common.Request each) and return
+        """Start the calls of the rows whose turns just ended (an engine.Request each) and return
         [(row, observation ids or None)] of the calls that have finished, in row order; wait:
         block until one has. A call past its deadline stops the run, even while others decode."""
         for req in requests:

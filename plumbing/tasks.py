@@ -527,7 +527,7 @@ def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, 
     after it, each assistant message's tokens are trained, the other messages' are not. With a
     chat template the pieces are the template's (template_turns); without one, the messages'
     contents one after another with nothing between, each tokenized alone, then EOS: the
-    transcript the multi-turn rollout builds (common.sample with an env)."""
+    transcript the multi-turn rollout builds (engine.sample)."""
     if "text" in demo:  # every token but the first, which nothing before it predicts
         ids = tok(demo["text"])["input_ids"] + [tok.eos_token_id]
         return ids[:1], ids[1:], [1] * (len(ids) - 1)

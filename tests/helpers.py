@@ -19,6 +19,7 @@ from transformers import LlamaForSequenceClassification
 from transformers import Qwen2Config
 
 import common as C
+import engine
 import fastpath
 import dpo
 from plumbing import envs as E
@@ -179,13 +180,13 @@ def exits_later(completions, rows):  # sys.exit(0) at its second call, after ste
 '''
 
 
-# ---- tool use: the one sampler with env_step (common.sample), envs.py, --env / --tools
+# ---- tool use: the multi-turn sampler (engine.sample), envs.py, --env / --tools
 def rollout(model, tok, prompt_ids, env, rows, max_turns, budget, timeout=60, **kw):
-    """The multi-turn sampler with a test env function env(row, turns): common.sample with the
+    """The multi-turn sampler with a test env function env(row, turns): engine.sample with the
     env_step that envs builds (one episode per row, its checks and deadline)."""
     env_step, finish = E.start_episodes(rows, lambda row: functools.partial(env, row),
                                         "--env 'test'", timeout, tok, max_turns)
-    roll = C.sample(model, tok, prompt_ids, budget, env_step=env_step, **kw)
+    roll = engine.sample(model, tok, prompt_ids, budget, env_step=env_step, **kw)
     finish(roll)  # the episodes' turns and observations, on the rollout
     return roll
 
@@ -248,27 +249,31 @@ import os, sys
 sys.path.insert(0, os.environ["MINRL_ROOT"])
 import torch
 import common as C
+import engine
 import dpo, grpo, ppo, reinforce, reward_model, sft
 from plumbing import runs
-real_sample = C.sample
 
 
-def sample(model, tok, prompt_ids, *args, env_step=None, **kwargs):  # each row alone, seeded
-    seen, pieces = {}, []                    # by its prompt and its index among that prompt's rows
-    for j, p in enumerate(prompt_ids):
-        k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
-        torch.manual_seed(hash((tuple(p), k)) % 2**31)
-        step = env_step and (lambda reqs, wait, j=j: [  # row j's episode, as row 0 here
-            (0, obs) for _, obs in env_step([r._replace(row=j) for r in reqs], wait)])
-        pieces.append((real_sample(model, tok, [p], *args, env_step=step, **kwargs),
-                       torch.tensor([0])))
-    # then the RNG as one process leaves it in rank 0 and another stream in rank 1 (so
-    # runs.seed_everything seeds them): ppo's minibatches must follow rank 0's shuffle alone
-    torch.manual_seed(1 + runs.get_rank())
-    return grpo.cat_rollouts(pieces)
+def each_row_alone(real, multi_turn):  # common.sample, or engine.sample(..., N, env_step, ...)
+    def sample(model, tok, prompt_ids, N, *args, **kwargs):  # each row alone, seeded
+        env_step, args = (args[0], args[1:]) if multi_turn else (None, args)
+        seen, pieces = {}, []                # by its prompt and its index among that prompt's rows
+        for j, p in enumerate(prompt_ids):
+            k = seen[tuple(p)] = seen.get(tuple(p), -1) + 1
+            torch.manual_seed(hash((tuple(p), k)) % 2**31)
+            step = env_step and (lambda reqs, wait, j=j: [  # row j's episode, as row 0 here
+                (0, obs) for _, obs in env_step([r._replace(row=j) for r in reqs], wait)])
+            pieces.append((real(model, tok, [p], N, *[step][:multi_turn], *args, **kwargs),
+                           torch.tensor([0])))
+        # then the RNG as one process leaves it in rank 0 and another stream in rank 1 (so
+        # runs.seed_everything seeds them): ppo's minibatches must follow rank 0's shuffle alone
+        torch.manual_seed(1 + runs.get_rank())
+        return grpo.cat_rollouts(pieces)
+    return sample
 
 
-C.sample = sample
+C.sample = each_row_alone(C.sample, False)
+engine.sample = each_row_alone(engine.sample, True)
 script = {"grpo": grpo, "ppo": ppo, "reinforce": reinforce, "sft": sft, "dpo": dpo,
           "reward_model": reward_model}[sys.argv[1]]
 sys.argv = sys.argv[1:]

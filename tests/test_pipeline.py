@@ -497,7 +497,7 @@ def test_sft_on_a_thinking_template_advises_what_works(chat_model):
 
 
 def test_sft_conversation_without_a_template_is_the_multi_turn_rollouts_transcript():
-    """Without a chat template a calculator conversation is exactly what common.sample builds
+    """Without a chat template a calculator conversation is exactly what engine.sample builds
     when the model writes those turns with --env calc: the same ids, and the loss mask is the
     rollout's completion_mask (the observation ' 46 ' masked, the EOS in). The same text as one
     completion (calc.calc_demo's) has the same ids, every one of them trained."""

@@ -1,4 +1,5 @@
-"""common.sample and stop strings, on tiny models and on a real-style BPE vocabulary."""
+"""common.sample (and engine.sample, the multi-turn one, held equal to it) and stop strings, on tiny
+models and on a real-style BPE vocabulary."""
 import math
 from types import SimpleNamespace
 
@@ -7,6 +8,7 @@ import torch
 
 import common as C
 import dpo
+import engine
 import grpo
 from plumbing import loading
 import ppo
@@ -54,6 +56,29 @@ def test_stop_strings_end_rows_as_generate_does(tok):
             assert any(text.endswith(s) for s in stop) and not any(s in text[:-1] for s in stop)
             assert not roll.truncated[i] and (n == ref.shape[1] or ref[i, n] == tok.pad_token_id)
     assert 0 < n_stopped < len(texts) and "12" in "".join(texts)
+
+
+@pytest.mark.parametrize("stop", [(), ("8", "12")])
+def test_the_engine_with_episodes_that_end_at_once_is_the_single_turn_sampler(stop, tok):
+    """engine.sample (multi-turn) and common.sample share the draw (common.next_token): with an env
+    that ends every episode at its first turn, the engine's rollout is common.sample's, token for
+    token, log-prob for log-prob, mask for mask, with rows that end on EOS, on a stop string and
+    at the budget. Greedy (at temperature 0.7 and top-p 0.8, which the log-probs use): a draw
+    would come from other streams (u[i, k] a row, against torch.multinomial's one)."""
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"), frozen=True)
+    prompts = C.encode_prompts(tok, [r["prompt"] for r in tasks.load_data("").eval_rows[:48]])
+    kw = dict(temperature=0.7, top_p=0.8, greedy=True, stop=stop)
+    single = C.sample(model, tok, prompts, 3, **kw)
+    asked = []
+
+    def ends_at_once(requests, wait):  # the env's answer to every turn: the episode ended
+        asked.extend(r.row for r in requests)
+        return [(r.row, None) for r in requests]
+    multi = engine.sample(model, tok, prompts, 3, ends_at_once, **kw)
+    for key in ("ids", "attention_mask", "completion_mask", "truncated", "sample_logprobs"):
+        assert torch.equal(getattr(multi, key), getattr(single, key)), key
+    assert multi.P == single.P and 0 < int(single.truncated.sum()) < len(prompts)
+    assert sorted(asked) == (~single.truncated).nonzero()[:, 0].tolist()  # each ended turn, once
 
 
 # ---- real vocabularies: a BPE tokenizer, ChatML, spare embedding rows

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
+import engine
 from plumbing import calc
 from plumbing import envs as E
 from plumbing.flags import parse_args
@@ -33,7 +34,7 @@ from tests.helpers import (FAST_GRPO, OFF, PROMPTS, ROOT, read_metrics, rollout,
                            TOOLS_FILE)
 
 
-# ---- tool use: the one sampler with env_step (common.sample), envs.py, --env / --tools
+# ---- tool use: the multi-turn sampler (engine.sample), envs.py, --env / --tools
 def always_env(text=" 12 "):
     """An environment that answers every turn with the same observation (a tiny random model
     never writes a tool call, so the test envs do not wait for one); its calls are recorded."""
@@ -203,7 +204,7 @@ def test_each_episode_owns_its_row_and_a_class_env_gets_one_object_per_episode(t
             return f" {self.calls} "
     env_step, finish = E.start_episodes(rows, Episode, "--env 'x.py:Episode'", 60, tok, 4)
     torch.manual_seed(0)
-    roll = C.sample(model, tok, prompts, 40, env_step=env_step)
+    roll = engine.sample(model, tok, prompts, 40, env_step=env_step)
     finish(roll)
     made = [e for e in roll.episodes if e is not None]
     assert len(made) == len(Episode.made) == int((roll.tool_calls > 0).sum())
@@ -306,7 +307,7 @@ def test_episodes_are_freed_when_their_rollout_is_done(tok):
     try:
         for _ in range(3):
             env_step, finish = E.start_episodes(rows, Episode, "--env 'x.py:Episode'", 60, tok, 4)
-            roll = C.sample(model, tok, prompts, 30, env_step=env_step)
+            roll = engine.sample(model, tok, prompts, 30, env_step=env_step)
             finish(roll)
             assert len(alive) == sum(e is not None for e in roll.episodes) > 0
             del env_step, finish, roll

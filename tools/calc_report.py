@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
+import engine  # noqa: E402
 from plumbing import calc, envs, loading, tasks  # noqa: E402
 
 CALC_REPORT_SHAPES = ((2, 2), (3, 3), (4, 4))
@@ -34,9 +35,9 @@ def calc_report(model, tok, n=200, k=1, seed=0):
             prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], "none")
             env = envs.load_env("calc")
             env_step, finish = env.start(rows, tok, max_turns=3)  # call, answer, spare
-            roll = C.sample(model, tok, prompt_ids, calc.CALC_DEFAULTS["max_new_tokens"],
-                            greedy=mode == "greedy", stop=calc.CALC_DEFAULTS["stop"],
-                            env_step=env_step)
+            roll = engine.sample(model, tok, prompt_ids, calc.CALC_DEFAULTS["max_new_tokens"],
+                                 env_step, greedy=mode == "greedy",
+                                 stop=calc.CALC_DEFAULTS["stop"])
             finish(roll)  # roll.final: the text after the last observation
             right = torch.tensor([C.math_reward(c, r) for c, r in zip(roll.final, rows)])
             called = roll.tool_calls > 0

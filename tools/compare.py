@@ -101,6 +101,7 @@ def final_kl(folder, k):
     from transformers.utils import logging
     sys.path.insert(0, ROOT)
     import common as C
+    import engine
     from plumbing import calc, envs as E
     from plumbing import loading
     from plumbing import tasks
@@ -118,9 +119,13 @@ def final_kl(folder, k):
     total = 0.0
     for i in range(0, len(prompt_ids), 256):
         # with env, KL at the model's tokens only: completion_mask is 0 on observations
-        env_step = env.start(rows[i:i + 256], tok, args["max_turns"])[0] if env else None
-        roll = C.sample(policy, tok, prompt_ids[i:i + 256], args["max_new_tokens"],
-                        args["temperature"], args["top_p"], stop=args["stop"], env_step=env_step)
+        kw = dict(temperature=args["temperature"], top_p=args["top_p"], stop=args["stop"])
+        if env:  # multi-turn: engine.sample, with the episodes' env_step
+            env_step = env.start(rows[i:i + 256], tok, args["max_turns"])[0]
+            roll = engine.sample(policy, tok, prompt_ids[i:i + 256], args["max_new_tokens"],
+                                 env_step, **kw)
+        else:
+            roll = C.sample(policy, tok, prompt_ids[i:i + 256], args["max_new_tokens"], **kw)
         pos = C.positions(roll.attention_mask)
         logp = [(m(input_ids=roll.ids, attention_mask=roll.attention_mask, position_ids=pos)
                  .logits[:, roll.P - 1:-1].float() / args["temperature"]).log_softmax(-1)
