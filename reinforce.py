@@ -134,7 +134,7 @@ class Args:
     seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
     eval_every: int = arg(100, ">= 0")  # steps between held-out evals (0: before and after only)
     eval_size: int = arg(500, "> 0")  # held-out prompts per eval
-    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: rg score on rg: rows, math on numbers
+    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: rg score, or math on numbers
     eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
