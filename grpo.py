@@ -65,13 +65,13 @@ class Args:
     prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
     answer_field: str = ""  # the rows' answer field ('' = answer or solution)
     system_prompt: str = ""  # a system message put before every prompt
+    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
+    trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # curriculum and prompt skipping (tasks.observe), both off by default
     curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
     curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
     skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
     skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
-    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
-    trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- sampling
     group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
     prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
