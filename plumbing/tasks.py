@@ -256,6 +256,12 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train",
     rewards, parts, group_size) (observe on state) and state: what next_batch reads besides the
     rng (saved in checkpoints), so saving both resumes the data stream exactly."""
     data = load_rows(spec, eval_size, need_answer, split, curriculum[0] > 0, **fields)
+    return scheduled(data, curriculum, skip)
+
+
+def scheduled(data, curriculum=(0.0, 0.0), skip=(0, 0.0)):
+    """data (next_batch, eval_rows, rows; rg's: and state) with observe and its state (see
+    load_data), next_batch skipping settled prompts when skip[0] > 0."""
     data.state = getattr(data, "state", {})  # (rg's next_batch reads its levels there)
     data.state.update(up=curriculum[0], down=curriculum[1], skip=skip[0], keep=skip[1],
                       visits={}, recent={}, skipped=0)
