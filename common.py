@@ -422,7 +422,8 @@ def normalize_then_sum(parts, weights, group_size, eps=1e-4, std=torch.std):
     total = 0.0
     for name, w in weights.items():
         r = parts[name].float().view(-1, group_size)
-        total = total + w * ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps))
+        sd = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(r)  # one: 0 (TRL)
+        total = total + w * ((r - r.mean(1, keepdim=True)) / (sd + eps))
     total = total.view(-1)  # each part's group mean is 0, so the batch mean is 0 up to rounding
     return (total - total.mean()) / (std(total) + eps)
 

@@ -38,6 +38,7 @@ Run:  python dpo.py                      # bundled: data/rankings.jsonl, 2-core 
           --micro_batch_size 8 --max_new_tokens 256
 Expect (bundled default): held-out greedy accuracy from 0.29 to about 0.83 (see README).
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import time
 from dataclasses import dataclass, field
 from typing import Literal

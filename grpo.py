@@ -34,6 +34,7 @@ Run:  python grpo.py                     # bundled tiny model and task, CPU, und
           --lr 1e-6 --micro_batch_size 16    # micro-batches change memory, not the gradient
 Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to about 0.99.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
 import time
 from dataclasses import dataclass, field
@@ -96,7 +97,7 @@ class Args:
     clip_eps: float = arg(0.2, "> 0")  # eps_low: the ratio is clipped below 1 - eps_low (PPO)
     clip_eps_high: float = arg(0.2, "> 0")  # eps_high: clipped above at 1 + eps_high (DAPO: 0.28)
     num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (DeepSeekMath: 1)
-    loss_agg: LossAgg = "token-mean"  # normaliser, see aggregate() (DAPO and TRL: token-mean)
+    loss_agg: LossAgg = "token-mean"  # see aggregate(): token-mean DAPO, TRL; seq-sum LUSPO
     scale_rewards: Literal["group", "batch", "none", "mean"] = "group"  # none: Dr.GRPO, mean: MaxRL
     mask_truncated: bool = False  # completions with no EOS carry no loss (DAPO overlong filtering)
     overlong_penalty: float = arg(0.0, ">= 0")  # DAPO soft overlong punishment (its maximum)
@@ -121,9 +122,10 @@ class Args:
     vespo_lambda_pos: float = arg(3.0, ">= 1e-4")  # lambda for A >= 0 (TRL: 3; >= 1e-4 as TRL)
     vespo_k_neg: float = arg(3.0, ">= 0")  # k for A < 0 (TRL: 3)
     vespo_lambda_neg: float = arg(2.0, ">= 1e-4")  # lambda for A < 0 (TRL: 2)
-    # DeepSeek-V3.2: drop o_i if A_i < 0 and its mean log(pi_sampler / pi_theta) > this; 0: off
-    off_policy_mask: float = arg(0.0, ">= 0")  # (TRL's example: 0.5) [off_policy_mask_threshold]
+    # DeepSeek-V3.2: drop o_i if A_i < 0 and its mean log(pi_sampler / pi_theta) > this
+    off_policy_mask: float | None = arg(None, ">= 0")  # off (TRL: 0.5) [off_policy_mask_threshold]
     unbiased_kl: bool = False  # beta's KL term times rho (DeepSeek-V3.2) [use_bias_correction_kl]
+    dppo_ratio_cap: float = arg(0.0, ">= 0")  # dppo: sg(rho_s) capped at C (DPPO authors 3); 0 off
     sampler_kl_coef: float = arg(0.0, ">= 0")  # kappa (log pi_theta/pi_sampler)^2 (prime-rl: 1e-3)
     multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
     # --- optimisation
@@ -170,8 +172,9 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (std(rewards) + eps)
-    elif scale == "mean":  # MaxRL: (r - mean) / (mean + eps); a group with no success has A = 0
-        adv = adv / (r.mean(1, keepdim=True) + eps)
+    elif scale == "mean":  # MaxRL: (r - mean) / (mean + eps); A = 0 where the mean is <= 0 (no
+        mean = r.mean(1, keepdim=True)  # success; rewards < 0 would flip A's sign): as AllenAI's
+        adv = torch.where(mean > 0, adv / (mean + eps), 0.0)  # open-instruct and Google's Tunix
     return adv.view(-1)
 
 
@@ -213,7 +216,10 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
         moved = logprobs.exp() - sample_logprobs.exp()  # pi_theta - pi_sampler, the token's prob
         # M = 0 (no gradient) where it moved past delta in A's direction: up with A > 0, down A < 0
         is_clipped = ((adv > 0) & (moved > eps[1]) | (adv < 0) & (moved < -eps[0])).float()
-        loss = -(1 - is_clipped) * torch.exp(logprobs - sample_logprobs) * adv
+        rho_s = torch.exp(logprobs - sample_logprobs)  # its gradient rho_s grad log pi, with
+        if args.dppo_ratio_cap:  # the detached rho_s capped at C (the DPPO authors: 3; 0: off)
+            rho_s = rho_s * (rho_s.clamp(max=args.dppo_ratio_cap) / rho_s).detach()
+        loss = -(1 - is_clipped) * rho_s * adv
     else:  # VESPO: -sg(phi(w_i)) A log pi_theta, phi(w) = w^k exp(lambda (1 - w)), phi(1) = 1
         # log w_i = sum_t log rho_i,t (+ TIS's log weight, 0 when off), clamped as VESPO and TRL
         log_is = torch.log(torch.as_tensor(is_weight)).clamp(LOG_1E8, 20).sum(-1, keepdim=True)
@@ -224,7 +230,7 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
         phi = torch.exp(lam + k * log_w - lam * log_w.exp())  # (B, 1), detached
         loss = -phi * adv * logprobs
         is_clipped, logs["vespo_phi"] = torch.zeros_like(logprobs), phi.expand_as(logprobs)
-    if args.off_policy_mask:  # DeepSeek-V3.2: o_i with A_i < 0 and a mean drift > delta: no loss
+    if args.off_policy_mask is not None:  # DeepSeek-V3.2: o_i with A_i < 0 and a drift > delta
         drift = (sample_logprobs - logprobs.detach()) * mask  # log pi_sampler - log pi_theta
         drift = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
         keep = ((adv >= 0) | (drift <= args.off_policy_mask)).float()
@@ -333,6 +339,9 @@ def check_args(args):
     if args.policy_loss in ("dppo", "vespo") and args.importance_sampling_level == "sequence":
         raise C.UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
                           "--importance_sampling_level token")
+    if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards == "mean":
+        raise C.UserError("--scale_rewards mean (MaxRL) with normalize_then_sum (GDPO): GDPO "
+                          "scales each reward by its own std (as TRL), so MaxRL would be ignored")
     if args.multi_objective_aggregation == "normalize_then_sum" and args.overlong_penalty:
         raise C.UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
                           "one of the --rewards to normalise; write it as a --reward_fn")
@@ -349,6 +358,8 @@ def main():
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
+    if args.scale_rewards == "mean":  # MaxRL: rewards that can be < 0 are refused
+        flags.check_maxrl(weights, "--scale_rewards mean", args.overlong_penalty)
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
         curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves

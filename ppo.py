@@ -44,6 +44,7 @@ Run:  python ppo.py                      # bundled policy + reward model, 2-core
 Expect (bundled default): held-out greedy accuracy 0.292 -> 0.954, the RM score from 1.7 to 4.8
 (means over the first and the last 10 steps) with `gold` rising beside it, to 0.93.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import random
 import time
 from dataclasses import dataclass, field
@@ -415,7 +416,7 @@ def main():
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
-    if run.state:
+    if run.state and "critic" in run.state["extra"]:  # (not in a finished run's last one)
         critic.load_state_dict(run.state["extra"]["critic"])
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     value_model = R.wrap_model(ValueModel(critic), args.fsdp)  # the critic's forward, V (B, T)

@@ -46,6 +46,7 @@ Run:  python reinforce.py --baseline rloo     # bundled tiny model and task, 2-c
           --max_new_tokens 256 --baseline rloo --beta 0.05 --lr 1e-6 --compile
 Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.99 with rloo.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
 import time
 from dataclasses import dataclass, field
@@ -184,8 +185,8 @@ def advantages(returns, mask, args, ema=None, scores=None, total=None):
     else:  # rloo
         b = rloo_baseline(whole if scores is None else scores.to(whole), args.samples_per_prompt)
     adv = (returns - b[:, None]) * mask
-    if baseline == "maxrl":
-        adv = adv / (b[:, None] + 1e-4)  # eps as GRPO's std's
+    if baseline == "maxrl":  # eps as GRPO's std's; A = 0 where b <= 0 (no success), as grpo.py
+        adv = torch.where(b[:, None] > 0, adv / (b[:, None] + 1e-4), 0.0)
     return C.whiten(adv, mask, total=total) if args.whiten else adv
 
 
@@ -243,6 +244,15 @@ def check_args(args):
     if args.baseline == "rloo" and args.samples_per_prompt < 2:
         raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
                           "other sample to form the leave-one-out baseline")
+    gdpo = args.multi_objective_aggregation == "normalize_then_sum"
+    if gdpo and args.samples_per_prompt < 2:  # TRL gives each reward A = 0 then: nothing learns
+        raise C.UserError("normalize_then_sum (GDPO) needs --samples_per_prompt >= 2: it "
+                          "normalises each reward within a prompt's samples (one: A = 0)")
+    if args.baseline == "maxrl" and (gdpo or args.beta > 0):  # MaxRL's b is a success rate
+        raise C.UserError("--baseline maxrl divides by the mean return, a success rate in [0, 1]"
+                          ": " + ("GDPO's normalised rewards (mean 0)" if gdpo else "the KL "
+                          "penalty in the return (--beta > 0)") + " would make it near 0 or "
+                          "negative; use another --baseline" + ("" if gdpo else " or --beta 0"))
 
 
 # -------------------------------------------------------------------------- the training loop
@@ -252,6 +262,8 @@ def main():
     env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
+    if args.baseline == "maxrl":  # rewards that can be < 0 are refused
+        flags.check_maxrl(weights, "--baseline maxrl")
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
         curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves

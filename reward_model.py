@@ -27,6 +27,7 @@ Run:  python reward_model.py             # bundled: data/rankings.jsonl, 2-core 
       python reward_model.py --model OUT_SFT/checkpoint --data prefs.jsonl --lr 1e-5
 Expect (bundled default): held-out pair accuracy from about 0.5 (a random head) to about 0.9.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import time
 from dataclasses import dataclass
 from typing import Literal

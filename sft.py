@@ -33,6 +33,7 @@ Run:  python sft.py                      # bundled: data/demonstrations.jsonl, 2
 Expect (bundled default): the demonstrations forget a carry 30% of the time, the bundled policy
 70%, so held-out greedy accuracy rises from 0.29 to about 0.93, the held-out loss from 0.29 to 0.19.
 """
+from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
 import os
 import random

@@ -29,12 +29,34 @@ SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "
 COMMAND_LINE_ONLY = ("trust_remote_code",)
 
 
+def no_checkpoint(folder):
+    """What to do with a run folder that logged steps but was stopped before its first save."""
+    return (f"{folder!r} holds a run stopped before its first checkpoint (metrics.jsonl, no "
+            "checkpoint/; --save_every sets how often one is saved): there is nothing to "
+            f"--resume, so start again with another --output_dir (or remove {folder})")
+
+
+def check_maxrl(weights, flag, overlong_penalty=0.0):
+    """MaxRL (arXiv 2602.02710) divides by each group's mean reward, read as a success rate: a
+    reward that can be negative (length, a reward model's score, a negative weight, DAPO's
+    overlong penalty) is refused. Your own functions' rewards < 0 meet the guard instead: A = 0
+    in a group whose mean is <= 0 (as the reference implementations)."""
+    signed = [n for n, w in weights.items() if n in ("length", "rm") or w < 0]
+    if signed or overlong_penalty:
+        what = f"--rewards {','.join(signed)}" if signed else "--overlong_penalty"
+        raise C.UserError(f"{flag} (MaxRL) divides by each group's mean reward, a success rate; "
+                          f"{what} makes rewards negative, where its advantages would flip sign: "
+                          "give rewards in [0, 1], or another baseline")
+
+
 def _saved_args(resume_dir, algo):
     """The settings of the run in resume_dir, from its checkpoint's args.json."""
     ckpt = os.path.join(resume_dir, "checkpoint")
     if not os.path.isdir(ckpt) and os.path.isdir(ckpt + ".old"):
         os.replace(ckpt + ".old", ckpt)  # killed between save_checkpoint's two renames
     path = os.path.join(ckpt, "args.json")
+    if not os.path.isfile(path) and os.path.isfile(os.path.join(resume_dir, "metrics.jsonl")):
+        raise C.UserError(f"--resume: {no_checkpoint(resume_dir)}")
     if not os.path.isfile(path):
         raise C.UserError(f"--resume {resume_dir!r}: no checkpoint/args.json in that folder")
     try:
@@ -123,6 +145,7 @@ def parse_args(args_cls, algo, doc=""):
     pre.add_argument("--resume", default="")
     pre.add_argument("--env", default="")
     pre.add_argument("--data", default="")
+    pre.add_argument("--rewards", default=None)
     known = pre.parse_known_args()[0]
     resume = known.resume
     saved = _saved_args(resume, algo) if resume else {}
@@ -131,7 +154,10 @@ def parse_args(args_cls, algo, doc=""):
     names = {f.name for f in dataclasses.fields(args_cls)}
     if "env" in names:  # --env calc brings its own defaults (calc.preset); given flags still win
         parser.set_defaults(**calc.preset(known.env, algo))
-    parser.set_defaults(**chat_sums.preset(known.data, algo, names))  # --data chat-sums's own
+    preset = chat_sums.preset(known.data, algo, names)  # --data chat-sums's own defaults; your
+    if known.rewards is not None and "asked_answer" not in known.rewards:  # --rewards replace
+        preset.pop("reward_fn", None)  # its reward function (never blamed on a --reward_fn)
+    parser.set_defaults(**preset)
     parser.set_defaults(**rg.preset(known.data, algo, names))  # --data rg:...'s own
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
@@ -161,6 +187,9 @@ def parse_args(args_cls, algo, doc=""):
     if resume:
         args.output_dir = resume
     return args
+
+
+FP32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max
 
 
 def arg(default, valid):
@@ -201,7 +230,10 @@ def check_args(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise C.UserError(f"--{f.name} must be a finite number, not {value}")
-        if "valid" in f.metadata:
+        if isinstance(value, float) and abs(value) > FP32_MAX:  # torch cannot pass it to a kernel
+            raise C.UserError(f"--{f.name} {value:g} is beyond float32's largest number "
+                              f"({FP32_MAX:.4g}), in which the losses are computed")
+        if "valid" in f.metadata and value is not None:  # None: a switch left off
             check_range(f.name, value, f.metadata["valid"])
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
     for name in ("prompts_per_step", "batch_size"):  # they count the whole step, all processes

@@ -44,6 +44,11 @@ def autocast(device, dtype):
 
 
 def _check_source(name):
+    if name.lower().endswith(".gguf"):  # llama.cpp's one-file format, which from_pretrained reads
+        raise C.UserError(f"model {name!r} is a GGUF file; give a model folder or hub id: convert"
+                          " it as tools/smollm2.py does (python tools/smollm2.py for SmolLM2-135M-"
+                          "Instruct; others: from_pretrained(folder, gguf_file=name), then "
+                          "save_pretrained)")
     if not os.path.isdir(name) and not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name):
         raise C.UserError(f"model {name!r}: no such local folder, and not a hub id like owner/name")
 

@@ -51,7 +51,7 @@ except ImportError:  # optional: torch runs without it
 
 import common as C
 from common import first_line
-from plumbing import loading
+from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
@@ -65,6 +65,10 @@ NO_SIGNAL = {"frac_zero_std": "every group's rewards were equal, so every advant
              "frac_truncated": "every completion was cut before its end (no EOS) and is scored "
              "so: raise --max_new_tokens"}
 NO_SIGNAL_STEPS = 5
+# what gloo (and NCCL) raise in a collective when another process of the launch has exited
+PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash")
+RUN_FILES = ("run.lock", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
+             "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -72,6 +76,8 @@ def main_guard(main):
     """Run main(). Bad input exits 2 with one line; out of memory exits 1 with what to change;
     anything else keeps its traceback. The last checkpoint and metrics stay intact either way."""
     STARTED["run"] = None
+    if signal.getsignal(signal.SIGINT) is ctrl_c.starting:  # from here Ctrl-C is handled below
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         try:
             main()
@@ -89,6 +95,9 @@ def main_guard(main):
         say_once(f"error: {e}")
         sys.exit(2)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
+        if PEER_GONE.search(str(e)):  # torchrun: another process failed (and said why) while
+            say_once("error: another process of this torchrun stopped: see its line")  # this
+            sys.exit(1)  # one waited for it in a collective; its traceback would bury that line
         if not isinstance(e, torch.OutOfMemoryError) and "can't allocate memory" not in str(e):
             raise  # a CPU allocation that fails is a RuntimeError (DefaultCPUAllocator)
         say_once(f"error: out of memory ({first_line(e)[:100]}): lower --micro_batch_size "
@@ -222,6 +231,11 @@ def start_run(args, algo):
                              samples=None, rank=rank, world=world,
                              saved_step=state["step"] if state else 0)
         return STARTED["run"]
+    others = sorted(set(os.listdir(folder)) - set(RUN_FILES)) if os.path.isdir(folder) else []
+    if others and not args.resume:  # a run writes (and replaces) checkpoint/, summary.json, ...
+        raise C.UserError(f"--output_dir {folder!r} holds files that are not a run's "
+                          f"({', '.join(others[:3])}), beside which a run would write and replace "
+                          "its own: give a new or empty folder")
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.add(folder)
@@ -232,8 +246,12 @@ def start_run(args, algo):
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
     state = _load_state(folder, args.max_steps) if args.resume else None
-    if not state and os.path.exists(metrics_path) and os.path.getsize(metrics_path):
-        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl): continue "
+    held = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
+    if not state and held and not os.path.exists(os.path.join(folder, "checkpoint")):
+        raise C.UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
+    if not state and (held or os.path.exists(os.path.join(folder, "checkpoint"))):
+        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
+                          f"checkpoint/), which a new run would replace: continue "
                           f"it with --resume {folder}, or choose another --output_dir")
     for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
         shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)
@@ -291,7 +309,9 @@ def _load_state(folder, max_steps):
         raise C.UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
                           f"({state['step']}): a resumed run goes on from there; give "
                           f"--max_steps {state['step']} or more")
-    if "optimizer" not in state:  # a finished run's last checkpoint (see save_checkpoint)
+    finishing = state["step"] == max_steps and "extra" in state and not os.path.exists(
+        os.path.join(folder, "summary.json"))  # killed in its final eval: --resume finishes it
+    if "optimizer" not in state and not finishing:  # a finished run's last checkpoint
         raise C.UserError(f"{folder} is a finished run whose last checkpoint holds no optimizer "
                           "state (--save_optimizer keeps it): --resume cannot continue it exactly; "
                           f"train on in a new run with --model {folder}/checkpoint")
@@ -341,7 +361,9 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
             print(f"memory: AdamW's moments will add {8 * weights / 2**20:,.0f} MB from step 2")
         return 0, eval_before, {}
     s = run.state
-    if isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
+    if "optimizer" not in s:  # the last step's checkpoint: only the final eval is left to do
+        pass
+    elif isinstance(opt.param_groups[0]["params"][0], DTensor):  # --fsdp
         set_optimizer_state_dict(torch.nn.ModuleList(trained), opt, s["optimizer"],
                                  options=StateDictOptions(full_state_dict=True))
     else:
@@ -502,10 +524,12 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
             if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
     if run.rank > 0:
         return
-    state = {"step": step, "nonfinite": run.nonfinite}  # _load_state refuses to resume from it
+    # the last one without AdamW (nor ppo's critic): --resume may only finish it (the final eval)
+    state = {"step": step, "nonfinite": run.nonfinite, "data_rng": rng.getstate(), "rngs": rngs,
+             "extra": {k: v for k, v in extra.items() if resumable or k != "critic"},
+             "wall_time_s": time.time() - run.t0}
     if resumable:
-        state.update(optimizer=opt_state, data_rng=rng.getstate(), rngs=rngs, extra=extra,
-                     wall_time_s=time.time() - run.t0)
+        state["optimizer"] = opt_state
     tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)

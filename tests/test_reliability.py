@@ -61,7 +61,7 @@ def test_a_finished_runs_checkpoint_keeps_no_optimizer_state_unless_asked(monkey
     run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
              "--output_dir", out)
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)
-    assert state == {"step": 2, "nonfinite": 0}
+    assert state["step"] == 2 and "optimizer" not in state
     AutoModelForCausalLM.from_pretrained(out / "checkpoint")
     with pytest.raises(SystemExit) as e:
         run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "3", guard=True)

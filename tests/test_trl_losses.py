@@ -7,6 +7,7 @@ TRL's source and runs as it is. Each case draws a random batch and random settin
 the step's loss and its gradient with respect to the log-probs (float64; they agree to ~1e-15).
 .ci/run installs the pinned trl==1.16.0; without TRL these tests skip."""
 import functools
+import math
 import inspect
 import textwrap
 from collections import defaultdict
@@ -90,7 +91,7 @@ def test_deepseek_v32_off_policy_mask_and_unbiased_kl_equal_trls():
     dropped = 0
     for case in range(CASES):
         lp, old, ref, sample, adv, mask = random_batch(g)
-        delta = float(torch.rand(1, generator=g)) * 0.3
+        delta = float(torch.rand(1, generator=g)) * 0.3 if case % 5 else 0.0  # 0: TRL's 0, on
         beta = [0.0, 0.04, 0.5][case % 3]
         level = "sequence" if case % 4 == 3 else "token"
         agg = "seq-mean-token-mean" if level == "sequence" else "token-mean"  # TRL grpo, dapo
@@ -184,5 +185,40 @@ def test_gdpo_normalize_then_sum_equals_trls_in_grpo_and_reinforce():
         named = {f"r{j}": parts[:, j] for j in range(K)}
         got = C.normalize_then_sum(named, dict(zip(named, weights)), G)
         assert float((want - got).abs().max()) < 1e-5 * max(1.0, float(want.abs().max()))
+    # one sample per prompt: TRL's per-reward std is 0, so is every advantage (ours was NaN)
+    parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
+    got = C.normalize_then_sum({"a": parts[:, 0], "b": parts[:, 1]}, {"a": 1.0, "b": 0.5}, 1)
+    assert torch.equal(got, trl_normalize_then_sum(parts, [1.0, 0.5], 1))
     # reinforce.py's GDPO is the same function on the same parts (one copy, in common.py)
     assert reinforce.C.normalize_then_sum is grpo.C.normalize_then_sum
+
+
+def test_vespo_clamps_equal_trls_where_they_act():
+    """VESPO's three clamps (each token's log ratio to [-20, 20], each token's log mismatch weight
+    and the sequence's log w to [log 1e-8, 20]), on rows built so that each clamp alone decides
+    phi: a bound moved or dropped changes phi by a factor, not by rounding (but log w's upper
+    bound: phi is 0 past log w ~ 5 either way; it guards exp's overflow). phi compared with
+    TRL's get_gamma_weights to 1e-9 relative, and the loss and gradient with _compute_loss."""
+    T, L = 3, math.log(1e-8)
+    log_ratio = torch.tensor([[25.0, -24.5, 0.0],   # token clamp above: 20 - 20 = 0 (not 0.5)
+                              [-25.0, 24.5, 0.0],   # token clamp below: -20 + 20 = 0 (not -0.5)
+                              [9.0, 8.0, 7.0],      # sequence clamp above: 20, phi 0 (overflow)
+                              [-9.0, -8.0, -7.0],   # sequence clamp below: log 1e-8 (not -24)
+                              [0.0, 0.0, 0.0],      # the weight's clamp below: -18.42 + 18
+                              [0.0, 0.0, 0.0]], dtype=torch.float64)  # its clamp above: -18 + 20
+    log_is = torch.zeros(6, T, dtype=torch.float64)
+    log_is[4, :2] = torch.tensor([-23.42, 18.0])
+    log_is[5, :2] = torch.tensor([-18.0, 20.5])
+    old = -torch.rand(6, T, generator=torch.Generator().manual_seed(0), dtype=torch.float64) - 1
+    lp = (old + log_ratio).requires_grad_()
+    sample, mask = old - log_is, torch.ones(6, T, dtype=torch.float64)  # pi_old / pi_sampler
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0], dtype=torch.float64)
+    w = log_is.exp()
+    want_phi = TRL.get_gamma_weights(adv[:, None], log_ratio, mask, w)
+    got, logs = minrl_loss(lp, old, None, sample, adv, mask, "token-mean", w, beta=0.0,
+                           policy_loss="vespo")
+    torch.testing.assert_close(logs["vespo_phi"][:, :1].double(), want_phi, rtol=1e-9, atol=0)
+    assert want_phi[0, 0] == want_phi[1, 0] == 1.0 and want_phi[2, 0] == 0  # phi(1) = 1
+    assert (want_phi[3:] > 0).all()  # tiny (7e-24 at log 1e-8) but not rounded away: rtol holds
+    want = trl_loss(lp, old, lp.detach(), sample, adv, mask, "vespo", is_ratio=w)
+    assert_same(want, got, lp)

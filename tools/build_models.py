@@ -145,9 +145,24 @@ def pipeline_script(script, **flags):
     subprocess.run(cmd, check=True, env=env, cwd=loading.ROOT)
 
 
+MODEL_FILES = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
+               "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja"}
+
+
+def check_dest(dest):
+    """dest (a bundled model's folder, which ship replaces) is missing or holds model files only:
+    never a user's folder of another kind. Checked before the build, and again in ship."""
+    other = sorted(set(os.listdir(dest)) - MODEL_FILES) if os.path.isdir(dest) else []
+    if other or os.path.isfile(dest) or os.path.islink(dest):
+        raise SystemExit(f"error: {dest} holds {', '.join(other[:3]) or 'a file or link'}, which "
+                         "this does not write; it replaces only a bundled model's folder: give "
+                         "another DEST")
+
+
 def ship(run_dir, dest, tok):
     """The run's final checkpoint as a bundled model: weights and config (not the trainer state),
     and the tokenizer as built (a reloaded one would record that it was read offline)."""
+    check_dest(dest)
     shutil.rmtree(dest, ignore_errors=True)
     shutil.copytree(os.path.join(run_dir, "checkpoint"), dest,
                     ignore=shutil.ignore_patterns("trainer_state.pt", "args.json", "tokenizer*"))
@@ -189,6 +204,8 @@ def main():
     policy, reward_model = f"{dest}/tiny-adder", f"{dest}/tiny-adder-rm"
     if only not in ("", "calc"):
         raise SystemExit(f"error: --only {only!r}: the only stage built alone is calc")
+    for name in ("tiny-adder", "tiny-adder-rm", "tiny-calc")[2 if only else 0:]:
+        check_dest(f"{dest}/{name}")  # before an hour of building
     if only == "calc":  # from the tiny-adder already in DEST, which stays as it is
         build_calc(dest, build_tokenizer())
         print(f"rebuild time {time.time() - t0:.0f} s; the runs are in {BUILD}/calc/")

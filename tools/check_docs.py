@@ -149,9 +149,9 @@ CLAIMS = [
     ("README.md", "from 0.30 at step 1 to {1.00} at step 60", CALC,
      at_step(60, "frac_tool"), 0, ("calc",)),
     ("README.md", "0.292 → {0.994} (`short` gives", OWN_REWARD, AFTER, 0, ()),
-    ("README.md", "Today grpo.py {974}", "python tools/step_cost.py grpo.py", STEP_LINES, 0, ()),
-    ("README.md", "ppo.py {920}, reinforce", "python tools/step_cost.py ppo.py", STEP_LINES, 0, ()),
-    ("README.md", "reinforce.py {909}, each", "python tools/step_cost.py reinforce.py",
+    ("README.md", "Today grpo.py {877}", "python tools/step_cost.py grpo.py", STEP_LINES, 0, ()),
+    ("README.md", "ppo.py {818}, reinforce", "python tools/step_cost.py ppo.py", STEP_LINES, 0, ()),
+    ("README.md", "reinforce.py {808}, each", "python tools/step_cost.py reinforce.py",
      STEP_LINES, 0, ()),
 
     ("ppo.py", "held-out greedy accuracy 0.292 -> {0.954}", "python ppo.py", AFTER, 0, ()),

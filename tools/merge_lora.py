@@ -11,6 +11,8 @@ A base model with its own code needs --trust_remote_code, given here: never read
 import argparse
 import json
 import os
+import re
+import shutil
 import sys
 import warnings
 
@@ -22,17 +24,40 @@ from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
 
 
+# what save_pretrained writes for a model and its tokenizer: an --out holding anything else is
+# not an earlier merge, and is refused rather than written over
+MODEL_FILES = re.compile(r"(config|generation_config|tokenizer(_config)?|special_tokens_map|"
+                         r"added_tokens|vocab|merges|chat_template)\.(json|jinja|txt)|"
+                         r"model(-\d+-of-\d+)?\.safetensors(\.index\.json)?|tokenizer\.model")
+
+
+def check_out(out):
+    """out, without a trailing slash, if writing it replaces nothing but a model folder (an
+    earlier merge): missing or empty, or holding only MODEL_FILES; so are its .tmp and .old."""
+    out = os.path.normpath(out)
+    for path in (out, out + ".tmp", out + ".old"):
+        if os.path.exists(path) and not os.path.isdir(path):  # save_pretrained would only log it
+            raise C.UserError(f"--out {path}: that is a file; give a folder to write the "
+                              "model into")
+        other = sorted(f for f in (os.listdir(path) if os.path.isdir(path) else ())
+                       if not MODEL_FILES.fullmatch(f))
+        if os.path.islink(path) or other:
+            raise C.UserError(f"--out {out}: {path} holds " + (f"{', '.join(other[:3])}, "
+                              if other else "a link, ") + "which a merge does not write; give "
+                              "a new folder (a merge replaces only an earlier merge)")
+    return out
+
+
 def merge(run_dir, out="", trust_remote_code=False):
     ckpt = os.path.join(run_dir, "checkpoint")
     if not os.path.isfile(os.path.join(ckpt, "args.json")):
         raise C.UserError(f"{run_dir}: no checkpoint/args.json there; is it a run folder?")
     out = out or os.path.join(run_dir, "checkpoint-merged")
-    if os.path.exists(out) and not os.path.isdir(out):  # save_pretrained would only log this
-        raise C.UserError(f"--out {out}: that is a file; give a folder to write the model into")
     real, own = os.path.realpath(out), os.path.realpath(ckpt)  # own.tmp, own.old: a save's
     if real in (os.path.realpath(run_dir), own) or real.startswith((own + os.sep, own + ".")):
         raise C.UserError(f"--out {out}: that is the run folder or its checkpoint, which this "
                           "reads (and --resume replaces); write elsewhere, e.g. the default")
+    out = check_out(out)
     try:
         with open(os.path.join(ckpt, "args.json")) as f:
             saved = json.load(f)
@@ -61,8 +86,15 @@ def merge(run_dir, out="", trust_remote_code=False):
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # a damaged file
         raise C.UserError(f"{ckpt}: its LoRA adapter could not be loaded ({type(e).__name__}: "
                           f"{first_line(e)[:120]}); the run's checkpoint is damaged") from None
-    merged.save_pretrained(out, safe_serialization=True)
-    tok.save_pretrained(out)
+    tmp, old = out + ".tmp", out + ".old"  # written beside, then swapped in: never half a model
+    for path in (tmp, old):  # a killed merge's (check_out: model files only)
+        shutil.rmtree(path, ignore_errors=True)
+    merged.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    if os.path.isdir(out):
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
     print(f"merged {ckpt} into {base_name} -> {out}")
     return out
 

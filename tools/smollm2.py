@@ -49,14 +49,48 @@ def gguf_path():
     return path
 
 
+def check_out(out):
+    """The folder --out names, without a trailing slash, if writing it deletes nothing this did
+    not write: a missing or empty folder, or one that holds nothing but FILES (an earlier
+    conversion's); the same for its out.tmp and out.old, which a killed conversion leaves.
+    Anything else (--out models, --out ., a run folder, a link) is refused in one line."""
+    out = os.path.normpath(out)  # models/x/ -> models/x (else out + ".tmp" is inside out)
+    for path in (out, out + ".tmp", out + ".old"):
+        if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
+            raise C.UserError(f"--out {out}: {path} is a link or a file, which this would "
+                              "replace; give a new folder")
+        other = sorted(set(os.listdir(path)) - set(FILES)) if os.path.isdir(path) else []
+        if other:
+            raise C.UserError(f"--out {out}: {path} holds {len(other)} thing(s) this does not "
+                              f"write ({', '.join(other[:3])}); it replaces only its own output, "
+                              "so give a new folder (e.g. models/SmolLM2-135M-Instruct)")
+    return out
+
+
+def replace_folder(out, write):
+    """write(tmp) fills out.tmp; then out is swapped for it in two renames (out -> out.old,
+    out.tmp -> out), so a folder named out is always complete; out.old is removed last.
+    Only folders check_out allowed are ever removed."""
+    tmp, old = out + ".tmp", out + ".old"
+    for path in (tmp, old):  # a killed conversion's (check_out: only FILES in them)
+        shutil.rmtree(path, ignore_errors=True)
+    write(tmp)
+    if os.path.isdir(out):
+        os.replace(out, old)
+    os.replace(tmp, out)
+    shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
 def convert(out=DEFAULT_OUT):
-    """Write the model folder `out` (replacing one there), atomically: written to out.tmp, then
-    renamed, so a folder named `out` is always complete. Returns out."""
+    """Write the model folder `out` (replacing an earlier conversion there, never anything
+    else: check_out), atomically (replace_folder). Returns out."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
     from transformers import modeling_gguf_pytorch_utils as gguf_reader
     from transformers.utils import logging as hf_logging
     path = gguf_path()
+    out = check_out(out)  # before the 20-40 s of converting
     folder, name = os.path.split(path)
     # the GGUF reader's progress bar (a plain tqdm, which transformers' switch does not reach)
     gguf_reader.tqdm = functools.partial(gguf_reader.tqdm, disable=True)
@@ -76,14 +110,11 @@ def convert(out=DEFAULT_OUT):
     model.tie_weights()  # the LM head is the embedding (tie_word_embeddings)
     model.generation_config = quantized.generation_config
     tok.model_max_length = config.max_position_embeddings  # the GGUF leaves it unset (1e30)
-    tmp = out + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tok.save_pretrained(tmp)
-    if os.path.isdir(out):
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+
+    def write(tmp):
+        model.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+    return replace_folder(out, write)
 
 
 if __name__ == "__main__":
