@@ -76,6 +76,10 @@ def help_text(args_cls, algo, doc):
     then the docstring's commands (from "Run:")."""
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     out = [f"usage: python {algo}.py [--flag VALUE ...]", "", doc.split("\n\n")[0]]
+    if algo in REAL_MODEL_ALGO:  # the defaults below are the bundled model's
+        out += ["", "The defaults shown are the bundled tiny model's; a pretrained --model "
+                "takes plumbing/flags.py's", "REAL_MODEL instead (printed at the start; "
+                "docs/real_model.md)."]
     for line in inspect.getsource(args_cls).splitlines():
         title = re.match(r"    # --- (.+)", line)
         flag = re.match(r"    (\w+): .*?(?:  # (.+))?$", line)
@@ -101,6 +105,65 @@ def help_text(args_cls, algo, doc):
                              break_on_hyphens=False)
         out.append(lead + ("\n" + " " * 30).join(text))
     return "\n".join(out + (["", doc[doc.find("Run:"):].rstrip()] if "Run:" in doc else []))
+
+
+# --model a pretrained model (not the bundled tiny ones, nor a toy under 10 M parameters): these
+# defaults replace the bundled 1 M adder's; explicit flags, --data chat-sums's preset, --env calc's
+# and a resumed run's settings still win. Each value, and where it comes from:
+REAL_MODEL = {
+    # room for a few sentences (TRL: 256, 512 in 1.16's GRPOConfig, for reasoning on a GPU): a
+    # step samples until its longest row ends, so on a CPU one rambling row of 256 tokens made a
+    # step of SmolLM2-135M 3-4x longer than its 18-token mean needs; a cap that cuts nearly
+    # every answer is a warning at step 1 that names the value that fits (runs.warn_if_stuck)
+    "max_new_tokens": 128,
+    # measured on SmolLM2-135M-Instruct, chat-sums (docs/real_model.md): 1e-5 and 2e-5 reach the
+    # same held-out score in 16 steps, 5e-5 overshoots (1e-4 is the 1 M adder's); TRL's 1e-6
+    # (DeepSeekMath's) is for hundreds of steps on larger models
+    "lr": 1e-5,
+    "temperature": 0.7,  # measured there: mixed rewards within groups (TRL's PPO/RLOO used 0.7)
+    "beta": 0.0,  # TRL 1.16 GRPOConfig, DAPO, Dr. GRPO: no reference model to hold and run
+    # rows per forward: memory, not the gradient; 16 rows of 256 tokens peaked at 11.6 GB on
+    # SmolLM2-135M (CPU, fp32), 8 fits a laptop (the README's GPU line uses 16)
+    "micro_batch_size": 8,
+    "eval_size": 128,  # docs/real_model.md: a standard error of 0.04 at 0.43, 128 greedy answers
+}
+REAL_MODEL_ALGO = {
+    "grpo": {}, "reinforce": {"baseline": "rloo"},  # rewards >= 0: RLOO (Ahmadian et al. 2024)
+    # no reward model for a user's task: the critic from the policy (N implementation details);
+    # verl's critic lr; one epoch of 2 minibatches (OpenRLHF, verl), 32 prompts (docs/real_model.md)
+    "ppo": {"critic_init": "policy", "critic_lr": 1e-5, "ppo_epochs": 1, "num_minibatches": 2,
+            "batch_size": 32},
+    # sft, dpo: the lr (TRL 1.16 SFTConfig's and DPOConfig's learning_rate; the DPO paper 5e-7),
+    # and from above the micro-batch, the held-out size and the greedy answers' length
+    "sft": {"lr": 2e-5}, "dpo": {"lr": 1e-6},
+}
+RL = ("grpo", "reinforce", "ppo")  # REAL_MODEL's sampling and KL defaults: the RL scripts only
+MODEL_DEFAULTS = {}  # the REAL_MODEL values this run took (summary.json: model_defaults)
+
+
+def _small_model(model, limit=10_000_000):
+    """True for a local folder whose config.json describes a model under `limit` parameters (the
+    bundled tiny models, the tests' toys): vocab x hidden + 12 x layers x hidden^2. A hub id is
+    read as a pretrained model (its config would need the network)."""
+    try:
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+        cfg = cfg.get("text_config", cfg)
+        h = cfg.get("hidden_size") or cfg.get("n_embd") or cfg.get("d_model")
+        layers = cfg.get("num_hidden_layers") or cfg.get("n_layer")
+        return cfg["vocab_size"] * h + 12 * layers * h * h < limit
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def real_model_preset(model, algo, names):
+    """The flags' defaults for a pretrained --model in algo's script (REAL_MODEL), those of its
+    flags (names) only; {} for the bundled models and toys."""
+    if not model or _small_model(model) or algo not in REAL_MODEL_ALGO:
+        return {}
+    common = {k: v for k, v in REAL_MODEL.items()  # dpo's beta is another beta
+              if algo in RL or k in ("micro_batch_size", "eval_size", "max_new_tokens")}
+    return {k: v for k, v in {**common, **REAL_MODEL_ALGO[algo]}.items() if k in names}
 
 
 PATH_FLAGS = ("model", "reward_model", "data", "eval_data", "reward_fn", "env", "tools")
@@ -146,19 +209,22 @@ def parse_args(args_cls, algo, doc=""):
     pre.add_argument("--env", default="")
     pre.add_argument("--data", default="")
     pre.add_argument("--rewards", default=None)
+    pre.add_argument("--model", default="")
     known = pre.parse_known_args()[0]
     resume = known.resume
     saved = _saved_args(resume, algo) if resume else {}
     # _resolved: a run saved before paths were stored absolute (relative to where it ran)
     saved = {k: _resolved(k, v) for k, v in saved.items() if k not in COMMAND_LINE_ONLY}
     names = {f.name for f in dataclasses.fields(args_cls)}
-    if "env" in names:  # --env calc brings its own defaults (calc.preset); given flags still win
-        parser.set_defaults(**calc.preset(known.env, algo))
-    preset = chat_sums.preset(known.data, algo, names)  # --data chat-sums's own defaults; your
+    real = {} if resume else real_model_preset(known.model, algo, names)
+    parser.set_defaults(**real)  # a pretrained --model: REAL_MODEL; the presets below win
+    task = chat_sums.preset(known.data, algo, names)  # --data chat-sums's own defaults; your
     if known.rewards is not None and "asked_answer" not in known.rewards:  # --rewards replace
-        preset.pop("reward_fn", None)  # its reward function (never blamed on a --reward_fn)
-    parser.set_defaults(**preset)
-    parser.set_defaults(**rg.preset(known.data, algo, names))  # --data rg:...'s own
+        task.pop("reward_fn", None)  # its reward function (never blamed on a --reward_fn)
+    if "env" in names:  # --env calc's (calc.preset); given flags still win
+        task.update(calc.preset(known.env, algo))
+    task.update(rg.preset(known.data, algo, names))  # --data rg:...'s own
+    parser.set_defaults(**task)
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
     for a in sys.argv[1:]:
@@ -186,6 +252,19 @@ def parse_args(args_cls, algo, doc=""):
         raise C.UserError("--resume DIR continues in DIR: leave --output_dir out")
     if resume:
         args.output_dir = resume
+    given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
+    if "micro_batch_size" in real and "micro_batch_size" not in given | set(task) | set(saved):
+        rows = math.prod(getattr(args, n) for n in ("prompts_per_step", "group_size",
+                                                    "samples_per_prompt", "batch_size")
+                         if hasattr(args, n))  # the step's rows: the micro-batch divides them
+        real["micro_batch_size"] = math.gcd(real["micro_batch_size"], rows)
+        args.micro_batch_size = real["micro_batch_size"]
+    MODEL_DEFAULTS.clear()
+    MODEL_DEFAULTS.update({k: getattr(args, k) for k, v in real.items()
+                           if k not in given and k not in task and k not in saved})
+    if MODEL_DEFAULTS and os.environ.get("RANK", "0") == "0":
+        shown = " ".join(f"--{k} {v}" for k, v in MODEL_DEFAULTS.items())
+        print(f"defaults for a pretrained model (flags you give win; flags.REAL_MODEL): {shown}")
     return args
 
 

@@ -6,6 +6,7 @@ fp32, frozen ones in bf16 on a GPU, dropout off everywhere; LoRA adapters (optio
 `--reward_fn file.py:function` and the `--rewards` weights.
 """
 import contextlib
+import difflib
 import functools
 import importlib
 import importlib.util
@@ -44,13 +45,26 @@ def autocast(device, dtype):
 
 
 def _check_source(name):
+    """A name that is not a folder here goes to the hub only if it reads as a hub id (owner/name)
+    and not as a path: ./x, /x, ~/x, a\\b, or dir/x where dir is a folder here (a mistyped
+    local model would cost a minute of hub retries offline before its error)."""
+    if os.path.isdir(name):
+        return
     if name.lower().endswith(".gguf"):  # llama.cpp's one-file format, which from_pretrained reads
         raise C.UserError(f"model {name!r} is a GGUF file; give a model folder or hub id: convert"
                           " it as tools/smollm2.py does (python tools/smollm2.py for SmolLM2-135M-"
                           "Instruct; others: from_pretrained(folder, gguf_file=name), then "
                           "save_pretrained)")
-    if not os.path.isdir(name) and not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name):
-        raise C.UserError(f"model {name!r}: no such local folder, and not a hub id like owner/name")
+    head = name.split("/")[0]
+    path_like = (name.startswith((".", "/", "~")) or "\\" in name
+                 or "/" in name and os.path.isdir(head))
+    if path_like or not re.fullmatch(r"[\w-][\w.-]*(/[\w.-]+)?", name):
+        near = os.path.dirname(os.path.expanduser(name)) or "."
+        close = difflib.get_close_matches(os.path.basename(name), os.listdir(near)
+                                          if os.path.isdir(near) else [], 1, 0.6)
+        hint = f" (did you mean {os.path.join(os.path.dirname(name), close[0])}?)" if close else ""
+        raise C.UserError(f"model {name!r}: no such local folder{hint}, and not a hub id like "
+                          "owner/name")
 
 
 def load_tokenizer(name, trust_remote_code=False):

@@ -58,17 +58,16 @@ STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then 
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
-# log_step warns when a step's whole batch gives no learning signal, several steps in a row
-NO_SIGNAL = {"frac_zero_std": "every group's rewards were equal, so every advantage is 0 and "
-             "nothing is learned: likely the reward cannot tell this model's completions apart "
-             "(does it read fields the rows have? is the task out of reach, or solved already?)",
-             "frac_truncated": "every completion was cut before its end (no EOS) and is scored "
-             "so: raise --max_new_tokens"}
-NO_SIGNAL_STEPS = 5
 # what gloo (and NCCL) raise in a collective when another process of the launch has exited
 PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash")
 RUN_FILES = ("run.lock", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
              "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
+# warn_if_stuck's levels: nearly every completion cut (chat-sums's seed 0 cuts 0.875 at step 1 by
+# design: its sentences score 0 anyway); KL to pi_ref (nats per token) that means the policy has
+# left its start (documented runs: under 0.5 on SmolLM2, docs/real_model.md, up to 1.5 on the
+# bundled 1 M adder; a reward-hacked SmolLM2 run at the adder's lr was reported at 4.4); clip_frac:
+# most tokens' ratio left the clip range in one step (bundled ppo: under 0.2)
+CUT, KL_BREAKING, CLIP_BREAKING = 0.95, 3.0, 0.5
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -455,16 +454,63 @@ def log_step(run, metrics, bar, samples, opt):
                     columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
             run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
-    for key, why in NO_SIGNAL.items():  # once a streak: on its NO_SIGNAL_STEPS-th step
-        last = [m.get(key) for m in run.history[-NO_SIGNAL_STEPS - 1:]]  # and the step before
-        streak = last[-NO_SIGNAL_STEPS:] == [1] * NO_SIGNAL_STEPS
-        if streak and (len(last) == NO_SIGNAL_STEPS or last[0] != 1):
-            tqdm.write(f"warning: {key} 1 in steps {step - NO_SIGNAL_STEPS + 1}-{step}: {why}")
     if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
         tqdm.write(f"note: step {step}: an observation was cut by --max_new_tokens (obs_truncated)")
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
         device = opt.param_groups[0]["params"][0].device
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
+
+
+def stuck(m, first):
+    """The kinds of warn_if_stuck that hold for the metrics line m (first: step 1's reward)."""
+    flat = m["reward"] <= first + 1e-6  # nothing gained since step 1 (solved groups: not)
+    parts = [k for k in m if k.startswith("reward/")]
+    return {"truncated": m.get("frac_truncated", 0) >= CUT,
+            "constant_reward": flat and m.get("reward_std", 1) < 1e-6,
+            "zero_std": flat and m.get("frac_zero_std", 0) == 1 and m.get("reward_std", 1) >= 1e-6,
+            "zero_part": flat and len(parts) > 1 and any(m[k] == 0 for k in parts),
+            "kl": m.get("kl", 0) > KL_BREAKING, "clip": m.get("clip_frac", 0) > CLIP_BREAKING}
+
+
+def warn_if_stuck(run, metrics, roll, args):
+    """A run that cannot learn says so at once, one line a streak (a kind is said when it holds
+    and did not at the step before, a resumed run's too), in the log and in metrics (warning: the
+    kinds, warnings: how many; a tracker gets the count): nearly every completion cut by
+    --max_new_tokens (with a value that fits), and while the reward has not risen above step 1's,
+    every group's rewards equal, one reward for every completion (no advantage, nothing learned)
+    or, of several rewards, one that gave every completion 0 (the others teach what they pay
+    for); at any step, KL to pi_ref or the step's own clipping past a level that means the run is
+    breaking. Call before log_step."""
+    first = run.history[0]["reward"] if run.history else metrics["reward"]
+    now, before = stuck(metrics, first), stuck(run.history[-1], first) if run.history else {}
+    parts = [k for k in metrics if k.startswith("reward/")]
+    zero = [k for k in parts if metrics[k] == 0]  # a reward that pays no completion
+    ended = roll.completion_mask.sum(-1)[~roll.truncated]  # the lengths of completions that ended
+    fits = max(4 * args.max_new_tokens, 2 * int(ended.max()) if len(ended) else 0)
+    lines = {
+        "truncated": f"{metrics['frac_truncated']:.0%} of completions were cut by --max_new_tokens "
+                     f"{args.max_new_tokens} (no EOS) and score as cut: try --max_new_tokens "
+                     f"{fits}, or ask for shorter answers (--system_prompt)",
+        "constant_reward": f"every completion got the same reward, {metrics['reward']:.3g}: "
+                           "nothing is learned; does your reward read fields the rows have, and "
+                           "can this model reach it?",
+        "zero_std": "every group's rewards were equal, so every advantage is 0 and nothing is "
+                    "learned: the task is out of reach or solved already, or the reward cannot "
+                    "tell the completions apart",
+        "zero_part": f"{', '.join(zero)} gave every completion 0: only "
+                     f"{', '.join(k for k in parts if k not in zero)} teach(es), and the model "
+                     "learns what they pay for, not this; can it be earned from here (read "
+                     "samples.jsonl; a --system_prompt)?",
+        "kl": f"kl {metrics.get('kl', 0):.3g} nats per token to the reference: the policy has "
+              "left its start (reward hacking or collapse; read samples.jsonl): lower --lr "
+              f"{args.lr:g} or raise {'--kl_coef' if hasattr(args, 'kl_coef') else '--beta'}",
+        "clip": f"clip_frac {metrics.get('clip_frac', 0):.2f}: most tokens' ratio left the clip "
+                f"range within one step, the updates are too large: lower --lr {args.lr:g}"}
+    said = [kind for kind, bad in now.items() if bad and not before.get(kind)]
+    for kind in said if run.rank == 0 else []:
+        tqdm.write(f"warning: step {metrics['step']}: {lines[kind]}")
+    if said:  # only then: a run without warnings logs the same keys as before
+        metrics.update(warning=",".join(said), warnings=len(said))
 
 
 def tool_metrics(roll, env):
@@ -716,18 +762,40 @@ def spark(values, width=60):
     return f"{line}  [{lo:.3g} .. {hi:.3g}]"
 
 
-def _plot(run, keys):
-    """curves.png of the given metrics; returns why not when matplotlib is missing."""
+def curve_panels(history, eval_points):
+    """curves.png's panels, [(title, steps, values)]: what a user looks at first. The held-out
+    score (eval_points: [(step, score)], before, during, after), the reward, each reward
+    component when there are several, gold, entropy, and kl only when it was computed (beta 0
+    logs kl 0: no panel)."""
+    logged = list(dict.fromkeys(k for m in history for k in m))
+    parts = [k for k in logged if k.startswith("reward/")]
+    keys = ["reward"] + (parts if len(parts) > 1 else []) + ["gold", "entropy"]
+    keys = [k for k in keys if k in logged] + (["kl"] if any(m.get("kl") for m in history) else [])
+    panels = [("held-out eval", *map(list, zip(*eval_points)))] if eval_points else []
+    return panels + [(k, [m["step"] for m in history if k in m], [m[k] for m in history if k in m])
+                     for k in keys]
+
+
+def _plot(run, eval_points):
+    """curves.png of curve_panels; returns what it wrote, or why not (no matplotlib, no steps)."""
     try:
         import matplotlib
     except ImportError:
         return "no curves.png: pip install matplotlib for it"
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3), squeeze=False)
-    for ax, k in zip(axes[0], keys):
-        ax.plot([m["step"] for m in run.history if k in m], [m[k] for m in run.history if k in m])
-        ax.set_title(k)
+    panels = curve_panels(run.history, eval_points)
+    if not panels:
+        return "no curves.png: no steps were logged"
+    cols = min(3, len(panels))
+    rows = math.ceil(len(panels) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3 * rows), squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.axis("off")
+    for ax, (title, xs, ys) in zip(axes.flat, panels):
+        ax.plot(xs, ys, marker="." if len(xs) < 20 else None)
+        ax.set_title(title)
+        ax.set_xlabel("step")
     fig.tight_layout()
     fig.savefig(os.path.join(run.dir, "curves.png"))
     plt.close(fig)
@@ -770,7 +838,8 @@ def finish_run(run, metric, eval_before, evaluate, charts=("reward", "gold", "kl
                "evals": {"before": eval_before, "after": eval_after},
                "steps": steps[-1] if steps else 0, "wall_time_s": round(time.time() - run.t0, 2),
                "peak_mem_mb": round(peak_mem_mb(device), 1), "nonfinite_skips": run.nonfinite,
-               "interrupted": stopped, "tokens_per_s": round(tokens_per_s, 1)}
+               "interrupted": stopped, "tokens_per_s": round(tokens_per_s, 1),
+               "model_defaults": flags.MODEL_DEFAULTS}
     with open(os.path.join(run.dir, "summary.json"), "w") as f:
         json.dump(_json_safe(summary), f, indent=2)
     run.metrics.close()
@@ -787,7 +856,10 @@ def finish_run(run, metric, eval_before, evaluate, charts=("reward", "gold", "kl
     keys = [k for k in charts if any(k in m for m in run.history)]
     for key in keys:
         print(f"{key:>8} {spark([m[key] for m in run.history if key in m])}")
-    plot = _plot(run, keys) if keys else "no curves.png: no steps were logged"
+    last = run.history[-1]["step"] if run.history else 0
+    evals = [(0, eval_before["eval"])] + [(m["step"], m["eval"]) for m in run.history
+                                          if "eval" in m] + [(last, eval_after["eval"])]
+    plot = _plot(run, [(x, y) for x, y in evals if math.isfinite(y)] if run.history else [])
     print(f"wall time {summary['wall_time_s']:.0f} s, peak memory {summary['peak_mem_mb']:.0f} MB")
     print(f"wrote {run.dir}/: metrics.jsonl, samples.jsonl, summary.json, checkpoint/, {plot}")
     if stopped:

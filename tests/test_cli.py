@@ -243,6 +243,9 @@ class RunsCommand:
 
 
 BAD = [(["--model", "/no/such/folder"], "no such local folder"),
+       # a mistyped local folder (models/ is a folder here): never tried on the hub
+       (["--model", "models/tiny-addr"], "no such local folder (did you mean models/tiny-adder?)"),
+       (["--model", "./tiny-adder"], "'./tiny-adder': no such local folder, and not a hub id"),
        (["--model", "nobody-here/no-such-model"], "could not be loaded"),
        (["--model", loading.DEFAULT_REWARD_MODEL], "no causal-LM head"),
        (["--model", "{d}/nopad"], "neither a pad nor an eos token"),
@@ -442,3 +445,48 @@ def test_flags_out_of_range_get_one_line(script, argv, message, tmp_path, monkey
     line = one_error_line(capsys)
     assert e.value.code == 2 and message in line, line
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pretrained_model_gets_its_own_defaults_printed_and_explicit_flags_win(
+        tmp_path, monkeypatch, capsys):
+    """--model a pretrained model (config.json of a model over 10 M parameters; a hub id): the
+    RL scripts take flags.REAL_MODEL's defaults, print them in one line and record them
+    (flags.MODEL_DEFAULTS, summary.json's model_defaults); a flag given, --data chat-sums's
+    preset and a toy or bundled model keep theirs. The micro-batch divides the step's rows."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps(
+        {"vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30}))  # SmolLM2-135M
+
+    def parse(module, *argv):
+        monkeypatch.setattr(sys, "argv", [f"{module.__name__}.py", *map(str, argv)])
+        args = flags.parse_args(module.Args, module.__name__, module.__doc__)
+        return args, capsys.readouterr().out.strip()
+    args, out = parse(grpo, "--model", big, "--lr", "3e-5")
+    assert (args.max_new_tokens, args.lr, args.temperature, args.beta, args.micro_batch_size,
+            args.eval_size) == (128, 3e-5, 0.7, 0.0, 8, 128)
+    assert out == ("defaults for a pretrained model (flags you give win; flags.REAL_MODEL): "
+                   "--max_new_tokens 128 --temperature 0.7 --beta 0.0 --micro_batch_size 8 "
+                   "--eval_size 128")
+    assert flags.MODEL_DEFAULTS == {"max_new_tokens": 128, "temperature": 0.7, "beta": 0.0,
+                                    "micro_batch_size": 8, "eval_size": 128}
+    args, _ = parse(grpo, "--model", "Org/Some-Hub-Model", "--group_size", "3",
+                    "--prompts_per_step", "4")  # a hub id: pretrained; 12 rows: micro-batch 4
+    assert (args.lr, args.micro_batch_size) == (1e-5, 4)
+    args, _ = parse(R, "--model", big)
+    assert (args.baseline, args.lr, args.beta) == ("rloo", 1e-5, 0.0)
+    args, _ = parse(ppo, "--model", big)
+    assert (args.critic_init, args.critic_lr, args.ppo_epochs, args.batch_size) == (
+        "policy", 1e-5, 1, 32)
+    args, _ = parse(dpo, "--model", big)  # its own beta stays DPO's
+    assert (args.lr, args.beta, args.micro_batch_size, args.eval_size) == (1e-6, 0.1, 8, 128)
+    args, out = parse(grpo, "--model", big, "--data", "chat-sums")  # its preset, measured there
+    assert (args.max_new_tokens, args.lr, args.micro_batch_size) == (10, 2e-5, 32) and out == ""
+    small = tmp_path / "toy"
+    small.mkdir()
+    (small / "config.json").write_text(json.dumps(
+        {"vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 2}))
+    for model in (small, loading.DEFAULT_POLICY):  # a toy, the bundled model: as before
+        args, out = parse(grpo, "--model", model)
+        assert (args.max_new_tokens, args.lr, args.beta, out) == (6, 1e-4, 0.04, "")
+        assert flags.MODEL_DEFAULTS == {}

@@ -129,6 +129,42 @@ def test_readme_installs_first_and_its_test_command_is_the_one_ci_runs():
     assert tests.replace("python ", "python3 ", 1) in ci
     assert any("pip install" in line and line.endswith(install[len("pip install"):])
                for line in ci), (install, ci)
+    # the docs' fast claims first: a stale count fails CI, not a student's run of the suite
+    fast = "python3 tools/check_docs.py --fast"
+    assert fast in ci and ci.index(fast) < ci.index(tests.replace("python ", "python3 ", 1))
+
+
+def test_the_docs_user_files_define_what_their_commands_name(tmp_path):
+    """The user's files the docs show (README's my_rewards.py, docs/tool_use.md's my_tools.py)
+    define every function their commands name: cut out of the docs, they load as printed."""
+    from plumbing import envs, loading
+    for doc, name, loader in (("README.md", "my_rewards.py", None),
+                              ("docs/tool_use.md", "my_tools.py", envs.load_tools)):
+        text = open(os.path.join(ROOT, doc), encoding="utf-8").read()
+        code = re.search(rf"```python\n# {name}\n(.*?)```", text, re.S).group(1)
+        (tmp_path / name).write_text(code)
+        for spec in set(re.findall(rf"{name}:([\w,]+)", text)):
+            path = f"{tmp_path / name}:{spec}"
+            if loader:
+                assert sorted(loader(path)[0]) == sorted(spec.split(",")), (doc, spec)
+            else:  # --reward_fn FILE:NAME,FILE:NAME: one each
+                fn = spec.split(",")[0]
+                assert callable(loading.load_reward_fns([f"{tmp_path / name}:{fn}"])[fn])
+
+
+def test_check_docs_fast_runs_no_training(monkeypatch, capsys):
+    """tools/check_docs.py --fast (.ci/run): its claims' commands train nothing (counts, line
+    costs, python -c on the project's constants), it covers the step costs, the real-model page
+    and the memory and reliability pages."""
+    fast = [c for c in check_docs.CLAIMS if "fast" in c[5]]
+    assert {"README.md", "docs/real_model.md", "docs/memory.md", "docs/reliability.md"} <= {
+        c[0] for c in fast}
+    for command in {c[2] for c in fast}:
+        assert not re.search(r"python (grpo|ppo|reinforce|sft|dpo|reward_model)\.py", command)
+    monkeypatch.setattr(sys, "argv", ["check_docs.py", "--fast", "--list"])
+    check_docs.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].startswith(f"{len(fast)} claims") and "MISSING" not in "".join(out)
 
 
 def anchor(heading):
@@ -179,27 +215,88 @@ def test_no_import_cycle_and_the_core_imports_no_plumbing():
         done |= ready
 
 
+def top_level_py(root=ROOT):
+    """The .py files at the top of the checkout that the project holds: git's tracked files in a
+    git checkout (a user's my_rewards.py or my_env.py beside the scripts, as the README
+    suggests, is not the project's), else every .py file there but a my_*.py."""
+    try:
+        out = subprocess.run(["git", "-C", root, "ls-files", "--", "*.py"], capture_output=True,
+                             text=True, timeout=60)
+        tracked = [f for f in out.stdout.splitlines() if "/" not in f] if not out.returncode else []
+    except (OSError, subprocess.TimeoutExpired):
+        tracked = []
+    if tracked:
+        return sorted(tracked)
+    return sorted(f for f in os.listdir(root) if f.endswith(".py") and not f.startswith("my_"))
+
+
 def test_the_top_level_is_the_reading_list():
-    """At most 13 .py files at the top: the scripts (six, and distill.py), common.py, engine.py
-    (the multi-turn sampler), objectives.py (the objectives since DAPO), fastpath.py and the
-    tests' entry (test_algos.py, conftest.py); the plumbing lives in plumbing/."""
-    top = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
-    assert len(top) <= 13, top
+    """At most 13 of the project's .py files at the top: the scripts (six, and distill.py),
+    common.py, engine.py (the multi-turn sampler), objectives.py (the objectives since DAPO),
+    fastpath.py and the tests' entry (test_algos.py, conftest.py); the plumbing lives in
+    plumbing/. A file a user writes there (untracked) does not count."""
+    top = top_level_py()
+    assert len(top) <= 13, (f"{len(top)} tracked .py files at the top ({top}): the top level is "
+                            "the reading list; put the plumbing in plumbing/, or, if a new "
+                            "script earns its place, raise this 13 and README's reading list")
     assert {"grpo.py", "ppo.py", "reinforce.py", "sft.py", "reward_model.py", "dpo.py",
             "common.py", "engine.py", "fastpath.py", "test_algos.py"} <= set(top)
 
 
-def test_every_module_keeps_the_line_budget_the_readme_states():
-    """README's "Reading the code" table gives each module a budget in lines: each file keeps it."""
+# a budget is a signal reviewed in README's table (tools/check_docs.py --fast reports each file's
+# lines against it); the suite fails only this far past it, so a student's edit never fails it
+BUDGET_HEADROOM = 50
+
+
+def over_budget(name, n, budget):
+    """The line to fail with when module `name`, n lines long, is past its budget plus the
+    headroom; None otherwise."""
+    if n <= budget + BUDGET_HEADROOM:
+        return None
+    return (f"{name}: {n} lines, {n - budget} over the {budget} of README's table (the suite "
+            f"allows {BUDGET_HEADROOM} over). Delete what it no longer needs (a budget is a "
+            "signal to delete, not to abstract), or, if the lines earn their place, raise its "
+            "row in README.md's table")
+
+
+def readme_budgets():
     rows = re.findall(r"^\| `([\w/]+\.py)`[^|]*\|[^|]*\| (\d+) lines \|$", read_readme(), re.M)
     assert len(rows) >= 12  # common, fastpath, the plumbing, the six scripts
-    for name, budget in rows:
+    return [(name, int(budget)) for name, budget in rows]
+
+
+def test_every_module_keeps_the_line_budget_the_readme_states():
+    """README's "Reading the code" table gives each module a budget in lines: each file keeps it,
+    give or take BUDGET_HEADROOM (tools/check_docs.py --fast reports the exact counts)."""
+    for name, budget in readme_budgets():
         with open(os.path.join(ROOT, name)) as f:
             n = len(f.read().splitlines())
-        assert n <= int(budget), (
-            f"{name}: {n} lines, over the {budget} of the README's table. Delete what it no "
-            "longer needs (a budget is a signal to delete, not to abstract), or, if the lines "
-            "earn their place, raise its row in README.md's table")
+        assert not over_budget(name, n, budget), over_budget(name, n, budget)
+
+
+def test_a_students_first_edit_and_a_users_file_at_the_top_pass(tmp_path):
+    """A student's first edit: 30 lines more in grpo.py, ppo.py or reinforce.py passes the budget
+    check (the step's ceiling has a quarter's headroom, test_each_rl_step_...); a user's
+    my_rewards.py and my_env.py at the top of a git checkout (README's "Your own task",
+    docs/tool_use.md) leave the reading list as it is."""
+    budgets = dict(readme_budgets())
+    for name in ("grpo.py", "ppo.py", "reinforce.py"):
+        with open(os.path.join(ROOT, name)) as f:
+            n = len(f.read().splitlines())
+        assert not over_budget(name, max(n, budgets[name]) + 30, budgets[name])
+    assert over_budget("grpo.py", budgets["grpo.py"] + BUDGET_HEADROOM + 1, budgets["grpo.py"])
+    if shutil.which("git") is None:
+        pytest.skip("no git: the user-file half reads git ls-files")
+    project = top_level_py()
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True, timeout=60)
+    for f in project:
+        (tmp_path / f).write_text("")
+    subprocess.run(["git", "-C", str(tmp_path), "add", *project], check=True, timeout=60)
+    (tmp_path / "my_rewards.py").write_text("def exact(completions, rows):\n    return [0.0]\n")
+    (tmp_path / "my_env.py").write_text("def env(row, turns):\n    return None\n")
+    assert top_level_py(str(tmp_path)) == project
+    shutil.rmtree(tmp_path / ".git")  # no git checkout: every .py file there but my_*.py
+    assert top_level_py(str(tmp_path)) == project
 
 
 def test_each_rl_step_reads_four_files_under_a_generous_ceiling():

@@ -175,6 +175,7 @@ def test_real_rlhf_pipeline_sft_reward_model_ppo_dpo(smollm2_dir, tmp_path, monk
              tmp_path / "dpo")
     run_main(monkeypatch, ppo, *small, "--data", data, "--max_new_tokens", "4",
              "--reward_model", tmp_path / "rm" / "checkpoint", "--normalize_score", "false",
+             "--critic_init", "reward_model",  # the critic from the RM (a real model: policy)
              "--num_minibatches", "1", "--ppo_epochs", "1", "--batch_size", "8",  # whitened: >= 8
              "--micro_batch_size", "8", "--output_dir", tmp_path / "ppo")
     for name in ("sft", "rm", "dpo", "ppo"):
