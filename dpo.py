@@ -207,6 +207,8 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="dpo",
                disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update:
+            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # save, stop at once
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)

@@ -411,6 +411,8 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
                disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update: save
+            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # step, stop at once
         t0 = time.time()
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line

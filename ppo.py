@@ -440,6 +440,11 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
                disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda kl_coef=kl_coef: R.save_checkpoint(  # Ctrl-C before
+            run, model, tok, opt, rng, step, {"eval_before": eval_before, "kl_coef": kl_coef,
+                                              "score_norm": norm,  # the update: save, stop
+                                              "critic": R.full_state_dict(critic)},
+            trained=[model, value_model]))
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):

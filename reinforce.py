@@ -310,6 +310,8 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda ema=ema: R.save_checkpoint(  # Ctrl-C before the
+            run, model, tok, opt, rng, step, {"eval_before": eval_before, "ema": ema}))  # update
         t0 = time.time()
         # 1. sample k completions per prompt (k contiguous rows each) and score them
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share

@@ -189,6 +189,8 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="sft",
                disable=run.rank > 0)
     for step in bar:
+        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update:
+            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # save, stop at once
         t0 = time.time()
         # the lr from the step number, so resuming needs no scheduler state
         warm = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0

@@ -41,7 +41,8 @@ PRESET_ALGO = {"grpo": {"group_size": 8},
                "reinforce": {"samples_per_prompt": 8, "baseline": "rloo"},
                "ppo": {"batch_size": 32, "micro_batch_size": 16, "critic_init": "policy",
                        "critic_lr": 1e-5, "ppo_epochs": 1, "num_minibatches": 2,
-                       "max_steps": 10, "eval_every": 5}}
+                       "max_steps": 10, "eval_every": 5},
+               "distill": {"samples_per_prompt": 1, "prompts_per_step": 32, "beta": 1.0}}
 
 
 def preset(data, algo, names):
@@ -61,10 +62,12 @@ def equation(a, b):
 
 
 def row(a, b, phrasing, shown=1):
-    """The data row asking a + b in this phrasing, after the worked example if shown."""
+    """The data row asking a + b in this phrasing, after the worked example if shown; "example":
+    the worked example where the prompt does not show it (distill.py --teacher_context example)."""
     example = [question(*EXAMPLE), {"role": "assistant", "content": equation(*EXAMPLE[:2])}]
     prompt = [*example, question(a, b, phrasing)] if shown else [question(a, b, phrasing)]
-    return {"prompt": prompt, "answer": str(a + b), "equation": equation(a, b)}
+    return {"prompt": prompt, "answer": str(a + b), "equation": equation(a, b),
+            "example": [] if shown else example}
 
 
 def split():

@@ -11,12 +11,15 @@ or give --tools FILE.py:NAME,... : plain Python functions that the model's chat 
 whose calls are parsed in the model's own format (ToolEpisode). docs/tool_use.md has the details.
 """
 import concurrent.futures
+import contextlib
 import copy
 import functools
 import inspect
 import json
 import queue
+import random
 import re
+import sys
 import threading
 import time
 
@@ -53,6 +56,28 @@ def submit(call):
 
 
 _POOL = {"jobs": queue.SimpleQueue(), "free": 0, "lock": threading.Lock()}  # submit's threads
+_CLOCK = threading.local()  # .started: [when] of the env call this thread runs (None: paused)
+
+
+def restart_clock():
+    """The env call this thread runs starts its --env_timeout again (--tools: at each tool call,
+    so a turn of three 5 s calls is not one 15 s call)."""
+    started = getattr(_CLOCK, "started", None)
+    if started is not None:
+        started[0] = time.monotonic()
+
+
+@contextlib.contextmanager
+def paused():
+    """Time spent inside does not count against --env_timeout: a tool waiting for a slot of a
+    shared resource (examples/python_tool.py waits for one of its sandboxes)."""
+    started = getattr(_CLOCK, "started", None)
+    if started is not None:
+        started[0] = None
+    try:
+        yield
+    finally:
+        restart_clock()
 
 
 def _worker():
@@ -128,11 +153,14 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
     # budget, and the column where its next turn begins
     seen = [C.SimpleNamespace(turns=[], observations=[], cut=False, begun=0) for _ in rows]
     vocab = len(tok)  # the token ids an env may return
+    before = global_draws()  # an env that draws from the global generators: said in finish()
 
     def where(i, turns):  # the row an error names
         return f"on the row with prompt {str(copies[i].get('prompt'))[:60]!r}, turn {len(turns)}"
 
-    def call(i, turns):
+    def call(i, turns, started):
+        _CLOCK.started = started  # the deadline counts from now, not from when it was queued
+        restart_clock()
         try:
             if episodes[i] is None:
                 episodes[i] = make(copies[i])
@@ -153,7 +181,7 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
                               f"{vocab - 1}) ({where(i, turns)})")
         return out
 
-    running = {}  # row -> (its call's Future, when it started, its Request)
+    running = {}  # row -> (its call's Future, [when its clock started], its Request)
 
     def env_step(requests, wait=False):
         """Start the calls of the rows whose turns just ended (an engine.Request each) and return
@@ -163,25 +191,27 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
             s = seen[req.row]
             s.turns.append(tok.decode(req.turn, skip_special_tokens=True))
             s.begun += len(req.turn)
+            started = [time.monotonic()]  # the call restarts it; None while it is paused
             if len(s.turns) < max_turns:
-                future = submit(functools.partial(call, req.row, list(s.turns)))
+                future = submit(functools.partial(call, req.row, list(s.turns), started))
             else:  # its last turn: no call, the episode ends
                 future = concurrent.futures.Future()
                 future.set_result(None)
-            running[req.row] = (future, time.monotonic(), req)
+            running[req.row] = (future, started, req)
         while True:
             now = time.monotonic()
             late = sorted(i for i, (f, t0, _) in running.items() if not f.done() and
-                          now - t0 > timeout)
+                          t0[0] is not None and now - t0[0] > timeout)
             if late:
                 raise C.UserError(f"{who} took more than {timeout:g} s "
                                   f"{where(late[0], seen[late[0]].turns)} (--env_timeout)")
             ready = sorted(i for i, (f, _, _) in running.items() if f.done())
             if ready or not wait or not running:
                 break
-            first = min(t0 for _, t0, _ in running.values())  # the next deadline to check
+            # the next deadline to check (a clock restarted or resumed meanwhile: within 1 s)
+            first = min([t0[0] for _, t0, _ in running.values() if t0[0] is not None] + [now])
             concurrent.futures.wait([f for f, _, _ in running.values()],
-                                    timeout=min(60.0, max(0.0, first + timeout - now) + 0.01),
+                                    timeout=min(1.0, max(0.0, first + timeout - now) + 0.01),
                                     return_when=concurrent.futures.FIRST_COMPLETED)
         answers = []
         for i in ready:
@@ -212,7 +242,23 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
                                         else "") for k, x in enumerate(s.turns))
                            for s in seen]  # observations in ⟦...⟧
         roll.episodes = episodes  # each episode's state (--tools: its calls, runs.tool_metrics)
+        if global_draws() != before and not _SAID:
+            _SAID.append(who)
+            print(f"warning: {who} drew from Python's or numpy's global random generator: its "
+                  "calls run at once in threads, so the order of the draws, and the run, can "
+                  "differ with the same --seed and on --resume; give each episode its own "
+                  "random.Random(seed from its row) (docs/reliability.md)", file=sys.stderr)
     return env_step, finish
+
+
+_SAID = []  # the env whose global draws were said (once a process)
+
+
+def global_draws():
+    """The states of Python's and numpy's global random generators (numpy's when imported)."""
+    np = sys.modules.get("numpy")
+    state = np.random.get_state() if np is not None else None
+    return random.getstate(), None if state is None else (state[1].tobytes(), state[2])
 
 
 def text_ids(tok, text):
@@ -261,7 +307,7 @@ def from_args(args):
 
 # ------------------------------------------------------------------------ chat models' format
 TURN = "minrl0turn"  # stands for the model's turn in the template's rendering
-RESULT = "minrl0tool0result{}"  # where each tool result goes in the template's rendering
+RESULT = "minrl0tool0result{}z"  # where each result goes (z: result1 is no prefix of result10)
 
 
 def chat_observation(tok, messages, results, tools=None, names=None):
@@ -310,6 +356,7 @@ TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)  # Hermes, Q
 FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.S)  # Qwen3.5's XML calls
 PARAMETER = re.compile(r"<parameter=([^>\n]+)>\s*(.*?)\s*</parameter>", re.S)
 LLAMA_CALL = re.compile(r'\s*\{\s*"name"\s*:')  # Llama 3.1 / 3.2: a turn that starts a call
+GLM_ARGUMENT = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
 
 
 def load_tools(spec):
@@ -335,11 +382,14 @@ def load_tools(spec):
 def call_format(tok):
     """How --tools reads a model's calls: 'parser' (the tokenizer's response parser,
     transformers' response_template), 'tags' (<tool_call>...</tool_call>: Hermes and Qwen2.5 / 3
-    JSON, Qwen3.5's <function=NAME> XML), 'json' (Llama 3.1 / 3.2: the turn is one JSON object
-    {"name": ..., "parameters": ...}), or None."""
+    JSON, Qwen3.5's <function=NAME> XML, GLM-4.5's <arg_key>/<arg_value>), 'json' (Llama 3.1 /
+    3.2: the turn is one JSON object {"name": ..., "parameters": ...}), or None (Muse Glimmer's
+    ATEM channels among them)."""
     template = tok.chat_template if isinstance(tok.chat_template, str) else str(tok.chat_template)
     if getattr(tok, "response_template", None):
         return "parser"
+    if "<atem:function_calls>" in template:  # Muse Glimmer's ATEM channels: not read here
+        return None
     return "tags" if "<tool_call>" in template else "json" if '"parameters"' in template else None
 
 
@@ -362,21 +412,26 @@ def check_tool_format(tok, schemas):
 
 def read_call(body, schemas):
     """One call's text -> (name, arguments), or (None, why) when it cannot be read: JSON
-    {"name": ..., "arguments" or "parameters": {...}}, or Qwen3.5's <function=NAME> with a
-    <parameter=KEY> block per argument (a value is text where the schema says string, else JSON
-    when it reads as JSON)."""
+    {"name": ..., "arguments" or "parameters": {...}}, Qwen3.5's <function=NAME> with a
+    <parameter=KEY> block per argument, or GLM-4.5's NAME with <arg_key>KEY</arg_key>
+    <arg_value>VALUE</arg_value> per argument (in both, a value is text where the schema says
+    string, else JSON when it reads as JSON)."""
+    def typed(name, pairs):  # [(key, value as written)] -> the arguments
+        types = {s["function"]["name"]: s["function"].get("parameters", {}).get("properties", {})
+                 for s in schemas}.get(name, {})
+        arguments = {}
+        for key, value in pairs:
+            try:
+                as_json = types.get(key.strip(), {}).get("type") != "string"
+                arguments[key.strip()] = json.loads(value) if as_json else value
+            except (ValueError, RecursionError):
+                arguments[key.strip()] = value
+        return name, arguments
     xml = FUNCTION.match(body)
     if xml:
-        types = {s["function"]["name"]: s["function"].get("parameters", {}).get("properties", {})
-                 for s in schemas}.get(xml.group(1).strip(), {})
-        arguments = {}
-        for key, value in PARAMETER.findall(xml.group(2)):
-            try:
-                typed = types.get(key, {}).get("type") != "string"
-                arguments[key] = json.loads(value) if typed else value
-            except (ValueError, RecursionError):
-                arguments[key] = value
-        return xml.group(1).strip(), arguments
+        return typed(xml.group(1).strip(), PARAMETER.findall(xml.group(2)))
+    if "<arg_key>" in body or re.fullmatch(r"[\w.-]+", body):  # GLM-4.5 (no argument: NAME)
+        return typed(body.split("<arg_key>")[0].strip(), GLM_ARGUMENT.findall(body))
     try:
         call = json.loads(body)
     except (ValueError, RecursionError):  # not JSON, or nested deeper than Python recurses
@@ -412,9 +467,10 @@ def run_tool(functions, name, arguments):
         return f"error: no tool {name!r:.60}; the tools are {', '.join(functions)}", True
     if not isinstance(arguments, dict):
         return f"error: the arguments of {name!r} must be a JSON object", True
+    restart_clock()  # each call has its own --env_timeout
     try:
         result = functions[name](**arguments)
-    except Exception as e:
+    except (Exception, SystemExit) as e:  # SystemExit: argparse on the model's arguments
         return f"error: {type(e).__name__}: {first_line(e)[:200]}", True
     try:
         return (result if isinstance(result, str) else json.dumps(result, default=str)), False

@@ -54,7 +54,7 @@ from common import first_line
 from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
-STOP = {"requested": False}  # set by Ctrl-C: the loop saves a checkpoint, then stops
+STOP = {"requested": False, "abandon": None}  # Ctrl-C: the loop saves, then stops (step_start)
 NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
@@ -80,7 +80,10 @@ def main_guard(main):
     try:
         try:
             main()
+        except StepAbandoned:  # Ctrl-C before the step's update: save the last completed one
+            _abandon_step()
         finally:
+            STOP["abandon"] = None
             if dist.is_initialized():  # torchrun: leave the process group before exiting (gloo's
                 dist.destroy_process_group()  # threads otherwise abort the process at exit)
             # a run that failed (or --sanity) before logging a step leaves no empty folder
@@ -317,10 +320,50 @@ def _load_state(folder, max_steps):
     return state
 
 
+class StepAbandoned(Exception):
+    """Ctrl-C before a step's first update: main_guard saves the last completed step, exits."""
+
+
+def step_start(run, rng, step, save):
+    """Called first in each step. Until the step's first update (finite_update), a Ctrl-C
+    abandons the step at once (a real model's step takes minutes): main_guard puts back the RNG
+    states of this moment (the data stream rng's too) and calls save() (save_checkpoint of the
+    last completed step, with its arguments bound now); a resume then goes on exactly as the
+    uninterrupted run. One process only: under torchrun Ctrl-C finishes the step as before."""
+    STOP["abandon"] = None
+    if run.world == 1:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        np_rng = numpy.random.get_state() if numpy is not None else None
+        STOP["abandon"] = (step, save, rng, rng.getstate(), torch.get_rng_state(), cuda,
+                           random.getstate(), np_rng)
+
+
+def _abandon_step():
+    """main_guard, on StepAbandoned: the RNG states step_start kept, then its save()."""
+    step, save, rng, data, cpu, cuda, python, np_rng = STOP["abandon"]
+    STOP["abandon"] = None
+    rng.setstate(data)
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
+    random.setstate(python)
+    if np_rng is not None:
+        numpy.random.set_state(np_rng)
+    run = STARTED["run"]
+    if step > run.saved_step:  # steps done since the last checkpoint: save them
+        save()
+    say_once(f"\ninterrupted: step {step + 1} abandoned before its update; " + (
+        f"the checkpoint of step {step} resumes exactly (--resume {run.dir})" if step else
+        "nothing was trained yet"))
+    sys.exit(130)
+
+
 def _on_sigint(signum, frame):
     if STOP["requested"]:  # a second Ctrl-C exits at once; the last checkpoint is still intact
         raise KeyboardInterrupt
     STOP["requested"] = True
+    if STOP.get("abandon"):  # no update yet in this step: stop now (step_start)
+        raise StepAbandoned
     print("\nCtrl-C: finishing this step, then saving a checkpoint (again to quit at once)",
           file=sys.stderr)
 
@@ -385,6 +428,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 def finite_update(run, *grad_norms):
     """True when every gradient norm is finite: the update may go ahead (and a row of skipped ones
     ends); else the update is skipped and counted (skip_update)."""
+    STOP["abandon"] = None  # the update begins: a Ctrl-C from here finishes the step
     if all(torch.isfinite(n) for n in grad_norms):
         run.nonfinite_in_row = 0
         return True

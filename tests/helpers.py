@@ -21,6 +21,7 @@ from transformers import Qwen2Config
 import common as C
 import engine
 import fastpath
+import distill
 import dpo
 from plumbing import envs as E
 import grpo
@@ -250,7 +251,7 @@ sys.path.insert(0, os.environ["MINRL_ROOT"])
 import torch
 import common as C
 import engine
-import dpo, grpo, ppo, reinforce, reward_model, sft
+import distill, dpo, grpo, ppo, reinforce, reward_model, sft
 from plumbing import runs
 
 
@@ -275,7 +276,7 @@ def each_row_alone(real, multi_turn):  # common.sample, or engine.sample(..., N,
 C.sample = each_row_alone(C.sample, False)
 engine.sample = each_row_alone(engine.sample, True)
 script = {"grpo": grpo, "ppo": ppo, "reinforce": reinforce, "sft": sft, "dpo": dpo,
-          "reward_model": reward_model}[sys.argv[1]]
+          "reward_model": reward_model, "distill": distill}[sys.argv[1]]
 sys.argv = sys.argv[1:]
 runs.main_guard(script.main)
 """
@@ -330,7 +331,7 @@ def run_processes(tmp_path, n, script, *args, tries=3):
 
 # ---- docs/: commands, links, the tests they name
 SCRIPTS = {"grpo": grpo, "reinforce": R, "ppo": ppo, "sft": sft, "reward_model": reward_model,
-           "dpo": dpo}
+           "dpo": dpo, "distill": distill}
 
 
 # a --tools file: add (a tool that works) and shout (one that raises)

@@ -11,7 +11,7 @@ import grpo
 import reinforce
 from tools import smollm2
 
-from tests.helpers import FAST_GRPO, one_error_line, run_main
+from tests.helpers import FAST_GRPO, one_error_line, read_metrics, run_main
 
 
 # ---- no command deletes what it did not write
@@ -349,3 +349,49 @@ def test_off_policy_mask_0_is_trls_threshold_0_and_luspo_is_in_help(capsys, monk
         flags.parse_args(grpo.Args, "grpo", grpo.__doc__)
     text = " ".join(capsys.readouterr().out.split())
     assert "seq-sum LUSPO" in text and "--off_policy_mask X off (TRL: 0.5)" in text
+
+
+@pytest.mark.parametrize("script,flags", [
+    (grpo, [*FAST_GRPO, "--save_every", "0"]),
+    (reinforce, ["--prompts_per_step", "2", "--samples_per_prompt", "4", "--micro_batch_size",
+                 "8", "--eval_size", "10", "--eval_every", "0", "--save_every", "0",
+                 "--baseline", "ema"])])
+def test_ctrl_c_in_a_long_step_stops_at_once_and_resumes_bit_identical(script, flags, tmp_path,
+                                                                       monkeypatch, capsys):
+    """#53: the first Ctrl-C in a step, before its update (a real model's step: minutes of
+    sampling), abandons it: the step's completions are dropped, no update from it, and the last
+    completed step is saved with the RNG states of its end (here after step 2, never saved by
+    --save_every 0). --resume then gives the weights and metrics of the run never interrupted,
+    bit for bit (reinforce's ema baseline, which the abandoned step had moved, included)."""
+    import json
+    from safetensors.torch import load_file
+    from plumbing import runs
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    run_main(monkeypatch, script, *flags, "--max_steps", "4", "--output_dir", straight)
+    real = C.compute_rewards
+
+    def ctrl_c_in_step_3(*a, **kw):  # mid-step: after sampling (RNG drawn), before the update
+        out = real(*a, **kw)
+        if len(runs.STARTED["run"].history) == 2 and runs.STOP["abandon"]:  # in step 3
+            runs._on_sigint(2, None)  # what the signal calls
+        return out
+    monkeypatch.setattr(C, "compute_rewards", ctrl_c_in_step_3)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, script, *flags, "--max_steps", "4", "--output_dir", stopped,
+                 guard=True)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 130 and err[-1] == ("interrupted: step 3 abandoned before its update;"
+                                               f" the checkpoint of step 2 resumes exactly "
+                                               f"(--resume {stopped})"), err[-3:]
+    assert [m["step"] for m in read_metrics(stopped)] == [1, 2]
+    monkeypatch.setattr(C, "compute_rewards", real)
+    runs.STOP["requested"] = False
+    run_main(monkeypatch, script, "--resume", stopped)
+    timing = ("step_time", "tokens_per_s")
+    want, got = ([{k: v for k, v in m.items() if k not in timing} for m in read_metrics(d)]
+                 for d in (straight, stopped))
+    assert got == want
+    a, b = (load_file(d / "checkpoint" / "model.safetensors") for d in (straight, stopped))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    s1, s2 = (json.loads((d / "summary.json").read_text()) for d in (straight, stopped))
+    assert s1["evals"] == s2["evals"]

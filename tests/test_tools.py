@@ -773,14 +773,42 @@ def test_calc_task_learns(tmp_path, monkeypatch):
     assert last >= first + 0.2, (first, last)
 
 
-def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anything(tmp_path):
-    """examples/python_tool.py: a snippet runs in a separate process: a sleep or a spin stops at
-    the wall-clock limit; a huge allocation is a MemoryError; a huge file or output is cut;
-    a listening socket on 127.0.0.1 cannot be reached and the checkout cannot be written (where
-    the OS gives namespaces: else the test says so and skips those); a process it starts in a
-    session of its own is gone after, and so is its temporary folder."""
+def python_tool():
+    """examples/python_tool.py, imported; skipped in one line where bubblewrap cannot run (it
+    refuses to load there: test_python_tool_refuses_without_bubblewrap_unless_told)."""
     sys.path.insert(0, os.path.join(ROOT, "examples"))
-    import python_tool as P
+    try:
+        import python_tool as P
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return P
+
+
+def running(word):
+    """Is a process with this word on its command line running (this one aside)?"""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(pid) != os.getpid() and word in open(f"/proc/{pid}/cmdline", "rb").read():
+                return True
+        except OSError:
+            pass
+    return False
+
+
+def gone(word, seconds=5.0):
+    """No process with this word on its command line, within seconds."""
+    t0 = time.time()
+    while running(word) and time.time() - t0 < seconds:
+        time.sleep(0.05)
+    return not running(word)
+
+
+def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anything(tmp_path):
+    """examples/python_tool.py: a sleep or a spin stops at the wall-clock limit; a huge
+    allocation is a MemoryError; a huge file or output is cut; a process it starts in a session
+    of its own is gone after, and so is the temporary folder this call made (folders other runs
+    left are not this test's business)."""
+    P = python_tool()
     assert P.run_python("print(6 * 7)") == "42\n"
     assert P.python("print(sum(x * x for x in [3, 4]))") == "25\n"
     for code in ("import time\ntime.sleep(60)", "while True: pass"):
@@ -791,36 +819,210 @@ def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anythi
     assert "File too large" in P.run_python("open('f', 'wb').write(b'x' * (100 << 20))")
     out = P.run_python("while True: print('y' * 1000)", timeout=1)
     assert len(out) < 2200 and "(output cut to 2000 characters)" in out
+    before = set(os.listdir(tempfile.gettempdir()))
     P.run_python("import subprocess\nsubprocess.Popen(['sleep', '31.4159'], "
                  "start_new_session=True)", timeout=1)  # a process that leaves its group
-    left = [f for f in os.listdir(tempfile.gettempdir()) if f.startswith("minrl-python-")]
-    assert left == []
-    if P.namespaces() is None:
-        pytest.skip("no unprivileged namespaces here: network and file system not isolated")
+    assert gone(b"31.4159")  # it died with its PID namespace
+    made = set(os.listdir(tempfile.gettempdir())) - before
+    assert not [f for f in made if f.startswith("minrl-python-")]
 
-    def running(word):  # a process with this word on its command line?
-        found = []
-        for pid in filter(str.isdigit, os.listdir("/proc")):
-            try:
-                found.append(word in open(f"/proc/{pid}/cmdline", "rb").read().decode())
-            except OSError:
-                pass
-        return any(found)
-    time.sleep(0.5)
-    assert not running("31.4159")  # the escaped process died with its namespace
-    server = socket.socket()
+
+# what the code inside tries -> what it must get; each a line of docs/tool_use.md's table
+LIBC = "import ctypes\nc = ctypes.CDLL(None, use_errno=True)\n"  # the system calls themselves
+ESCAPES = {
+    "remount / read-write": (LIBC + "print(c.mount(None, b'/', None, 32 | 4096, None), "
+                             "ctypes.get_errno())", "-1 1\n"),  # EPERM (MS_REMOUNT | MS_BIND)
+    "unmount /tmp": (LIBC + "print(c.umount2(b'/tmp', 2), ctypes.get_errno())",  # MNT_DETACH
+                     "-1 1\n"),
+    "a new user namespace": ("import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))",
+                             "-1\n"),  # CLONE_NEWUSER refused (bubblewrap 0.8+)
+    "write /proc/sys": ("open('/proc/sys/kernel/core_pattern', 'w')", "Read-only file system"),
+    "write /usr": ("open('/usr/x', 'w')", "Read-only file system"),
+    "see the host's /tmp": ("import os\nprint(sorted(os.listdir('/tmp')))", "[]\n"),
+    "see the checkout": (f"open({ROOT + '/README.md'!r})", "No such file or directory"),
+    "kill the run": ("import os\nos.kill(os.getppid(), 9)\nprint(os.getppid())", "1\n"),
+    "read the run's environment": ("import os\nprint('MINRL_TEST_SECRET' in os.environ, "
+                                   "sorted(set(os.environ) - {'LC_CTYPE', 'PWD'}))",
+                                   "False ['HOME', 'PATH']\n"),
+    "fork 300 processes": ("import os, time\nfor _ in range(300):\n    if os.fork() == 0:\n"
+                           "        time.sleep(30)\n", "(stopped: more than 16 processes)"),
+    "1.6 GB across processes": ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
+                                "        x = bytearray(400 << 20)\n        time.sleep(30)\n"
+                                "time.sleep(30)", "(stopped: more than 512 MB of memory in all"),
+    "fill /dev/shm": ("for k in range(8):\n    open(f'/dev/shm/{k}', 'wb').write(bytes(12 << 20))",
+                      "No space left on device"),  # 64 MB, as /tmp
+    "swap its output file for a FIFO": ("import os\np = os.readlink('/proc/self/fd/1')\n"
+                                        "os.unlink(p.replace(' (deleted)', ''))\nos.mkfifo(p)",
+                                        "FileNotFoundError"),  # it has no name
+    "a NUL byte": ("print(1)\x00", "SyntaxError: source code cannot contain null bytes"),
+    "128 KB of code": ("x = 1\n" * 22000 + "print('ran')", "ran\n"),
+}
+
+
+@pytest.mark.parametrize("case", ESCAPES)
+def test_python_tool_sandbox_holds_against_the_code_inside(case, monkeypatch):
+    """The red team's cases: each line of docs/tool_use.md's sandbox table, tried from inside."""
+    P = python_tool()
+    code, want = ESCAPES[case]
+    if case == "read the run's environment":
+        monkeypatch.setenv("MINRL_TEST_SECRET", "hunter2")
+    out = P.run_python(code, timeout=10)
+    assert want in out, out
+    assert P.run_python("print('still here')") == "still here\n"  # and the run goes on
+
+
+def test_python_tool_reaches_no_network_and_no_socket_file(tmp_path):
+    """A server on the host's 127.0.0.1 and a unix socket file in the host's /tmp: the code
+    reaches neither (its 127.0.0.1 is its own; the socket file is out of sight)."""
+    P = python_tool()
+    server, unix = socket.socket(), socket.socket(socket.AF_UNIX)
     server.bind(("127.0.0.1", 0))
     server.listen()
-    port = server.getsockname()[1]
+    server.setblocking(False)
+    path = str(tmp_path / "s.sock")
+    unix.bind(path)
+    unix.listen()
+    unix.setblocking(False)
     try:
+        port = server.getsockname()[1]
         out = P.run_python(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), 2)")
-        assert "Network is unreachable" in out or "Errno" in out, out
-        target = os.path.join(ROOT, "examples", "written-by-the-tool")  # the checkout
-        out = P.run_python(f"open({target!r}, 'w')")  # / is read-only; a checkout under /tmp
-        assert "Read-only file system" in out or "No such file" in out, out  # is out of sight
-        assert not os.path.exists(target)
+        assert "ConnectionRefusedError" in out or "Network is unreachable" in out, out
+        out = P.run_python(f"import socket\ns = socket.socket(socket.AF_UNIX)\ns.connect({path!r})")
+        assert "FileNotFoundError" in out, out
+        for s in (server, unix):
+            with pytest.raises(BlockingIOError):
+                s.accept()  # nobody came
     finally:
         server.close()
+        unix.close()
+
+
+def test_python_tool_runs_with_a_venv_under_tmp_and_dies_with_the_run(tmp_path):
+    """An interpreter in a venv under /tmp (a fresh clone's) runs the code (its folder is bound
+    over the private /tmp); and a run killed mid-call (kill -9) leaves no sandboxed process."""
+    python_tool()
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(venv)], check=True)
+    script = ("import sys, os, threading, time\nsys.path.insert(0, 'examples')\n"
+              "import python_tool as P\nprint(P.run_python('import sys; print(sys.prefix)'), "
+              "flush=True)\nthreading.Thread(target=P.run_python, args=('import time; "
+              "time.sleep(27.1828)', 60)).start()\ntime.sleep(1)\nos.kill(os.getpid(), 9)\n")
+    r = subprocess.run([str(venv / "bin" / "python"), "-c", script], capture_output=True,
+                       text=True, cwd=ROOT, timeout=60)
+    assert r.returncode == -9 and r.stdout.startswith(str(venv)), r.stdout + r.stderr
+    assert gone(b"27.1828")
+
+
+def test_python_tool_refuses_without_bubblewrap_unless_told(tmp_path):
+    """Without bwrap, loading the tool refuses in one line naming the fix; with
+    MINRL_UNSAFE_TOOLS=1 it loads and says once, at load, what is not contained."""
+    cmd = [sys.executable, "-c", "import sys; sys.path.insert(0, 'examples')\n"
+           "import python_tool as P; print(P.run_python('print(1)'), end='')"]
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}  # no bwrap on it
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+        "RuntimeError: python_tool: bubblewrap (bwrap) is not installed: install it (apt-get "
+        "install bubblewrap), or set MINRL_UNSAFE_TOOLS=1 to run the model's code without a "
+        "sandbox")
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                       env={**env, "MINRL_UNSAFE_TOOLS": "1"})
+    assert r.returncode == 0 and r.stdout == "1\n", r.stderr
+    assert len(r.stderr.splitlines()) == 1 and "CAN read and write your files" in r.stderr
+    r = subprocess.run([sys.executable, "examples/python_tool.py", str(tmp_path / "no" / "x")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"python_tool: cannot write {str(tmp_path / 'no' / 'x')!r}: No such file or directory")
+
+
+def test_tool_calls_restart_the_deadline_and_a_paused_wait_does_not_count(tok):
+    """--env_timeout is per tool call (run_tool restarts it): three calls of 0.6 s in one turn
+    pass a 1.5 s limit; time inside envs.paused() (python_tool waiting for a sandbox) does not
+    count; a plain 3 s call still stops the run."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
+    prompts = C.encode_prompts(tok, ["1+2="] * 2)
+    rows = [{"prompt": "1+2="}] * 2
+
+    def three_calls(row, turns):
+        for _ in range(3):
+            E.run_tool({"slow": lambda: time.sleep(0.6)}, "slow", {})
+        return None
+
+    def waits(row, turns):
+        with E.paused():
+            time.sleep(2)
+        return None
+    for env in (three_calls, waits):
+        roll = rollout(model, tok, prompts, env, rows, 2, 10, timeout=1.5)
+        assert roll.turns.tolist() == [1, 1]
+    with pytest.raises(C.UserError, match="took more than 1.5 s"):
+        rollout(model, tok, prompts, lambda row, turns: time.sleep(3), rows, 2, 10, timeout=1.5)
+
+
+def test_three_looping_snippets_in_one_turn_do_not_stop_the_run(tok):
+    """S7 through the sandbox: a turn whose three python calls each loop until their 1 s limit
+    takes over 3 s, yet passes a 3 s --env_timeout (per call, and the wait for a sandbox slot
+    is paused); 12 rows at once share the 8 slots."""
+    P = python_tool()
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
+    tools = {"python": lambda code: P.run_python(code, timeout=1)}
+
+    def env(row, turns):
+        results = [E.run_tool(tools, "python", {"code": "while True: pass"}) for _ in range(3)]
+        assert all(r.endswith("(stopped: took more than 1 s)") for r, _ in results), results
+        return None
+    prompts = C.encode_prompts(tok, ["1+2="] * 12)
+    roll = rollout(model, tok, prompts, env, [{"prompt": "1+2="}] * 12, 2, 10, timeout=3)
+    assert roll.turns.tolist() == [1] * 12
+
+
+def test_a_tool_that_exits_is_an_error_result_and_eleven_results_keep_their_order():
+    """A tool raising SystemExit (argparse on the model's arguments) is an 'error:' result, not
+    the end of the run; a turn with 12 calls gets its 12 results in order (marker 1 is no
+    prefix of marker 10)."""
+    def exits(text: str) -> str:
+        raise SystemExit(2)
+    assert E.run_tool({"exits": exits}, "exits", {"text": "x"}) == ("error: SystemExit: 2", True)
+    t = chat_tokenizer()
+    shown = t.decode(E.chat_observation(t, [{"role": "user", "content": "hi"}],
+                                        [f"r{k}" for k in range(12)]))
+    assert re.findall(r"r\d+", shown) == [f"r{k}" for k in range(12)]
+
+
+def test_glm_calls_are_read_and_muse_glimmer_is_refused():
+    """GLM-4.5's <arg_key>/<arg_value> calls are read (typed by the schema); Muse Glimmer's
+    ATEM channels are refused in one line at the start (TRL's own templates)."""
+    trl = pytest.importorskip("trl")
+    folder = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
+    schemas = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+        "type": "object", "properties": {"code": {"type": "string"}, "n": {"type": "integer"}}}}}]
+    t = chat_tokenizer()
+    t.chat_template = open(os.path.join(folder, "glm4moe.jinja")).read()
+    E.check_tool_format(t, schemas)
+    turn = ("<tool_call>f\n<arg_key>code</arg_key>\n<arg_value>print(1)</arg_value>\n"
+            "<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>f</tool_call>")
+    assert E.parse_calls(t, turn, schemas) == [("f", {"code": "print(1)", "n": 3}), ("f", {})]
+    t.chat_template = open(os.path.join(folder, "muse_glimmer.jinja")).read()
+    with pytest.raises(C.UserError, match="this chat template uses none of them"):
+        E.check_tool_format(t, schemas)
+
+
+def test_an_env_that_draws_from_the_global_random_is_said_once(tok, capsys):
+    """Its calls run at once in threads, so the order of global draws is not reproducible: said
+    once on stderr (docs/reliability.md's rule); an env with its own generator is not."""
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = list(range(len(tok)))
+    prompts = C.encode_prompts(tok, ["1+2="] * 4)
+    rows = [{"prompt": "1+2="}] * 4
+    E._SAID.clear()
+    rollout(model, tok, prompts, lambda row, turns: random.Random(1).random() and None, rows, 2, 10)
+    assert "warning" not in capsys.readouterr().err
+    for _ in range(2):
+        rollout(model, tok, prompts, lambda row, turns: random.random() and None, rows, 2, 10)
+    err = capsys.readouterr().err
+    assert err.count("drew from Python's or numpy's global random generator") == 1, err
 
 
 def test_python_env_runs_a_turns_code_and_the_example_task_is_written(tmp_path):

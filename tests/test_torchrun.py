@@ -29,7 +29,9 @@ WALL_CLOCK = ("step_time", "tokens_per_s")
     ("reinforce", ["--prompts_per_step", "4", "--samples_per_prompt", "4", "--micro_batch_size",
                    "4", "--baseline", "ema", "--beta", "0.05"]),
     ("ppo", ["--batch_size", "16", "--micro_batch_size", "4", "--num_minibatches", "2",
-             "--ppo_epochs", "2", "--rewards", "math", "--critic_init", "policy"])])
+             "--ppo_epochs", "2", "--rewards", "math", "--critic_init", "policy"]),
+    ("distill", ["--prompts_per_step", "8", "--micro_batch_size", "4",  # a self-teacher, shown
+                 "--teacher_system_prompt", "1+1=2"])])  # a sum first (as text: no template)
 def test_two_processes_make_the_one_process_update(script, flags, tmp_path):
     """One optimizer step on the same rows: 2 gloo processes under torchrun (normalisers and
     statistics over both), with DDP and with --fsdp (FSDP2: each process holds half of every

@@ -1,0 +1,239 @@
+"""distill.py: its losses against slow references and TRL 1.16's own code, the teacher's checks
+(one line, before any weights load), self-distillation's prompts, learning on the bundled task,
+resume."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import common as C
+import distill
+import grpo
+from plumbing import chat_sums, loading
+
+from tests.helpers import ROOT, one_error_line, read_metrics, run_main, write_jsonl
+
+TINY = ["--eval_size", "20", "--eval_every", "0", "--save_every", "0", "--samples_every", "0"]
+
+
+# ---- the losses
+def slow_jsd(ps, pt, beta):
+    """One position's generalized JSD, the definitions written out over the vocabulary (float64):
+    beta KL(p_t || m) + (1 - beta) KL(p_s || m), m = (1 - beta) p_s + beta p_t; the ends: the
+    plain KLs (TRL's)."""
+    def kl(p, q):  # sum_v p(v) log(p(v) / q(v)), a loop over the vocabulary
+        return sum(float(a) * float(torch.log(a) - torch.log(b)) for a, b in zip(p, q) if a > 0)
+    if beta == 0:
+        return kl(pt, ps)
+    if beta == 1:
+        return kl(ps, pt)
+    m = (1 - beta) * ps + beta * pt
+    return beta * kl(pt, m) + (1 - beta) * kl(ps, m)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 0.9, 1.0])
+def test_chunked_divergence_equals_the_definition_at_every_position(beta):
+    """chunked_divergence, 3 positions a chunk, gives each position's generalized JSD written out
+    over the vocabulary, the log-probs of the sampled tokens under both models and the student's
+    entropy; whole or in
+    chunks, the same values and gradients."""
+    g = torch.Generator().manual_seed(0)
+    N, H, V, temperature = 7, 5, 11, 0.7
+    xs = torch.randn(N, H, generator=g, dtype=torch.float64, requires_grad=True)
+    xt = torch.randn(N, H, generator=g, dtype=torch.float64)
+    ws, wt = (torch.randn(V, H, generator=g, dtype=torch.float64) for _ in range(2))
+    y = torch.randint(V, (N,), generator=g)
+    heads = (lambda x: x @ ws.T, lambda x: x @ wt.T)
+    div, lp, t_lp, ent = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=3)
+    ps, pt = ((x @ w.T / temperature).softmax(-1) for x, w in ((xs, ws), (xt, wt)))
+    for i in range(N):
+        want = slow_jsd(ps[i].detach(), pt[i], beta)  # fp32 logits (as the LM head's): ~1e-7
+        assert float(div[i].detach()) == pytest.approx(want, rel=1e-5, abs=1e-6)
+        assert float(lp[i].detach()) == pytest.approx(float(ps[i, y[i]].log()), rel=1e-5)
+        assert float(t_lp[i]) == pytest.approx(float(pt[i, y[i]].log()), rel=1e-5)
+        assert float(ent[i]) == pytest.approx(float(-(ps[i] * ps[i].log()).sum()), rel=1e-5)
+    (g_chunks,) = torch.autograd.grad(div.sum(), xs)
+    whole, *_ = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=N)
+    (g_whole,) = torch.autograd.grad(whole.sum(), xs)
+    torch.testing.assert_close(g_chunks, g_whole, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta,temperature", [(0.0, 1.0), (0.25, 1.0), (0.5, 0.7), (1.0, 1.0),
+                                              (1.0, 1.3)])
+def test_jsd_equals_trls_distillation_loss(beta, temperature):
+    """TRL 1.16's DistillationTrainer loss, _chunked_divergence_loss, on the same hidden states,
+    LM heads and mask: the same token-mean loss, and the same gradients for the student's hidden
+    states and head, to 1e-6 (TRL computes its tiles in fp32)."""
+    trl = pytest.importorskip("trl.trainer.distillation_trainer", reason="TRL is not installed")
+    g = torch.Generator().manual_seed(1)
+    B, K, H, V = 3, 5, 8, 50
+    hs = torch.randn(B, K, H, generator=g, requires_grad=True)
+    ht = torch.randn(B, K, H, generator=g)
+    ws = (torch.randn(V, H, generator=g) * 0.5).requires_grad_()
+    wt = torch.randn(V, H, generator=g) * 0.5
+    mask = (torch.arange(K)[None] < torch.tensor([[5], [2], [4]])).float()
+    want, _, _ = trl._chunked_divergence_loss(hs, ht, ws, wt, mask, beta, temperature=temperature)
+    g_want = torch.autograd.grad(want, (hs, ws))
+    valid = mask.bool()
+    y = torch.zeros(int(valid.sum()), dtype=torch.long)
+    div, *_ = distill.chunked_divergence(hs[valid], ht[valid], y, (lambda x: x @ ws.T,
+                                           lambda x: x @ wt.T), beta, temperature, chunk=4)
+    got = div.sum() / mask.sum()
+    g_got = torch.autograd.grad(got, (hs, ws))
+    assert float(got) == pytest.approx(float(want), abs=1e-6) and float(want) > 1e-3
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_opd_loss_is_the_sampled_reverse_kl_as_an_advantage():
+    """pg_loss with opd_advantages, token by token: the value -A_t = kl_coef (log pi - log pi_T),
+    the gradient -A_t wrt log pi; and over a whole distribution, the expected gradient
+    E_y[A(y) grad log p(y)] is exactly -grad KL(p || q), the reverse KL the student descends."""
+    g = torch.Generator().manual_seed(2)
+    lp = -torch.rand(6, generator=g, dtype=torch.float64).requires_grad_()
+    t_lp = -torch.rand(6, generator=g, dtype=torch.float64)
+    loss = distill.pg_loss(lp, lp.detach(), distill.opd_advantages(lp, t_lp, kl_coef=0.5))
+    (grad,) = torch.autograd.grad(loss.sum(), lp)
+    for t in range(6):
+        a = -0.5 * (float(lp[t]) - float(t_lp[t]))
+        assert float(loss[t]) == pytest.approx(-a) and float(grad[t]) == pytest.approx(-a)
+    z = torch.randn(9, generator=g, dtype=torch.float64, requires_grad=True)  # student logits
+    log_q = torch.randn(9, generator=g, dtype=torch.float64).log_softmax(-1)  # the teacher's
+    log_p = z.log_softmax(-1)
+    every = torch.arange(9)  # each token y, weighted by p(y): the exact expectation
+    surrogate = distill.pg_loss(log_p[every], log_p[every].detach(),
+                                distill.opd_advantages(log_p[every], log_q[every]))
+    (g_pg,) = torch.autograd.grad((log_p.exp().detach() * surrogate).sum(), z, retain_graph=True)
+    (g_kl,) = torch.autograd.grad((log_p.exp() * (log_p - log_q)).sum(), z)
+    torch.testing.assert_close(g_pg, g_kl, rtol=0, atol=1e-12)
+
+
+# ---- teachers
+def test_a_teacher_with_another_vocabulary_or_template_is_one_line_before_weights_load(
+        chat_model, tmp_path, monkeypatch, capsys):
+    """A teacher must score the student's own token ids: another vocabulary (a BPE chat model
+    for the bundled character-level student) or another chat template stops the run in one line
+    (exit 2), before any model's weights load."""
+    def no_weights(*a, **k):
+        raise AssertionError("weights loaded before the teacher's tokenizer was checked")
+    monkeypatch.setattr(loading, "load_model", no_weights)
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, distill, "--teacher", chat_model, *TINY, "--output_dir",
+                 tmp_path / "a", guard=True)
+    assert e.value.code == 2 and "its vocabulary (" in one_error_line(capsys)
+    other = tmp_path / "templated"
+    shutil.copytree(loading.DEFAULT_POLICY, other)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, distill, "--teacher", other, *TINY, "--output_dir", tmp_path / "b",
+                 guard=True)
+    assert e.value.code == 2 and "chat template differs" in one_error_line(capsys)
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    ([], "no --teacher: the teacher is the student's own starting weights"),
+    (["--teacher_context", "demo"], "--teacher_context 'demo': the row"),
+    (["--teacher", loading.DEFAULT_POLICY, "--reward_coef", "1"], "--samples_per_prompt >= 2")])
+def test_bad_teacher_flags_are_one_line(argv, message, tmp_path, monkeypatch, capsys):
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, distill, *argv, *TINY, "--output_dir", tmp_path / "x", guard=True)
+    assert e.value.code == 2 and message in one_error_line(capsys)
+
+
+def test_self_distillation_teacher_reads_the_context_then_the_same_completion(tok):
+    """teacher_prompt: chat-sums' `example` field makes the prompt that shows the worked example
+    (and leaves a prompt that shows it as it is); a text context goes before a text prompt; a
+    teacher system prompt replaces the row's. teacher_rollout: the completion columns are the
+    student's, after the teacher's prompt."""
+    for a, b, phrasing in ((3, 5, 0), (7, 1, 4)):
+        plain, shown = chat_sums.row(a, b, phrasing, 0), chat_sums.row(a, b, phrasing, 1)
+        assert distill.teacher_prompt(plain, "example") == shown["prompt"]
+        assert distill.teacher_prompt(shown, "example") == shown["prompt"]
+    row = {"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q"}],
+           "demo": "D"}
+    assert distill.teacher_prompt(row, "demo", "T") == [
+        {"role": "system", "content": "T"}, {"role": "user", "content": "D"},
+        {"role": "user", "content": "Q"}]
+    assert distill.teacher_prompt({"prompt": "37+48=", "demo": "12+34=46\n"}, "demo") == \
+        "12+34=46\n37+48="
+    torch.manual_seed(0)
+    model = loading.load_model(loading.DEFAULT_POLICY, "lm", torch.device("cpu"))
+    prompts = ["37+48=", "5+6="]
+    roll = C.sample(model, tok, C.encode_prompts(tok, prompts), 5)
+    t_roll = distill.teacher_rollout(tok, roll, ["1+1=2\n" + p for p in prompts], "auto")
+    T = roll.completion_mask.shape[1]
+    assert torch.equal(t_roll.ids[:, -T:], roll.ids[:, -T:])
+    assert torch.equal(t_roll.attention_mask[:, -T:], roll.attention_mask[:, -T:])
+    for i, p in enumerate(prompts):
+        real = t_roll.ids[i, :t_roll.P][t_roll.attention_mask[i, :t_roll.P] == 1]
+        assert real.tolist() == C.encode_prompts(tok, ["1+1=2\n" + p])[0]
+
+
+# ---- learning and resume on the bundled task
+@pytest.fixture(scope="module")
+def grpo_teacher(tmp_path_factory, monkeypatch_module):
+    """A teacher as the docs make one: 50 steps of grpo.py on the bundled task (about 0.97)."""
+    out = tmp_path_factory.mktemp("teacher") / "run"
+    run_main(monkeypatch_module, grpo, "--max_steps", "50", *TINY, "--output_dir", out)
+    return str(out / "checkpoint")
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.mark.parametrize("loss", ["opd", "jsd"])
+def test_distill_learns_the_bundled_task_from_a_grpo_teacher_in_15_steps(loss, grpo_teacher,
+                                                                          tmp_path, monkeypatch):
+    """15 steps (64 completions each) from a GRPO teacher: held-out accuracy on 100 prompts
+    gains more than 0.3 (measured: +0.5 and more), and the student's KL to the teacher falls."""
+    out = tmp_path / loss
+    run_main(monkeypatch, distill, "--teacher", grpo_teacher, "--loss", loss, "--max_steps",
+             "15", *TINY, "--eval_size", "100", "--output_dir", out)
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["eval_after"] > summary["eval_before"] + 0.3, summary
+    kl = [m["kl"] for m in read_metrics(out)]
+    assert sum(kl[-5:]) < 0.5 * sum(kl[:5]), kl
+
+
+def test_resume_reproduces_a_straight_run(grpo_teacher, tmp_path, monkeypatch):
+    """4 steps straight, or 2 and a --resume to 4 (LoRA-free, jsd with a reward mixed in): the same
+    metrics, step for step."""
+    args = ["--teacher", grpo_teacher, "--loss", "jsd", "--beta", "0.5", "--reward_coef", "0.5",
+            "--samples_per_prompt", "4", "--prompts_per_step", "4", *TINY, "--save_every", "2"]
+    run_main(monkeypatch, distill, *args, "--max_steps", "4", "--output_dir", tmp_path / "a")
+    run_main(monkeypatch, distill, *args, "--max_steps", "2", "--save_optimizer",
+             "--output_dir", tmp_path / "b")
+    run_main(monkeypatch, distill, "--resume", tmp_path / "b", "--max_steps", "4")
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [m["step"] for m in b] == [1, 2, 3, 4]
+    for key in ("reward", "loss", "kl", "divergence", "grad_norm"):
+        assert [x[key] for x in a] == pytest.approx([x[key] for x in b], rel=1e-5), key
+
+
+def test_self_distillation_with_lora_on_a_data_file(tmp_path, monkeypatch):
+    """No --teacher: the student's starting weights, here with LoRA the student with its adapters
+    off, read each row's demonstration before the prompt; the adapters train and only they are
+    saved (the teacher is never saved). At step 1 the KL is not 0: the teacher sees more."""
+    pytest.importorskip("peft")
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "demo": f"{b}+{a}={a + b}\n"}
+            for a in range(10, 40, 3) for b in range(20, 50, 7)]
+    data = write_jsonl(tmp_path / "d.jsonl", rows)
+    run_main(monkeypatch, distill, "--data", data, "--teacher_context", "demo", "--lora_r", "4",
+             "--max_steps", "2", "--prompts_per_step", "8", *TINY, "--output_dir", tmp_path / "o")
+    m = read_metrics(tmp_path / "o")
+    assert [x["step"] for x in m] == [1, 2] and m[0]["kl"] > 1e-3 and m[0]["grad_norm"] > 0
+    saved = sorted(p.name for p in (tmp_path / "o" / "checkpoint").iterdir())
+    assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved, saved
+
+
+def test_distill_is_listed_with_the_scripts():
+    """The README's table of scripts and its budget table name distill.py."""
+    readme = open(f"{ROOT}/README.md", encoding="utf-8").read()
+    assert "| `distill.py` |" in readme
