@@ -46,8 +46,8 @@ ASK = "\n\nWork it out briefly, then give the final answer in <answer></answer> 
 # about 8 tokens, a tagged answer after a line of work about 20: 24 cuts few; T 0.7 and lr 2e-5
 # as chat-sums' preset (docs/real_model.md); beta 0 loads no reference model
 PRESET = {"rewards": "rg=1", "max_new_tokens": 24, "temperature": 0.7, "lr": 2e-5, "beta": 0.0,
-          "prompts_per_step": 4, "micro_batch_size": 32, "eval_size": 128, "max_steps": 20,
-          "eval_every": 10, "save_every": 0, "samples_every": 5}
+          "prompts_per_step": 4, "micro_batch_size": 32, "eval_size": 128, "max_steps": 8,
+          "eval_every": 4, "save_every": 0, "samples_every": 5}
 PRESET_ALGO = {"grpo": {"group_size": 8},
                "reinforce": {"samples_per_prompt": 8, "baseline": "rloo"},
                "ppo": {"batch_size": 32, "micro_batch_size": 16, "critic_init": "policy",
