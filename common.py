@@ -6,7 +6,7 @@ algorithm reader can skip in the folder plumbing/ (never imported here).
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
   pi_theta's log-probs);  pi_ref  a frozen reference model, usually the starting policy.
-  A rollout `roll` (from sample()) holds B rows of prompt + completion: roll.ids and
+  A rollout `roll` (a Rollout: the class lists every field) holds B rows: roll.ids and
   roll.attention_mask (B, P + T) are P prompt columns (left-padded), then T completion columns
   (right-padded). roll.completion_mask (B, T) is 1 on every generated token up to AND including the
   EOS and 0 after it. Masks come from lengths, never from token values, so the EOS is in the loss
@@ -20,6 +20,7 @@ import functools
 import inspect
 import math
 import re
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -32,15 +33,6 @@ try:  # optional: a symbolic answer checker (pip install math-verify), used when
     import math_verify
 except ImportError:
     math_verify = None
-
-
-class UserError(Exception):
-    """Bad input: shown as one line on stderr, exit code 2, no traceback (runs.main_guard)."""
-
-
-def first_line(e):
-    """An exception's message, its first line only (or its type's name when it has none)."""
-    return (str(e).splitlines() or [type(e).__name__])[0]
 
 
 # ------------------------------------------------------------------------------------ sampling
@@ -118,6 +110,33 @@ def eos_ids(model, tok):
     return sorted({tok.eos_token_id, *(stop if isinstance(stop, list) else [stop])} - {None})
 
 
+@dataclass(slots=True)
+class Rollout:
+    """What a rollout carries, every field of it: B rows of P prompt columns (left-padded), then T
+    completion columns (right-padded). The samplers (sample, engine.sample) fill the first six;
+    grpo.sample_groups adds the rows and their scores; a multi-turn rollout (engine.generate)
+    adds the episodes' record. A field no one filled is None (slots: no other field exists)."""
+    ids: torch.Tensor  # (B, P + T) long: the prompt's tokens, then the completion's
+    attention_mask: torch.Tensor  # (B, P + T) long: 1 on every real token, observations too
+    completion_mask: torch.Tensor  # (B, T) float: 1 on each sampled token, EOS included, else 0
+    truncated: torch.Tensor  # (B,) bool: no EOS (nor stop string, nor the env's end) in budget
+    sample_logprobs: torch.Tensor  # (B, T) float: log pi_sampler of each sampled token, else 0
+    P: int  # the prompt columns
+    # grpo.sample_groups: the data rows, the texts scored, the rewards and each reward's part
+    rows: list | None = None  # B dicts
+    texts: list | None = None  # B str
+    rewards: torch.Tensor | None = None  # (B,) float
+    parts: dict | None = None  # {reward name: (B,) float}
+    # multi-turn (envs.start_episodes' finish): the episodes' record
+    turns: torch.Tensor | None = None  # (B,) long: model turns
+    tool_calls: torch.Tensor | None = None  # (B,) long: observations fed
+    obs_truncated: torch.Tensor | None = None  # (B,) bool: an observation cut by the budget
+    observations: list | None = None  # B lists of str: each observation as the model read it
+    final: list | None = None  # B str: the text after the last observation (what rewards read)
+    transcript: list | None = None  # B str: the turns with the observations in ⟦...⟧
+    episodes: list | None = None  # B episode objects (None: never called); --tools: their calls
+
+
 def draw(probs, u):
     """Inverse-CDF sampling, one uniform u in [0, 1) a row: the token whose share of the
     cumulative distribution holds u * total (probs need not sum to 1: top-p zeroes some)."""
@@ -152,7 +171,7 @@ def next_token(logits, temperature=1.0, top_p=1.0, greedy=False, never=None, u=N
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
            amp=None, stop=(), share_prompts=True):
-    """Batched sampling with a KV cache -> a rollout (its fields: the top of this file). A row
+    """Batched sampling with a KV cache -> a Rollout (its first six fields). A row
     ends at its first EOS or at the token that completes a `stop` string, and leaves the batch
     and the cache. greedy: the argmax, not a draw. (Multi-turn episodes: engine.sample.)"""
     B, N, device = len(prompt_ids), max_new_tokens, next(model.parameters()).device
@@ -196,10 +215,10 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     T = int(lengths.max())
     real = torch.arange(T, device=device)[None] < lengths[:, None]
     completion_mask = real.float()  # 1 on each token written, EOS included
-    return SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
-                           attention_mask=torch.cat([prompt_mask, real.long()], 1),
-                           truncated=~finished, sample_logprobs=out_lp[:, :T] * completion_mask,
-                           P=ids.shape[1])
+    return Rollout(ids=torch.cat([ids, out[:, :T]], 1),
+                   attention_mask=torch.cat([prompt_mask, real.long()], 1),
+                   completion_mask=completion_mask, truncated=~finished,
+                   sample_logprobs=out_lp[:, :T] * completion_mask, P=ids.shape[1])
 
 
 def decode_completions(tok, roll):

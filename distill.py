@@ -50,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
 import common as C
+from plumbing.errors import UserError
 import fastpath
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
@@ -185,7 +186,7 @@ def lm_head(model):
     base = C._unwrap(model)
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(C._forward, base))
     if head is None:
-        raise C.UserError("--loss jsd needs a plain linear LM head (not a LoRA-wrapped or "
+        raise UserError("--loss jsd needs a plain linear LM head (not a LoRA-wrapped or "
                           "soft-capped one): use --loss opd")
     return lambda x: C.masked_logits(head(x).float(), C.suppressed(base, head.out_features,
                                                                     x.device))
@@ -221,28 +222,28 @@ def check_args(args, rows):
     same vocabulary and chat template), and a self-teacher is shown something more."""
     flags.check_args(args)
     if args.reward_coef and args.samples_per_prompt < 2:
-        raise C.UserError("--reward_coef needs --samples_per_prompt >= 2: a group of one has no "
+        raise UserError("--reward_coef needs --samples_per_prompt >= 2: a group of one has no "
                           "relative advantage")
     if args.fsdp and args.loss == "jsd":
-        raise C.UserError("--fsdp shards the LM head that --loss jsd runs a chunk at a time: "
+        raise UserError("--fsdp shards the LM head that --loss jsd runs a chunk at a time: "
                           "use --loss opd, or DDP (torchrun without --fsdp)")
     if not args.teacher and not (args.teacher_context or args.teacher_system_prompt):
-        raise C.UserError("no --teacher: the teacher is the student's own starting weights, which "
+        raise UserError("no --teacher: the teacher is the student's own starting weights, which "
                           "teach nothing unless shown more: give --teacher PATH, or "
                           "--teacher_context FIELD or --teacher_system_prompt TEXT")
     for row in rows if args.teacher_context else ():
         if args.teacher_context not in row:
-            raise C.UserError(f"--teacher_context {args.teacher_context!r}: the row "
+            raise UserError(f"--teacher_context {args.teacher_context!r}: the row "
                               f"{C.as_text(row['prompt'])[:40]!r} has no such field")
     if args.teacher:
         student, teacher = (loading.load_tokenizer(name, args.trust_remote_code)
                             for name in (args.model, args.teacher))
         if student.get_vocab() != teacher.get_vocab():
-            raise C.UserError(f"--teacher {args.teacher}: its vocabulary ({len(teacher)} tokens) "
+            raise UserError(f"--teacher {args.teacher}: its vocabulary ({len(teacher)} tokens) "
                               f"is not the student's ({len(student)}): a teacher must score the "
                               "student's own token ids")
         if args.chat_template == "auto" and student.chat_template != teacher.chat_template:
-            raise C.UserError(f"--teacher {args.teacher}: its chat template differs from the "
+            raise UserError(f"--teacher {args.teacher}: its chat template differs from the "
                               "student's, so it would read other prompts (--chat_template none "
                               "for plain text)")
 
@@ -272,7 +273,7 @@ def main():
         fns["rm"] = loading.load_reward_model(args, device)
     heads = (lm_head(model), lm_head(teacher)) if args.loss == "jsd" else None
     if heads and model.config.vocab_size != teacher.config.vocab_size:
-        raise C.UserError(f"--loss jsd compares whole distributions: the teacher's LM head has "
+        raise UserError(f"--loss jsd compares whole distributions: the teacher's LM head has "
                           f"{teacher.config.vocab_size} rows, the student's "
                           f"{model.config.vocab_size}; use --loss opd")
     chunk = max(1, fastpath.CHUNK_ELEMS // model.config.vocab_size)  # positions per chunk

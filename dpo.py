@@ -48,6 +48,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
+from plumbing.errors import UserError
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
@@ -169,7 +170,7 @@ def implicit_accuracy(model, ref, rows, args, pad_id, amp):
 def check_args(args):
     flags.check_args(args)
     if args.loss_type == "ipo" and args.label_smoothing:
-        raise C.UserError("--label_smoothing is for --loss_type sigmoid (cDPO); IPO has none")
+        raise UserError("--label_smoothing is for --loss_type sigmoid (cDPO); IPO has none")
 
 
 # -------------------------------------------------------------------------- the training loop

@@ -163,7 +163,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, env_step, temperature=1.0, to
     real = torch.arange(int(lengths.max()), device=device)[None] < lengths[:, None]
     completion_mask = (real & ~is_obs[:, :real.shape[1]]).float()  # the model's, not observations
     T = real.shape[1]
-    return C.SimpleNamespace(ids=torch.cat([ids, out[:, :T]], 1), completion_mask=completion_mask,
-                             attention_mask=torch.cat([prompt_mask, real.long()], 1),
-                             truncated=~finished, sample_logprobs=out_lp[:, :T] * completion_mask,
-                             P=ids.shape[1])
+    return C.Rollout(ids=torch.cat([ids, out[:, :T]], 1),
+                     attention_mask=torch.cat([prompt_mask, real.long()], 1),
+                     completion_mask=completion_mask, truncated=~finished,
+                     sample_logprobs=out_lp[:, :T] * completion_mask, P=ids.shape[1])

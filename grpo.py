@@ -35,7 +35,7 @@ Run:  python grpo.py                     # bundled tiny model and task, CPU, und
 Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to about 0.99.
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
-import math
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Literal
@@ -45,6 +45,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import common as C
+from plumbing.errors import UserError
+import objectives as O  # the objectives since DAPO (docs/policy_losses.md)
 from plumbing import envs as E
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
@@ -52,7 +54,6 @@ from plumbing import loading
 from plumbing import runs as R
 from plumbing import tasks
 
-LOG_1E8 = math.log(1e-8)  # VESPO: the floor of its log-weights (its code, and TRL's)
 Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --rewards: TRL's
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"]  # aggregate()
 
@@ -80,7 +81,7 @@ class Args:
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
@@ -104,7 +105,7 @@ class Args:
     overlong_buffer: int = arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
     max_resample_rounds: int = arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
-    # --- objectives since DAPO, see per_token_loss() (TRL's names in brackets)
+    # --- objectives since DAPO, see objectives.py (TRL's names in brackets)
     # dppo reads clip_eps, clip_eps_high as delta_low, delta_high on pi_theta - pi_sampler (0.2)
     policy_loss: Literal["clip", "cispo", "sapo", "dppo", "vespo"] = "clip"  # [loss_type]
     importance_sampling_level: Literal["token", "sequence"] = "token"  # sequence: GSPO [same name]
@@ -189,73 +190,22 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
     old_logprobs, ref_logprobs, sample_logprobs (the sampler's), mask (B, T); advantages A (B,);
     args: the objective's switches (Args). k2's gradient pulls along the reverse
     KL(pi_theta || pi_ref), k3's the forward KL(pi_ref || pi_theta) (docs/algorithms.md).
-    is_weight: mismatch_weights'. Returns the loss (B, T) and what to log, (B, T) each: ratio, kl,
-    clip_frac (where a clip or a mask acted) and a switch's own (docs/policy_losses.md)."""
-    log_ratio = logprobs - old_logprobs  # log rho = log pi_theta - log pi_old, per token
-    eps = (args.clip_eps, args.clip_eps_high)  # eps_low, eps_high
-    if args.importance_sampling_level == "sequence":  # GSPO: s_i = exp(mean of o_i's log rho)
-        log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(1)
-        eps = (args.seq_clip_eps, args.seq_clip_eps_high)  # its own tiny eps (GSPO: 3e-4, 4e-4)
-    ratio = torch.exp(log_ratio).expand_as(logprobs)  # (B, T): token ratios, or s_i per token
+    is_weight: O.mismatch_weights'. Returns the loss (B, T) and what to log, (B, T) each: ratio,
+    kl, clip_frac (where the clip acted). A switch since DAPO (GSPO, CISPO, ...) hands the batch
+    to objectives.py, whose per_token_loss adds its own logs (docs/policy_losses.md)."""
+    if O.switched_on(args):  # an objective since DAPO: objectives.py
+        return O.per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs,
+                                is_weight, sample_logprobs)
+    ratio = torch.exp(logprobs - old_logprobs)  # rho = pi_theta / pi_old, per token
     adv = advantages[:, None]
-    low, high = 1 - eps[0], 1 + eps[1]  # 1 - eps_low, 1 + eps_high
-    policy_loss, logs = args.policy_loss, {}
-    if policy_loss == "clip":  # PPO, GRPO: -min(rho A, clip(rho, low, high) A)
-        unclipped = ratio * adv
-        clipped = torch.clamp(ratio, low, high) * adv
-        loss = -torch.min(unclipped, clipped)
-        is_clipped = (clipped < unclipped).float()  # the min took the clipped branch: gradient 0
-    elif policy_loss == "cispo":  # MiniMax-M1: -sg(clip(rho, low, high)) A log pi_theta
-        loss = -torch.clamp(ratio, low, high).detach() * adv * logprobs
-        is_clipped = ((ratio < low) | (ratio > high)).float()  # weight clipped, gradient kept
-    elif policy_loss == "sapo":  # SAPO: -f(rho) A, f(x) = sigmoid(tau (x - 1)) 4 / tau, f'(1) = 1
-        t = torch.where(adv > 0, args.sapo_tau_pos, args.sapo_tau_neg)  # by A's sign
-        loss = -torch.sigmoid(t * (ratio - 1)) * 4 / t * adv
-        is_clipped = torch.zeros_like(logprobs)  # no hard clip
-    elif policy_loss == "dppo":  # DPPO binary-TV: -M rho_s A, rho_s = pi_theta / pi_sampler
-        moved = logprobs.exp() - sample_logprobs.exp()  # pi_theta - pi_sampler, the token's prob
-        # M = 0 (no gradient) where it moved past delta in A's direction: up with A > 0, down A < 0
-        is_clipped = ((adv > 0) & (moved > eps[1]) | (adv < 0) & (moved < -eps[0])).float()
-        rho_s = torch.exp(logprobs - sample_logprobs)  # its gradient rho_s grad log pi, with
-        if args.dppo_ratio_cap:  # the detached rho_s capped at C (the DPPO authors: 3; 0: off)
-            rho_s = rho_s * (rho_s.clamp(max=args.dppo_ratio_cap) / rho_s).detach()
-        loss = -(1 - is_clipped) * rho_s * adv
-    else:  # VESPO: -sg(phi(w_i)) A log pi_theta, phi(w) = w^k exp(lambda (1 - w)), phi(1) = 1
-        # log w_i = sum_t log rho_i,t (+ TIS's log weight, 0 when off), clamped as VESPO and TRL
-        log_is = torch.log(torch.as_tensor(is_weight)).clamp(LOG_1E8, 20).sum(-1, keepdim=True)
-        log_w = (log_ratio.detach().clamp(-20, 20) * mask).sum(-1, keepdim=True) + log_is
-        log_w, is_weight = log_w.clamp(LOG_1E8, 20), 1.0  # the mismatch weight is inside w
-        k = torch.where(adv >= 0, args.vespo_k_pos, args.vespo_k_neg)
-        lam = torch.where(adv >= 0, args.vespo_lambda_pos, args.vespo_lambda_neg)
-        phi = torch.exp(lam + k * log_w - lam * log_w.exp())  # (B, 1), detached
-        loss = -phi * adv * logprobs
-        is_clipped, logs["vespo_phi"] = torch.zeros_like(logprobs), phi.expand_as(logprobs)
-    if args.off_policy_mask is not None:  # DeepSeek-V3.2: o_i with A_i < 0 and a drift > delta
-        drift = (sample_logprobs - logprobs.detach()) * mask  # log pi_sampler - log pi_theta
-        drift = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
-        keep = ((adv >= 0) | (drift <= args.off_policy_mask)).float()
-        loss, logs["seq_masked"] = loss * keep, (1 - keep).expand_as(logprobs)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps_high) * adv
+    loss = -torch.min(unclipped, clipped)  # PPO, GRPO: -min(rho A, clip(rho, low, high) A)
+    is_clipped = (clipped < unclipped).float()  # the min took the clipped branch: gradient 0
     kl = torch.zeros_like(logprobs) if ref_logprobs is None else C.kl_estimate(
         logprobs, ref_logprobs, args.kl_estimator)
-    if args.unbiased_kl:  # DeepSeek-V3.2: k3 * rho, rho's gradient included (as TRL)
-        kl = kl * ratio
-    loss = loss * is_weight + args.beta * kl  # is_weight: TIS, MIS
-    if args.sampler_kl_coef:  # Kimi K2.5, prime-rl: kappa (log pi_theta - log pi_sampler)^2
-        logs["sampler_kl"] = (logprobs - sample_logprobs) ** 2
-        loss = loss + args.sampler_kl_coef * logs["sampler_kl"]
-    return loss, {"kl": kl, "ratio": ratio, "clip_frac": is_clipped, **logs}
-
-
-def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """The detached loss weight per token for the sampler/trainer mismatch (docs/policy_losses.md):
-    (B, T), (B, 1) at level sequence, 1 when cap C = 0 (off); and the raw pi_old / pi_sampler."""
-    log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
-    raw = log_w.exp()  # 1 to rounding unless they differ (bf16, vLLM, top_p)
-    if not cap:
-        return 1.0, raw
-    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw  # sequence: the product
-    # truncate: min(w, C), TIS (Yao et al. 2025); mask: w, or 0 where w > C, MIS (IcePop)
-    return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
+    loss = loss * is_weight + args.beta * kl  # is_weight: the mismatch correction (TIS, MIS)
+    return loss, {"kl": kl, "ratio": ratio, "clip_frac": is_clipped}
 
 
 def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
@@ -280,7 +230,10 @@ def cat_rollouts(pieces):
     P = max(r.P for r, _ in pieces)
     T = max(r.completion_mask.shape[1] for r, _ in pieces)
     out = {"P": P}
-    for key, x in vars(pieces[0][0]).items():
+    for key in (f.name for f in dataclasses.fields(C.Rollout)):
+        x = getattr(pieces[0][0], key)
+        if x is None or key == "P":  # a field not filled (a single-turn run's episodes)
+            continue
         if isinstance(x, list):  # multi-turn fields: texts per row
             out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
         elif torch.is_tensor(x) and x.dim() == 2:  # right-padded to T; ids and attention_mask
@@ -293,9 +246,9 @@ def cat_rollouts(pieces):
         elif isinstance(x, dict):  # the reward parts by name, (B,) each
             out[key] = {k: torch.cat([getattr(r, key)[k][i.to(v.device)] for r, i in pieces])
                         for k, v in x.items()}
-        elif key != "P":  # a field this does not know how to split by rows: say so, not drop it
+        else:  # a field this does not know how to split by rows: say so, not drop it
             raise TypeError(f"cat_rollouts: rollout field {key!r} is a {type(x).__name__}")
-    return C.SimpleNamespace(**out)
+    return C.Rollout(**out)
 
 
 def sample_groups(generate, score, data, rng, run, args):
@@ -332,22 +285,22 @@ def sample_groups(generate, score, data, rng, run, args):
 def check_args(args):
     flags.check_args(args)
     if args.group_size < 2:
-        raise C.UserError("--group_size must be >= 2: a group of one has no relative advantage")
+        raise UserError("--group_size must be >= 2: a group of one has no relative advantage")
     if args.kl_estimator == "k1" and args.beta > 0:
-        raise C.UserError("--kl_estimator k1 in the loss has zero expected gradient (E[grad log pi]"
+        raise UserError("--kl_estimator k1 in the loss has zero expected gradient (E[grad log pi]"
                           " = 0): it only adds noise. Use k2 (reverse KL) or k3 (forward KL)")
     if args.policy_loss in ("dppo", "vespo") and args.importance_sampling_level == "sequence":
-        raise C.UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
+        raise UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
                           "--importance_sampling_level token")
     if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards == "mean":
-        raise C.UserError("--scale_rewards mean (MaxRL) with normalize_then_sum (GDPO): GDPO "
+        raise UserError("--scale_rewards mean (MaxRL) with normalize_then_sum (GDPO): GDPO "
                           "scales each reward by its own std (as TRL), so MaxRL would be ignored")
     if args.multi_objective_aggregation == "normalize_then_sum" and args.overlong_penalty:
-        raise C.UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
+        raise UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
                           "one of the --rewards to normalise; write it as a --reward_fn")
     n = args.prompts_per_step * args.group_size
     if n % args.micro_batch_size:
-        raise C.UserError(f"--micro_batch_size {args.micro_batch_size} must divide "
+        raise UserError(f"--micro_batch_size {args.micro_batch_size} must divide "
                           f"prompts_per_step * group_size = {n}")
 
 
@@ -414,6 +367,7 @@ def main():
         R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update: save
             run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # step, stop at once
         t0 = time.time()
+        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
@@ -463,8 +417,8 @@ def main():
                     old = old_logprobs[mb] if old_logprobs is not None else logprobs.detach()
                     ref_mb = ref_logprobs[mb] if ref_logprobs is not None else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
-                    is_weight, is_ratio = mismatch_weights(old, roll.sample_logprobs[mb], mask[mb],
-                                                           *tis)
+                    is_weight, is_ratio = O.mismatch_weights(old, roll.sample_logprobs[mb],
+                                                             mask[mb], *tis)
                     loss, logs = per_token_loss(logprobs, old, advantages[mb], mask[mb], args,
                                                 ref_mb, is_weight, roll.sample_logprobs[mb])
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
@@ -482,6 +436,7 @@ def main():
             if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
         all_rewards = torch.cat([r for r, _ in seen])  # every round's, with dynamic_sampling
         parts = {k: torch.cat([p[k] for _, p in seen]) for k in seen[0][1]}
@@ -497,7 +452,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
-                   **(R.tool_metrics(roll, env) if env else {})}
+                   **(env.metrics(roll) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(rewards[i])}

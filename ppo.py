@@ -56,6 +56,7 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 import common as C
+from plumbing.errors import UserError
 from plumbing import envs as E
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
@@ -252,10 +253,10 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
     src = args.reward_model if args.critic_init == "reward_model" else args.model
     if args.critic_init == "reward_model":
         if not args.reward_model:
-            raise C.UserError("--critic_init reward_model needs --reward_model (or use "
+            raise UserError("--critic_init reward_model needs --reward_model (or use "
                               "--critic_init policy)")
         if loading.load_tokenizer(src, args.trust_remote_code).get_vocab() != tok.get_vocab():
-            raise C.UserError(f"the critic reads the policy's token ids, but reward model {src!r}"
+            raise UserError(f"the critic reads the policy's token ids, but reward model {src!r}"
                               " has a different tokenizer; use --critic_init policy")
         critic = loading.load_model(src, "rm", device, frozen=False,
                               trust_remote_code=args.trust_remote_code)
@@ -267,7 +268,7 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
         hf_logging.set_verbosity(verbosity)
         critic = critic.to(device).eval()  # eval(): dropout off
     if not isinstance(getattr(critic, "score", None), torch.nn.Linear):
-        raise C.UserError(f"critic from {src!r}: its {type(critic).__name__} has no linear `score`")
+        raise UserError(f"critic from {src!r}: its {type(critic).__name__} has no linear `score`")
     head = torch.nn.Linear(critic.score.in_features, 1, device=device)
     with torch.no_grad():
         if args.critic_init == "policy":  # V = 0 at the start (N details: value head std 0)
@@ -287,13 +288,13 @@ def check_args(args):
     flags.check_args(args)
     mb = args.batch_size // args.num_minibatches
     if args.batch_size % args.num_minibatches or mb % min(args.micro_batch_size, mb):
-        raise C.UserError(f"--num_minibatches {args.num_minibatches} must divide --batch_size "
+        raise UserError(f"--num_minibatches {args.num_minibatches} must divide --batch_size "
                           f"{args.batch_size}, and --micro_batch_size {args.micro_batch_size} "
                           "the minibatch")
     if args.batch_size < 8:
-        raise C.UserError("--batch_size must be >= 8: advantages are whitened over the batch")
+        raise UserError("--batch_size must be >= 8: advantages are whitened over the batch")
     if args.adaptive_kl and args.kl_coef == 0:
-        raise C.UserError("--adaptive_kl scales kl_coef by a factor: from --kl_coef 0 it would "
+        raise UserError("--adaptive_kl scales kl_coef by a factor: from --kl_coef 0 it would "
                           "stay 0; give a starting kl_coef > 0 (N details: 0.15)")
 
 
@@ -449,6 +450,7 @@ def main():
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):
                 group["lr"] = lr * (1 - step / args.max_steps)
+        # ALGO LOGIC (steps 1-4); its R.* calls guard or pass through in one process: skip them
         # 1. sample one completion per prompt and score it
         rows = data.next_batch(rng, args.batch_size)[run.rank::run.world]  # torchrun: a share
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
@@ -487,6 +489,7 @@ def main():
         stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
         # nats per sequence: what Ziegler's controller targets (the mean over all processes)
         kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
+        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 5. log, eval, checkpoint
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(raw_scores.mean()),
@@ -502,7 +505,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()),
                    "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(R.tool_metrics(roll, env) if env else {})}
+                   **(env.metrics(roll) if env else {})}
         if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧

@@ -56,6 +56,8 @@ import torch
 from tqdm import tqdm
 
 import common as C
+from plumbing.errors import UserError
+import objectives as O  # mismatch_weights: the sampler/trainer correction
 from plumbing import envs as E
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
@@ -90,7 +92,7 @@ class Args:
     # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
     # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: mismatch_weights()
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
@@ -112,7 +114,7 @@ class Args:
     loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
     num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
     clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
-    # --- the sampler/trainer mismatch correction, see mismatch_weights() (grpo.py's flags)
+    # --- the sampler/trainer mismatch correction, see objectives.mismatch_weights (grpo's flags)
     tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
     tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
     tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
@@ -206,18 +208,6 @@ def reinforce_loss(logprobs, advantages, old_logprobs=None, clip_eps=0.2, is_wei
     return per_token * is_weight, ratio, clipped  # is_weight: TIS (1: none)
 
 
-def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):
-    """The detached loss weight per token for the sampler/trainer mismatch (docs/policy_losses.md):
-    (B, T), (B, 1) at level sequence, 1 when cap C = 0 (off); and the raw pi_old / pi_sampler."""
-    log_w = ((old_logprobs - sample_logprobs) * mask).detach()  # 0 outside the completion
-    raw = log_w.exp()  # 1 to rounding unless they differ (bf16, vLLM, top_p)
-    if not cap:
-        return 1.0, raw
-    w = log_w.sum(-1, keepdim=True).exp() if level == "sequence" else raw  # sequence: the product
-    # truncate: min(w, C), TIS (Yao et al. 2025); mask: w, or 0 where w > C, MIS (IcePop)
-    return (w.clamp(max=cap) if mode == "truncate" else torch.where(w <= cap, w, 0.0)), raw
-
-
 def sample_grad_probe(model):
     """Variance proxy. A hook on the LM head's output records, at every backward, each row's
     gradient of the step's loss w.r.t. its own logits: exact per-sample gradients (the rows of a
@@ -242,14 +232,14 @@ def sample_grad_probe(model):
 def check_args(args):
     flags.check_args(args)
     if args.baseline == "rloo" and args.samples_per_prompt < 2:
-        raise C.UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
+        raise UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
                           "other sample to form the leave-one-out baseline")
     gdpo = args.multi_objective_aggregation == "normalize_then_sum"
     if gdpo and args.samples_per_prompt < 2:  # TRL gives each reward A = 0 then: nothing learns
-        raise C.UserError("normalize_then_sum (GDPO) needs --samples_per_prompt >= 2: it "
+        raise UserError("normalize_then_sum (GDPO) needs --samples_per_prompt >= 2: it "
                           "normalises each reward within a prompt's samples (one: A = 0)")
     if args.baseline == "maxrl" and (gdpo or args.beta > 0):  # MaxRL's b is a success rate
-        raise C.UserError("--baseline maxrl divides by the mean return, a success rate in [0, 1]"
+        raise UserError("--baseline maxrl divides by the mean return, a success rate in [0, 1]"
                           ": " + ("GDPO's normalised rewards (mean 0)" if gdpo else "the KL "
                           "penalty in the return (--beta > 0)") + " would make it near 0 or "
                           "negative; use another --baseline" + ("" if gdpo else " or --beta 0"))
@@ -313,6 +303,7 @@ def main():
         R.step_start(run, rng, step, lambda ema=ema: R.save_checkpoint(  # Ctrl-C before the
             run, model, tok, opt, rng, step, {"eval_before": eval_before, "ema": ema}))  # update
         t0 = time.time()
+        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample k completions per prompt (k contiguous rows each) and score them
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(k)]
@@ -371,7 +362,7 @@ def main():
                     entropy = entropy.detach()
                     old = old_logprobs[mb] if args.num_iterations > 1 else None
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
-                    is_weight, is_ratio = mismatch_weights(
+                    is_weight, is_ratio = O.mismatch_weights(
                         logprobs.detach() if old is None else old, roll.sample_logprobs[mb],
                         mask[mb], *tis)
                     loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], old, args.clip_eps,
@@ -391,6 +382,7 @@ def main():
             if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
         valid = mask.bool()
         # g_i: each sample's term of the first update's gradient (times N, the step's sequences)
@@ -414,7 +406,7 @@ def main():
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(R.tool_metrics(roll, env) if env else {})}
+                   **(env.metrics(roll) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(scores[i])}

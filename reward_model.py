@@ -39,7 +39,7 @@ from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
 import common as C
-from common import first_line
+from plumbing.errors import UserError, first_line
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
@@ -117,7 +117,7 @@ def load_reward_model(src, tok, device, args):
             src, num_labels=1, dtype=torch.float32, trust_remote_code=args.trust_remote_code,
             output_loading_info=True)
     except (OSError, ValueError) as e:
-        raise C.UserError(f"model {src!r} could not be loaded as a reward model: "
+        raise UserError(f"model {src!r} could not be loaded as a reward model: "
                           f"{first_line(e)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)

@@ -45,6 +45,7 @@ import torch
 from tqdm import tqdm
 
 import common as C
+from plumbing.errors import UserError
 from plumbing import flags
 from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
@@ -145,7 +146,7 @@ def read_demonstrations(path, tok, chat_template, limit, last_turn_only=False):
             p, ids, mask = tasks.encode_demonstration(tok, demo, chat_template, last_turn_only,
                                                       where)
         if limit and len(p) + len(ids) > limit:
-            raise C.UserError(f"{where}: {len(p) + len(ids)} tokens, more than the model's "
+            raise UserError(f"{where}: {len(p) + len(ids)} tokens, more than the model's "
                               f"context of {limit}")
         examples.append((p, ids, mask))
     return examples

@@ -14,10 +14,12 @@ import pytest
 import torch
 
 import common as C
+from plumbing.errors import UserError
 import fastpath
 import dpo
 from plumbing.flags import parse_args
 import grpo
+import objectives
 from plumbing import loading
 import ppo
 import reinforce as R
@@ -383,7 +385,7 @@ def test_kl_in_grpo_loss_pulls_towards_the_kl_its_docstring_names():
 
 def test_grpo_refuses_k1_in_the_loss(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1"])
-    with pytest.raises(C.UserError, match="zero expected gradient"):
+    with pytest.raises(UserError, match="zero expected gradient"):
         grpo.check_args(parse_args(grpo.Args, "grpo"))
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--kl_estimator", "k1", "--beta", "0"])
     grpo.check_args(parse_args(grpo.Args, "grpo"))  # no KL term: nothing to refuse
@@ -500,18 +502,18 @@ def slow_mismatch_weight(old, sample, mask, cap, mode, level):
 def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode, level):
     lp, old, adv, mask = random_step()
     sample = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
-    w, raw = grpo.mismatch_weights(old, sample, mask, 1.5, mode, level)
+    w, raw = objectives.mismatch_weights(old, sample, mask, 1.5, mode, level)
     torch.testing.assert_close(w, slow_mismatch_weight(old, sample, mask, 1.5, mode, level))
     assert (w <= 1.5).all() and (raw * mask).max() > 1.5  # the cap is reached
     torch.testing.assert_close(raw, torch.exp((old - sample) * mask))
-    assert grpo.mismatch_weights(old, sample, mask)[0] == 1.0  # cap 0: off
+    assert objectives.mismatch_weights(old, sample, mask)[0] == 1.0  # cap 0: off
     # the weight multiplies the policy part, not the KL term (as TRL applies it)
     ref = old - 0.1
     got, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), ref, is_weight=w)
     policy, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
     torch.testing.assert_close(got, policy * w + 0.04 * C.kl_estimate(lp, ref, "k3"))
     # no mismatch and an infinite cap: the weight is 1 and the loss exactly the uncorrected one
-    w, _ = grpo.mismatch_weights(old, old.clone(), mask, math.inf, mode, level)
+    w, _ = objectives.mismatch_weights(old, old.clone(), mask, math.inf, mode, level)
     plain, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
     weighted, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), is_weight=w)
     assert (w == 1).all() and torch.equal(weighted, plain)
@@ -522,9 +524,8 @@ def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode,
 def test_reinforce_mismatch_correction_is_grpos(mode, level):
     lp, old, adv, mask = random_step()
     sample = old + torch.randn(old.shape, generator=torch.Generator().manual_seed(1)) * 0.5
-    w, raw = grpo.mismatch_weights(old, sample, mask, 1.5, mode, level)
-    w2, raw2 = R.mismatch_weights(old, sample, mask, 1.5, mode, level)
-    assert torch.equal(w, w2) and torch.equal(raw, raw2)
+    assert R.O.mismatch_weights is objectives.mismatch_weights  # one function, not a copy
+    w, raw = objectives.mismatch_weights(old, sample, mask, 1.5, mode, level)
     A = adv[:, None] * mask
     got, _, _ = reinforce_step_loss(lp, A, mask, 6, mask.sum(), is_weight=w)
     want = (-A * lp * w * mask).sum() / 6
@@ -538,7 +539,7 @@ def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     torch.manual_seed(0)
     roll = C.sample(model, tok, prompts, 8, temperature=0.7)
     lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
-    _, raw = grpo.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
+    _, raw = objectives.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
     # 1 up to float rounding (1e-6 on one CPU, exactly 1 on another: either may hold), and
     # exactly 1 outside the completion, where the mask zeroes log pi_old - log pi_sampler
     assert float((raw - 1).abs().max()) < 1e-4
@@ -547,7 +548,7 @@ def test_raw_sampler_ratio_is_one_in_fp32_and_the_kept_mass_with_top_p(tok):
     # all: the raw ratio is each step's kept mass, which a plain forward recomputes
     roll = C.sample(model, tok, prompts, 8, temperature=0.7, top_p=0.8)
     lp = C.batched_logprobs(model, roll, 0.7, 8, OFF)
-    _, raw = grpo.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
+    _, raw = objectives.mismatch_weights(lp, roll.sample_logprobs, roll.completion_mask)
     for i, p in enumerate(prompts):
         n = int(roll.completion_mask[i].sum())
         ids = torch.tensor([p + roll.ids[i, roll.P:roll.P + n].tolist()])
@@ -610,7 +611,7 @@ def test_refusals_of_the_2026_switches(monkeypatch):
                          (["--multi_objective_aggregation", "normalize_then_sum",
                            "--overlong_penalty", "1"], "not one of the --rewards")]:
         monkeypatch.setattr(sys, "argv", ["grpo.py"] + flags)
-        with pytest.raises(C.UserError, match=match):
+        with pytest.raises(UserError, match=match):
             grpo.check_args(parse_args(grpo.Args, "grpo"))
 
 
@@ -694,7 +695,7 @@ def test_rloo_baseline_equals_slow_leave_one_out():
 
 def test_rloo_with_one_sample_refuses():
     """Refused once, when the flags are read (rloo_baseline itself assumes k >= 2)."""
-    with pytest.raises(C.UserError, match="samples_per_prompt >= 2"):
+    with pytest.raises(UserError, match="samples_per_prompt >= 2"):
         R.check_args(R.Args(baseline="rloo", samples_per_prompt=1, prompts_per_step=8,
                             micro_batch_size=8))
     # without rloo, one sample per prompt is fine
@@ -954,7 +955,7 @@ def test_adaptive_kl_moves_kl_coef_the_right_way():
 
 def test_ppo_refuses_adaptive_kl_from_zero_and_has_no_weight_decay_by_default(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["ppo.py", "--adaptive_kl", "--kl_coef", "0"])
-    with pytest.raises(C.UserError, match="from --kl_coef 0 it would stay 0"):
+    with pytest.raises(UserError, match="from --kl_coef 0 it would stay 0"):
         ppo.check_args(parse_args(ppo.Args, "ppo"))
     assert ppo.Args().weight_decay == 0.0  # AdamW's own default is 0.01
 
@@ -1076,7 +1077,7 @@ def test_critic_from_policy_starts_at_zero_and_bad_tokenizer_is_refused(tmp_path
     tiny_rm().save_pretrained(tmp_path / "rm")
     args.critic_init = "reward_model"
     args.reward_model = str(tmp_path / "rm")
-    with pytest.raises(C.UserError, match="different tokenizer"):
+    with pytest.raises(UserError, match="different tokenizer"):
         ppo.load_critic(args, tok, torch.device("cpu"))
 
 

@@ -27,8 +27,8 @@ import torch
 from transformers.utils import get_json_schema
 
 import common as C
+from plumbing.errors import UserError, first_line
 import engine
-from common import first_line
 from plumbing import loading
 from plumbing import calc
 
@@ -106,7 +106,7 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S, budget=None):
     (--max_new_tokens): --tools cuts each result to it as text, before it is rendered or
     tokenized."""
     if spec and tools:
-        raise C.UserError("give --env or --tools, not both: --tools is an env of its own")
+        raise UserError("give --env or --tools, not both: --tools is an env of its own")
     if tools:
         functions, schemas = load_tools(tools)
         checked = []  # the tokenizers whose chat template check_tool_format passed
@@ -134,9 +134,11 @@ def load_env(spec, tools="", timeout=ENV_TIMEOUT_S, budget=None):
 
 
 def with_engine(env):
-    """The env with the sampler of its episodes: env.generate, engine.generate bound to it, which
-    common.generate calls for a run with an env."""
+    """The env with the sampler of its episodes, env.generate (engine.generate bound to it, which
+    common.generate calls for a run with an env), and env.metrics(roll), its step's tool
+    metrics (tool_metrics)."""
     env.generate = functools.partial(engine.generate, env=env)
+    env.metrics = functools.partial(tool_metrics, env=env)
     return env
 
 
@@ -166,18 +168,18 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
                 episodes[i] = make(copies[i])
             step = getattr(episodes[i], "step", episodes[i])  # a class env: its step()
             out = step(turns)
-        except C.UserError:
+        except UserError:
             raise
         except BaseException as e:  # noqa: B036 -- a SystemExit in an env must not end the run 0
-            raise C.UserError(f"{who} raised {type(e).__name__}: {first_line(e)} "
+            raise UserError(f"{who} raised {type(e).__name__}: {first_line(e)} "
                               f"({where(i, turns)})") from None
         ids = isinstance(out, list) and all(type(x) is int for x in out)
         if out is not None and not isinstance(out, str) and not ids:
-            raise C.UserError(f"{who} returned {type(out).__name__} {out!r:.40} "
+            raise UserError(f"{who} returned {type(out).__name__} {out!r:.40} "
                               f"({where(i, turns)}): return the observation text, or None to end")
         bad = [x for x in out if not 0 <= x < vocab] if ids else []  # no embedding row for it
         if bad:
-            raise C.UserError(f"{who} returned token id {bad[0]}, outside the vocabulary (0 to "
+            raise UserError(f"{who} returned token id {bad[0]}, outside the vocabulary (0 to "
                               f"{vocab - 1}) ({where(i, turns)})")
         return out
 
@@ -203,7 +205,7 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
             late = sorted(i for i, (f, t0, _) in running.items() if not f.done() and
                           t0[0] is not None and now - t0[0] > timeout)
             if late:
-                raise C.UserError(f"{who} took more than {timeout:g} s "
+                raise UserError(f"{who} took more than {timeout:g} s "
                                   f"{where(late[0], seen[late[0]].turns)} (--env_timeout)")
             ready = sorted(i for i, (f, _, _) in running.items() if f.done())
             if ready or not wait or not running:
@@ -241,7 +243,7 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
         roll.transcript = ["".join(x + (f"⟦{s.observations[k]}⟧" if k < len(s.observations)
                                         else "") for k, x in enumerate(s.turns))
                            for s in seen]  # observations in ⟦...⟧
-        roll.episodes = episodes  # each episode's state (--tools: its calls, runs.tool_metrics)
+        roll.episodes = episodes  # each episode's state (--tools: its calls, tool_metrics)
         if global_draws() != before and not _SAID:
             _SAID.append(who)
             print(f"warning: {who} drew from Python's or numpy's global random generator: its "
@@ -259,6 +261,30 @@ def global_draws():
     np = sys.modules.get("numpy")
     state = np.random.get_state() if np is not None else None
     return random.getstate(), None if state is None else (state[1].tobytes(), state[2])
+
+
+def tool_metrics(roll, env):
+    """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
+    tool_errors (the fraction of calls that failed: --tools' error results, else observations
+    that start with 'error', as calc's do), obs_truncated (completions with an observation cut by
+    the budget); --tools: per tool, calls per completion and the fraction that failed
+    (tool_calls/NAME, tool_errors/NAME), and calls of no tool or unreadable (tool_calls_unknown)."""
+    calls = [c for e in roll.episodes if env.tools and e is not None for c in e.calls]  # (name, ok)
+    failed = [not ok for _, ok in calls] if env.tools else [
+        x.strip().startswith("error") for o in roll.observations for x in o]
+    out = {"tool_calls": float(roll.tool_calls.float().mean()),
+           "frac_tool": float((roll.tool_calls > 0).float().mean()),
+           "turns": float(roll.turns.float().mean()),
+           "tool_errors": sum(failed) / max(len(failed), 1),
+           "obs_truncated": float(roll.obs_truncated.float().mean())}
+    names = [schema["function"]["name"] for schema in env.tools or []]
+    for name in names:  # every tool's keys at every step (torchrun averages them)
+        mine = [ok for tool, ok in calls if tool == name]
+        out[f"tool_calls/{name}"] = len(mine) / len(roll.episodes)
+        out[f"tool_errors/{name}"] = mine.count(False) / max(len(mine), 1)
+    if names:
+        out["tool_calls_unknown"] = sum(t not in names for t, _ in calls) / len(roll.episodes)
+    return out
 
 
 def text_ids(tok, text):
@@ -300,7 +326,7 @@ def from_args(args):
     """The run's environment (None without --env or --tools), after checking the tool-use flags
     (--max_turns has its range beside its Args field, checked with the others)."""
     if args.eval_sampled and args.eval_samples < 1:
-        raise C.UserError("--eval_sampled scores mean@k of --eval_samples k samples: give "
+        raise UserError("--eval_sampled scores mean@k of --eval_samples k samples: give "
                           "--eval_samples k (k >= 1)")
     return load_env(args.env, args.tools, args.env_timeout, args.max_new_tokens)
 
@@ -337,7 +363,7 @@ def chat_observation(tok, messages, results, tools=None, names=None):
     at = [whole.rfind(m) for m in marks]
     begin = whole.rfind(TURN, 0, at[0]) + len(TURN)
     if begin < len(TURN) or min(at) < 0 or sorted(at) != at:
-        raise C.UserError("--tools: the chat template does not show an assistant turn's text and "
+        raise UserError("--tools: the chat template does not show an assistant turn's text and "
                           "each tool message's content: write an --env that answers the model")
     ids = []
     for k, result in enumerate(results):
@@ -370,11 +396,11 @@ def load_tools(spec):
         try:
             schemas.append(get_json_schema(fn))
         except Exception as e:  # no type hints, no docstring, an argument it does not describe
-            raise C.UserError(f"--tools: {fn.__name__!r} has no schema: {first_line(e)} "
+            raise UserError(f"--tools: {fn.__name__!r} has no schema: {first_line(e)} "
                               "(give every argument a type hint and a line under Args:)") from None
         name = schemas[-1]["function"]["name"]
         if name in functions:
-            raise C.UserError(f"--tools {spec!r} names the tool {name!r} twice: list each once")
+            raise UserError(f"--tools {spec!r} names the tool {name!r} twice: list each once")
         functions[name] = fn
     return functions, schemas
 
@@ -400,11 +426,11 @@ def check_tool_format(tok, schemas):
     with loading.template_errors(tok, "--tools: "):
         if not tok.chat_template or (tok.apply_chat_template(chat, tools=schemas, tokenize=False)
                                      == tok.apply_chat_template(chat, tokenize=False)):
-            raise C.UserError("--tools needs a model whose chat template renders tools (e.g. "
+            raise UserError("--tools needs a model whose chat template renders tools (e.g. "
                               "Qwen2.5, Qwen3 or Llama 3.1 instruct); this one shows the model no "
                               "tools")
     if call_format(tok) is None:
-        raise C.UserError("--tools reads calls through the tokenizer's response parser, as "
+        raise UserError("--tools reads calls through the tokenizer's response parser, as "
                           "<tool_call>...</tool_call> (Hermes, Qwen) or as Llama 3.1's JSON; this "
                           "chat template uses none of them: write an --env that parses its calls")
     chat_observation(tok, chat, ["x", "y"], schemas)  # it shows a turn and two tool messages
@@ -487,7 +513,7 @@ class ToolEpisode:
     def __init__(self, row, tok, functions, schemas, budget=None):
         self.tok, self.functions, self.schemas, self.budget = tok, functions, schemas, budget
         self.messages = C.as_messages(row["prompt"])  # the prompt, then turns and results
-        self.calls = []  # (tool name, succeeded) of every call: runs.tool_metrics
+        self.calls = []  # (tool name, succeeded) of every call: tool_metrics
 
     def step(self, turns):
         calls = parse_calls(self.tok, turns[-1], self.schemas)

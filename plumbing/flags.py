@@ -18,8 +18,7 @@ from dataclasses import field
 
 from transformers import HfArgumentParser
 
-import common as C
-from common import first_line
+from plumbing.errors import UserError, first_line
 from plumbing import calc, chat_sums, rg
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
@@ -44,7 +43,7 @@ def check_maxrl(weights, flag, overlong_penalty=0.0):
     signed = [n for n, w in weights.items() if n in ("length", "rm") or w < 0]
     if signed or overlong_penalty:
         what = f"--rewards {','.join(signed)}" if signed else "--overlong_penalty"
-        raise C.UserError(f"{flag} (MaxRL) divides by each group's mean reward, a success rate; "
+        raise UserError(f"{flag} (MaxRL) divides by each group's mean reward, a success rate; "
                           f"{what} makes rewards negative, where its advantages would flip sign: "
                           "give rewards in [0, 1], or another baseline")
 
@@ -56,16 +55,16 @@ def _saved_args(resume_dir, algo):
         os.replace(ckpt + ".old", ckpt)  # killed between save_checkpoint's two renames
     path = os.path.join(ckpt, "args.json")
     if not os.path.isfile(path) and os.path.isfile(os.path.join(resume_dir, "metrics.jsonl")):
-        raise C.UserError(f"--resume: {no_checkpoint(resume_dir)}")
+        raise UserError(f"--resume: {no_checkpoint(resume_dir)}")
     if not os.path.isfile(path):
-        raise C.UserError(f"--resume {resume_dir!r}: no checkpoint/args.json in that folder")
+        raise UserError(f"--resume {resume_dir!r}: no checkpoint/args.json in that folder")
     try:
         with open(path) as f:
             saved = json.load(f)
     except (OSError, ValueError) as e:
-        raise C.UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
+        raise UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
     if saved["algo"] != algo:
-        raise C.UserError(f"--resume {resume_dir!r}: that run was made by {saved['algo']}.py; "
+        raise UserError(f"--resume {resume_dir!r}: that run was made by {saved['algo']}.py; "
                           "resume it with that script")
     return saved["args"]
 
@@ -202,7 +201,7 @@ def parse_args(args_cls, algo, doc=""):
     parser.format_help = lambda: help_text(args_cls, algo, doc) + "\n"
 
     def error(message):  # argparse would print its usage, then the message: one line instead
-        raise C.UserError(f"{message}; see --help")
+        raise UserError(f"{message}; see --help")
     parser.error = error
     pre = argparse.ArgumentParser(add_help=False)
     pre.add_argument("--resume", default="")
@@ -240,16 +239,16 @@ def parse_args(args_cls, algo, doc=""):
         flags = [f"--{n}" for n in names]
         close = difflib.get_close_matches(unknown[0].split("=")[0], flags)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        raise C.UserError(f"unknown argument {unknown[0]!r}{hint}; see --help")
+        raise UserError(f"unknown argument {unknown[0]!r}{hint}; see --help")
     for name, old in saved.items():
         new = getattr(args, name, old)
         if name not in SAFE_TO_CHANGE_ON_RESUME and new != old:
             safe = ", ".join(SAFE_TO_CHANGE_ON_RESUME[:3])
-            raise C.UserError(f"--{name} {new} differs from the resumed run's {old!r}: a resumed "
+            raise UserError(f"--{name} {new} differs from the resumed run's {old!r}: a resumed "
                               f"run keeps its settings (only {safe} may change); start a new run "
                               "to change it")
     if resume and args.output_dir not in ("", saved.get("output_dir"), resume):
-        raise C.UserError("--resume DIR continues in DIR: leave --output_dir out")
+        raise UserError("--resume DIR continues in DIR: leave --output_dir out")
     if resume:
         args.output_dir = resume
     given = {a[2:].split("=")[0] for a in argv if a.startswith("--")}
@@ -289,7 +288,7 @@ def check_range(name, value, valid):
         lo, hi = map(_bound, valid[1:-1].split(","))
         if not ((lo < value or valid[0] == "[" and value == lo)
                 and (value < hi or valid[-1] == "]" and value == hi)):
-            raise C.UserError(f"--{name} must be in {valid}, not {value}")
+            raise UserError(f"--{name} must be in {valid}, not {value}")
         return
     ops = {">": operator.gt, ">=": operator.ge, "<": operator.lt, "<=": operator.le}
     for condition in valid.split(","):
@@ -297,7 +296,7 @@ def check_range(name, value, valid):
         limit = _bound(bound)
         if not ops[op](value, limit):
             shown = int(limit) if float(limit).is_integer() else limit
-            raise C.UserError(f"--{name} must be {op} {shown}, not {value}")
+            raise UserError(f"--{name} must be {op} {shown}, not {value}")
 
 
 def check_args(args):
@@ -308,39 +307,39 @@ def check_args(args):
     for f in dataclasses.fields(args):
         value = getattr(args, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise C.UserError(f"--{f.name} must be a finite number, not {value}")
+            raise UserError(f"--{f.name} must be a finite number, not {value}")
         if isinstance(value, float) and abs(value) > FP32_MAX:  # torch cannot pass it to a kernel
-            raise C.UserError(f"--{f.name} {value:g} is beyond float32's largest number "
+            raise UserError(f"--{f.name} {value:g} is beyond float32's largest number "
                               f"({FP32_MAX:.4g}), in which the losses are computed")
         if "valid" in f.metadata and value is not None:  # None: a switch left off
             check_range(f.name, value, f.metadata["valid"])
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
     for name in ("prompts_per_step", "batch_size"):  # they count the whole step, all processes
         if world > 1 and getattr(args, name, 0) % world:
-            raise C.UserError(f"--{name} {getattr(args, name)} counts the whole step: it must "
+            raise UserError(f"--{name} {getattr(args, name)} counts the whole step: it must "
                               f"divide among the {world} processes")
     if getattr(args, "fsdp", False) and world == 1:
-        raise C.UserError("--fsdp shards the model across torchrun's processes: launch with "
+        raise UserError("--fsdp shards the model across torchrun's processes: launch with "
                           "torchrun --nproc_per_node N (N >= 2), or leave --fsdp out")
     if getattr(args, "fsdp", False) and args.lora_r:  # DDP replicates LoRA's few weights cheaply
-        raise C.UserError("--fsdp with --lora_r is not supported: LoRA trains a few adapter "
+        raise UserError("--fsdp with --lora_r is not supported: LoRA trains a few adapter "
                           "weights; under torchrun without --fsdp, DDP replicates them cheaply")
     if world > 1 and (getattr(args, "curriculum_up", 0) or getattr(args, "skip_uniform", 0)):
-        raise C.UserError("--curriculum_up and --skip_uniform under torchrun are not supported yet:"
+        raise UserError("--curriculum_up and --skip_uniform under torchrun are not supported yet:"
                           " each process sees its share of the rewards, so their draws would part")
     if world > 1 and getattr(args, "dynamic_sampling", False):
-        raise C.UserError("--dynamic_sampling under torchrun is not supported yet: processes "
+        raise UserError("--dynamic_sampling under torchrun is not supported yet: processes "
                           "would keep different numbers of rows")
     if "" in getattr(args, "stop", []):
-        raise C.UserError("--stop: an empty stop string would end every completion at once")
+        raise UserError("--stop: an empty stop string would end every completion at once")
     lr = max(("lr", "critic_lr"), key=lambda name: getattr(args, name, 0))  # ppo: two models
     shrink = getattr(args, lr) * getattr(args, "weight_decay", 0)  # AdamW: w <- w (1 - lr wd) ...
     if shrink >= 1:
-        raise C.UserError(f"--weight_decay {args.weight_decay} with --{lr} {getattr(args, lr)}: "
+        raise UserError(f"--weight_decay {args.weight_decay} with --{lr} {getattr(args, lr)}: "
                           f"AdamW multiplies every weight by 1 - lr * weight_decay "
                           f"({1 - shrink:.3g}) at each step, so lr * weight_decay must be < 1")
     if 0 < getattr(args, "tis_cap", 0) < 1:  # min(w, C) with C < 1 shrinks every token's weight
-        raise C.UserError(f"--tis_cap {args.tis_cap}: the cap C on pi_old / pi_sampler (1 where "
+        raise UserError(f"--tis_cap {args.tis_cap}: the cap C on pi_old / pi_sampler (1 where "
                           "they agree) must be >= 1, or 0 (off); below 1 it scales the whole "
                           "gradient down (1e-30: none at all)")
     # a step's rows (the product of its sizes; times --max_new_tokens where it samples) as int64
@@ -353,6 +352,6 @@ def check_args(args):
     except (AttributeError, ValueError, OSError):
         memory = 2**40
     if 8 * n > memory:
-        raise C.UserError(f"--{' * --'.join(sizes)} = {n:.3g} token ids a step: {8 * n / 2**30:.3g}"
+        raise UserError(f"--{' * --'.join(sizes)} = {n:.3g} token ids a step: {8 * n / 2**30:.3g}"
                           f" GB before any model runs, more than this machine's "
                           f"{memory / 2**30:.0f} GB; lower them")

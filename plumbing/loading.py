@@ -25,7 +25,7 @@ from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSequence
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
-from common import first_line
+from plumbing.errors import UserError, first_line
 from plumbing import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -51,7 +51,7 @@ def _check_source(name):
     if os.path.isdir(name):
         return
     if name.lower().endswith(".gguf"):  # llama.cpp's one-file format, which from_pretrained reads
-        raise C.UserError(f"model {name!r} is a GGUF file; give a model folder or hub id: convert"
+        raise UserError(f"model {name!r} is a GGUF file; give a model folder or hub id: convert"
                           " it as tools/smollm2.py does (python tools/smollm2.py for SmolLM2-135M-"
                           "Instruct; others: from_pretrained(folder, gguf_file=name), then "
                           "save_pretrained)")
@@ -63,7 +63,7 @@ def _check_source(name):
         close = difflib.get_close_matches(os.path.basename(name), os.listdir(near)
                                           if os.path.isdir(near) else [], 1, 0.6)
         hint = f" (did you mean {os.path.join(os.path.dirname(name), close[0])}?)" if close else ""
-        raise C.UserError(f"model {name!r}: no such local folder{hint}, and not a hub id like "
+        raise UserError(f"model {name!r}: no such local folder{hint}, and not a hub id like "
                           "owner/name")
 
 
@@ -76,11 +76,11 @@ def load_tokenizer(name, trust_remote_code=False):
     except (OSError, ValueError) as e:
         why = ("it has no tokenizer files: save them beside the model (tokenizer.save_pretrained)"
                if "backend tokenizer" in str(e) else first_line(e))
-        raise C.UserError(f"tokenizer {name!r} could not be loaded: {why}") from None
+        raise UserError(f"tokenizer {name!r} could not be loaded: {why}") from None
     tok.padding_side = "left"
     if tok.pad_token_id is None:
         if tok.eos_token_id is None:
-            raise C.UserError(f"tokenizer {name!r} has neither a pad nor an eos token; add one")
+            raise UserError(f"tokenizer {name!r} has neither a pad nor an eos token; add one")
         tok.pad_token = tok.eos_token  # safe: every mask is built from lengths, not from pad ids
     return tok
 
@@ -93,17 +93,17 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
     try:
         cfg = AutoConfig.from_pretrained(name, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:
-        raise C.UserError(f"model {name!r} could not be loaded: {first_line(e)}") from None
+        raise UserError(f"model {name!r} could not be loaded: {first_line(e)}") from None
     archs = cfg.architectures or []
     is_lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
     if kind == "lm" and archs and not is_lm:
-        raise C.UserError(f"model {name!r} has no causal-LM head (architectures: "
+        raise UserError(f"model {name!r} has no causal-LM head (architectures: "
                           f"{', '.join(archs)})")
     if kind == "rm" and is_lm:
-        raise C.UserError(f"reward model {name!r} is not a sequence-classification model "
+        raise UserError(f"reward model {name!r} is not a sequence-classification model "
                           f"(architectures: {', '.join(archs)})")
     if kind == "rm" and cfg.num_labels != 1:
-        raise C.UserError(f"reward model {name!r} has num_labels={cfg.num_labels}; a scalar reward "
+        raise UserError(f"reward model {name!r} has num_labels={cfg.num_labels}; a scalar reward "
                           "needs 1")
     auto = AutoModelForCausalLM if kind == "lm" else AutoModelForSequenceClassification
     dtype = torch.bfloat16 if frozen and device.type == "cuda" else torch.float32
@@ -114,9 +114,9 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
         found = re.search(r"GLOBAL (\S+)", str(e))  # a .bin file's pickle holds other objects
         why = (f"{first_line(e)} (re-download or rebuild it)" if not found else
                f"its weights file holds {found[1]}: unpickling it could run code, so it is refused")
-        raise C.UserError(f"model {name!r} could not be loaded as {auto.__name__}: {why}") from None
+        raise UserError(f"model {name!r} could not be loaded as {auto.__name__}: {why}") from None
     if kind == "rm" and any(k.startswith("score.") for k in info["missing_keys"]):
-        raise C.UserError(f"reward model {name!r} has no trained score head in its checkpoint: "
+        raise UserError(f"reward model {name!r} has no trained score head in its checkpoint: "
                           "it would score with random weights")
     model = model.to(device).eval()  # eval(): dropout off; it makes log-probs noisy, KL > 0 at 0
     if kind == "lm":  # rows the tokenizer cannot decode are never sampled: see suppressed()
@@ -187,7 +187,7 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
     try:
         import peft
     except ImportError:
-        raise C.UserError("--lora_r needs the optional package peft (pip install peft)") from None
+        raise UserError("--lora_r needs the optional package peft (pip install peft)") from None
     if getattr(args, "gradient_checkpointing", False):
         model.enable_input_require_grads()  # checkpointed blocks need an input that wants grads
     if adapter:
@@ -201,11 +201,11 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
     if bad:
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear)})
-        raise C.UserError(f"--lora_target_modules: the model has no module {', '.join(bad)} "
+        raise UserError(f"--lora_target_modules: the model has no module {', '.join(bad)} "
                           f"(its linear layers: {', '.join(linear)}; or all-linear)")
     width = getattr(model.config, "hidden_size", None)
     if width and args.lora_r > width:  # rank r of B A (width x r, r x width) is at most width
-        raise C.UserError(f"--lora_r {args.lora_r} is above the model's width {width}: a rank "
+        raise UserError(f"--lora_r {args.lora_r} is above the model's width {width}: a rank "
                           "beyond it adds memory and nothing else")
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
                              lora_dropout=args.lora_dropout,
@@ -236,7 +236,7 @@ def check_default_reward_model(args, used):
         return
     policy = load_tokenizer(args.model, args.trust_remote_code)
     if policy.get_vocab() != load_tokenizer(DEFAULT_REWARD_MODEL).get_vocab():
-        raise C.UserError(f"--model {args.model} has its own tokenizer, and the default "
+        raise UserError(f"--model {args.model} has its own tokenizer, and the default "
                           "--reward_model is the bundled tiny-adder-rm, trained on the bundled "
                           "model's sums: pass --reward_model PATH (reward_model.py makes one), or "
                           "--rewards math --critic_init policy for the rule reward")
@@ -254,7 +254,7 @@ def check_prompts(tok, config, rows, args, tools=None):
     longest = max(map(len, tok.get_vocab()))
     chars = max(len(C.as_text(r["prompt"])) for r in rows)
     if limit and chars > longest * (limit - args.max_new_tokens):
-        raise C.UserError(f"a prompt of {chars:,} characters is too long: prompt + max_new_tokens "
+        raise UserError(f"a prompt of {chars:,} characters is too long: prompt + max_new_tokens "
                           f"({args.max_new_tokens}) exceeds the model's context of {limit} "
                           f"tokens (one token is {longest} characters at most)")
     hint = " (--system_prompt puts a system message first)" if getattr(
@@ -266,7 +266,7 @@ def check_prompts(tok, config, rows, args, tools=None):
     lens = [len(s) for s in prompt_ids]
     too_long = sum(n + args.max_new_tokens > limit for n in lens)
     if too_long:
-        raise C.UserError(f"{too_long} of {len(lens)} prompts are too long: prompt + "
+        raise UserError(f"{too_long} of {len(lens)} prompts are too long: prompt + "
                           f"max_new_tokens ({args.max_new_tokens}) exceeds the model's context of "
                           f"{limit} tokens (longest prompt: {max(lens)} tokens"
                           f"{', the tools shown in it included' if tools else ''})")
@@ -280,7 +280,7 @@ def template_errors(tok, prefix="", suffix=""):
     try:
         yield
     except TemplateError as e:
-        raise C.UserError(f"{prefix}the chat template of {tok.name_or_path!r} refuses the "
+        raise UserError(f"{prefix}the chat template of {tok.name_or_path!r} refuses the "
                           f"conversation: {first_line(e)[:200]}{suffix}") from None
 
 
@@ -291,9 +291,9 @@ def load_function(flag, spec, usage, several=False):
     to write it. The file is code you choose to run, like any script."""
     where, _, names = spec.rpartition(":")
     if not where or not names:
-        raise C.UserError(f"{flag} {spec!r}: {usage}")
+        raise UserError(f"{flag} {spec!r}: {usage}")
     if where.endswith(".py") and not os.path.isfile(where):
-        raise C.UserError(f"{flag} {spec!r}: file {where!r} not found")
+        raise UserError(f"{flag} {spec!r}: file {where!r} not found")
     names = [n.strip() for n in names.split(",")] if several else [names]
     try:
         if where.endswith(".py"):
@@ -303,15 +303,15 @@ def load_function(flag, spec, usage, several=False):
         else:
             module = importlib.import_module(where)
     except Exception as e:
-        raise C.UserError(f"{flag} {spec!r}: importing {where!r} failed: "
+        raise UserError(f"{flag} {spec!r}: importing {where!r} failed: "
                           f"{type(e).__name__}: {first_line(e)}") from None
     except SystemExit as e:  # it would end the run with its code (0: as if all went well)
-        raise C.UserError(f"{flag} {spec!r}: importing {where!r} called sys.exit({e.code!r}): "
+        raise UserError(f"{flag} {spec!r}: importing {where!r} called sys.exit({e.code!r}): "
                           "the file is imported, not run (put its script part under "
                           "if __name__ == '__main__':)") from None
     for name in names:
         if not callable(getattr(module, name, None)):
-            raise C.UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
+            raise UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
     return [getattr(module, name) for name in names] if several else getattr(module, names[0])
 
 
@@ -326,7 +326,7 @@ def load_reward_fns(specs):
         fn = load_function("--reward_fn", spec, "write path/to/file.py:function")
         name = spec.rpartition(":")[2]
         if name in C.RULES or name == "rm" or name in tasks.REWARDS:
-            raise C.UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
+            raise UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
         fns[name] = functools.partial(checked_reward, name, fn)
     return fns
 
@@ -346,17 +346,17 @@ def checked_reward(name, fn, completions, rows):
                 fn(completions[i:i + 1], rows[i:i + 1])
             except Exception:
                 prompt = C.as_text(rows[i]["prompt"])[:40]
-                raise C.UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
-        raise C.UserError(what) from None
+                raise UserError(f"{what} (first on row {i}, prompt {prompt!r})") from None
+        raise UserError(what) from None
     if not isinstance(values, list):
-        raise C.UserError(f"reward {name!r} returned a {kind}, not a list of numbers: return one "
+        raise UserError(f"reward {name!r} returned a {kind}, not a list of numbers: return one "
                           "number per completion")
     if len(values) != len(rows):
-        raise C.UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
+        raise UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
                           "completions: return one number per completion")
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
-            raise C.UserError(f"reward {name!r} returned {v!r} for row {i}: not a number")
+            raise UserError(f"reward {name!r} returned {v!r} for row {i}: not a number")
     return torch.tensor([float(v) for v in values])
 
 
@@ -368,21 +368,21 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
         name, _, w = part.partition("=")
         if name not in C.RULES and name != "rm" and name not in fns and name not in tasks.REWARDS:
             known = ", ".join([*C.RULES, "rm", *tasks.REWARDS, *fns])
-            raise C.UserError(f"--rewards: unknown reward {name!r} (known: {known})")
+            raise UserError(f"--rewards: unknown reward {name!r} (known: {known})")
         if name in weights:  # math=1,math=2: one would silently win
-            raise C.UserError(f"--rewards names {name!r} twice: give each reward one weight")
+            raise UserError(f"--rewards names {name!r} twice: give each reward one weight")
         try:
             weights[name] = float(w or 1.0)
         except ValueError:
-            raise C.UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") \
+            raise UserError(f"--rewards: the weight of {name!r} must be a number, not {w!r}") \
                 from None
         if not math.isfinite(weights[name]) or not weights[name]:  # NaN: nothing would train
-            raise C.UserError(f"--rewards: the weight of {name!r} must be finite and not 0 (a "
+            raise UserError(f"--rewards: the weight of {name!r} must be finite and not 0 (a "
                               f"reward that counts for nothing: leave it out), not {w}")
     if "rm" in weights and not reward_model:
-        raise C.UserError("--rewards names 'rm' but no --reward_model is given")
+        raise UserError("--rewards names 'rm' but no --reward_model is given")
     for name in (n for n in fns if n not in weights):  # imported, and never called
-        raise C.UserError(f"--reward_fn {name!r} is loaded but --rewards {spec!r} does not use "
+        raise UserError(f"--reward_fn {name!r} is loaded but --rewards {spec!r} does not use "
                           f"it: add {name}=W to --rewards, or drop that --reward_fn")
     for name in (n for n in weights if n in tasks.REWARDS):  # rg, random: the scripts' fns
         fns[name] = tasks.REWARDS[name]

@@ -29,7 +29,7 @@ import functools
 import re
 from types import SimpleNamespace
 
-import common as C
+from plumbing.errors import UserError, first_line
 
 try:  # optional: --data rg:... needs it
     import reasoning_gym
@@ -74,7 +74,7 @@ def value(text):
 def parse(spec):
     """'rg:NAME?K=V&K=V:W,NAME' -> [(name, {setting: value}, weight)], checked: one line each."""
     if reasoning_gym is None:
-        raise C.UserError(f"--data {spec}: needs the optional package reasoning-gym "
+        raise UserError(f"--data {spec}: needs the optional package reasoning-gym "
                           "(pip install reasoning-gym==0.1.25)")
     out = []
     for part in spec[len(PREFIX):].split(","):
@@ -82,21 +82,21 @@ def parse(spec):
         name, _, query = head.partition("?")
         if name not in factory.DATASETS:
             close = [n for n in factory.DATASETS if name and (name in n or n in name)][:5]
-            raise C.UserError(f"--data {spec}: reasoning-gym has no generator {name!r}"
+            raise UserError(f"--data {spec}: reasoning-gym has no generator {name!r}"
                               + (f" (did you mean {', '.join(close)}?)" if close else ""))
         fields = factory.DATASETS[name][1].__dataclass_fields__
         settings = {}
         for item in filter(None, query.split("&")):
             key, eq, text = item.partition("=")
             if not eq or key not in fields:
-                raise C.UserError(f"--data {spec}: {name} has no setting {key!r} (KEY=VALUE; its "
+                raise UserError(f"--data {spec}: {name} has no setting {key!r} (KEY=VALUE; its "
                                   f"settings: {', '.join(fields)})")
             default = fields[key].default
             settings[key] = tuple(text.split("|")) if isinstance(default, (tuple, list)) \
                 else value(text)
         w = float(weight or 1)
         if not w > 0:
-            raise C.UserError(f"--data {spec}: the weight of {name} must be > 0, not {weight}")
+            raise UserError(f"--data {spec}: the weight of {name} must be > 0, not {weight}")
         out.append((name, settings, w))
     return out
 
@@ -120,8 +120,8 @@ def generator(name, settings, seed, level=None):
             cfg.validate()
         return factory.DATASETS[name][0](config=cfg)
     except (AssertionError, ValueError, TypeError) as e:  # reasoning-gym's checks of settings
-        raise C.UserError(f"--data rg:{name}: reasoning-gym refuses the settings "
-                          f"{dict(settings)} ({type(e).__name__}: {C.first_line(e)})") from None
+        raise UserError(f"--data rg:{name}: reasoning-gym refuses the settings "
+                          f"{dict(settings)} ({type(e).__name__}: {first_line(e)})") from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -145,14 +145,14 @@ def load(spec, eval_size, curriculum, make_row):
     for name, settings, w in tasks:
         seed, size = settings.pop("seed", 0), settings.pop("size", SIZE)
         if not (0 <= seed and 0 < size and seed + size < EVAL_SEED):
-            raise C.UserError(f"--data rg:{name}: seed + size must be < 2**40 (the held-out "
+            raise UserError(f"--data rg:{name}: seed + size must be < 2**40 (the held-out "
                               f"seed) and size > 0, not seed {seed}, size {size}")
         held = generator(name, tuple(sorted(settings.items())), EVAL_SEED)  # the given settings
         n = max(1, round(eval_size * w / total))  # a mixture: shared by weight
         eval_rows += [make_row(row(name, held[i])) for i in range(n)]
         if curriculum:  # the curriculum sets the fields its attributes move; the rest stay
             if not factory.has_curriculum(name):
-                raise C.UserError(f"--curriculum_up: reasoning-gym has no curriculum for {name}")
+                raise UserError(f"--curriculum_up: reasoning-gym has no curriculum for {name}")
             level[name] = 0
             moved = {getattr(a, f, None) for a in factory.create_curriculum(name).attributes
                      .values() for f in ("lower_field_name", "upper_field_name", "field_name")}
@@ -173,7 +173,7 @@ def load(spec, eval_size, curriculum, make_row):
                 if entry["question"] not in questions:
                     break
             else:
-                raise C.UserError(f"--data rg:{name}: 1000 draws in a row were held-out "
+                raise UserError(f"--data rg:{name}: 1000 draws in a row were held-out "
                                   "questions: its settings make too few distinct questions")
             out.append(make_row(row(name, entry)))
         return out
@@ -206,5 +206,5 @@ def score(completion, row):
 def reward(completions, rows):
     """--rewards rg: each row's generator scores the answer its completion states (0-1)."""
     if rows and "rg_task" not in rows[0]:
-        raise C.UserError("--rewards rg scores reasoning-gym's rows: give --data rg:NAME")
+        raise UserError("--rewards rg scores reasoning-gym's rows: give --data rg:NAME")
     return [score(c, r) for c, r in zip(completions, rows)]

@@ -50,7 +50,7 @@ except ImportError:  # optional: torch runs without it
     numpy = None
 
 import common as C
-from common import first_line
+from plumbing.errors import UserError, first_line
 from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
@@ -93,7 +93,7 @@ def main_guard(main):
                        and not (f.endswith(".jsonl") and os.path.getsize(f"{folder}/{f}"))
                        for f in files):
                     shutil.rmtree(folder, ignore_errors=True)
-    except C.UserError as e:
+    except UserError as e:
         say_once(f"error: {e}")
         sys.exit(2)
     except (torch.OutOfMemoryError, RuntimeError) as e:  # commonest complaint (trl#2972)
@@ -169,7 +169,7 @@ def _take_lock(folder):
             except (OSError, ValueError):
                 os.remove(path)  # stale: its process is gone
                 continue
-            raise C.UserError(f"{folder!r} is in use by a run in process {pid} (remove {path} if "
+            raise UserError(f"{folder!r} is in use by a run in process {pid} (remove {path} if "
                               "that process is not this program)") from None
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
@@ -235,7 +235,7 @@ def start_run(args, algo):
         return STARTED["run"]
     others = sorted(set(os.listdir(folder)) - set(RUN_FILES)) if os.path.isdir(folder) else []
     if others and not args.resume:  # a run writes (and replaces) checkpoint/, summary.json, ...
-        raise C.UserError(f"--output_dir {folder!r} holds files that are not a run's "
+        raise UserError(f"--output_dir {folder!r} holds files that are not a run's "
                           f"({', '.join(others[:3])}), beside which a run would write and replace "
                           "its own: give a new or empty folder")
     try:
@@ -244,15 +244,15 @@ def start_run(args, algo):
         os.makedirs(folder, exist_ok=True)
         _take_lock(folder)
     except OSError as e:
-        raise C.UserError(f"--output_dir {folder!r}: {e.strerror or e}") from None
+        raise UserError(f"--output_dir {folder!r}: {e.strerror or e}") from None
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
     state = _load_state(folder, args.max_steps) if args.resume else None
     held = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
     if not state and held and not os.path.exists(os.path.join(folder, "checkpoint")):
-        raise C.UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
+        raise UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
     if not state and (held or os.path.exists(os.path.join(folder, "checkpoint"))):
-        raise C.UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
+        raise UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
                           f"checkpoint/), which a new run would replace: continue "
                           f"it with --resume {folder}, or choose another --output_dir")
     for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
@@ -284,7 +284,7 @@ def open_tracker(args, folder):
             return SummaryWriter(os.path.join(folder, "tensorboard"))
         tracker = __import__(package)
     except ImportError:
-        raise C.UserError(f"--report_to {kind} needs the optional package {package} "
+        raise UserError(f"--report_to {kind} needs the optional package {package} "
                           f"(pip install {package})") from None
     tracker.init(project="minrl", name=os.path.basename(os.path.abspath(folder)),
                  config=dataclasses.asdict(args))
@@ -301,20 +301,20 @@ def _load_state(folder, max_steps):
     except pickle.UnpicklingError as e:
         found = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
         if not found:  # damaged bytes, not a foreign object
-            raise C.UserError(f"{path} is damaged (not a trainer state); cannot resume") from None
-        raise C.UserError(f"{path} holds {found[1]}, not only tensors and numbers: unpickling "
+            raise UserError(f"{path} is damaged (not a trainer state); cannot resume") from None
+        raise UserError(f"{path} holds {found[1]}, not only tensors and numbers: unpickling "
                           "it could run code, so it is refused (a run writes no such thing)") \
             from None
     except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
-        raise C.UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
+        raise UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
     if state["step"] > max_steps:  # the loop would do nothing and report the run as finished
-        raise C.UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
+        raise UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
                           f"({state['step']}): a resumed run goes on from there; give "
                           f"--max_steps {state['step']} or more")
     finishing = state["step"] == max_steps and "extra" in state and not os.path.exists(
         os.path.join(folder, "summary.json"))  # killed in its final eval: --resume finishes it
     if "optimizer" not in state and not finishing:  # a finished run's last checkpoint
-        raise C.UserError(f"{folder} is a finished run whose last checkpoint holds no optimizer "
+        raise UserError(f"{folder} is a finished run whose last checkpoint holds no optimizer "
                           "state (--save_optimizer keeps it): --resume cannot continue it exactly; "
                           f"train on in a new run with --model {folder}/checkpoint")
     return state
@@ -451,7 +451,7 @@ def stop_run(run, why):
     """End the run in one line (exit 2), keeping its folder, metrics.jsonl and last checkpoint."""
     NEW_FOLDERS.discard(run.dir)  # kept even with no step logged: it is evidence
     kept = f"the checkpoint of step {run.saved_step}" if run.saved_step else "no checkpoint yet"
-    raise C.UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl and {kept}")
+    raise UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl and {kept}")
 
 
 @contextlib.contextmanager
@@ -555,30 +555,6 @@ def warn_if_stuck(run, metrics, roll, args):
         tqdm.write(f"warning: step {metrics['step']}: {lines[kind]}")
     if said:  # only then: a run without warnings logs the same keys as before
         metrics.update(warning=",".join(said), warnings=len(said))
-
-
-def tool_metrics(roll, env):
-    """Per-step tool use: tool_calls and turns per completion, frac_tool (completions with a call),
-    tool_errors (the fraction of calls that failed: --tools' error results, else observations
-    that start with 'error', as calc's do), obs_truncated (completions with an observation cut by
-    the budget); --tools: per tool, calls per completion and the fraction that failed
-    (tool_calls/NAME, tool_errors/NAME), and calls of no tool or unreadable (tool_calls_unknown)."""
-    calls = [c for e in roll.episodes if env.tools and e is not None for c in e.calls]  # (name, ok)
-    failed = [not ok for _, ok in calls] if env.tools else [
-        x.strip().startswith("error") for o in roll.observations for x in o]
-    out = {"tool_calls": float(roll.tool_calls.float().mean()),
-           "frac_tool": float((roll.tool_calls > 0).float().mean()),
-           "turns": float(roll.turns.float().mean()),
-           "tool_errors": sum(failed) / max(len(failed), 1),
-           "obs_truncated": float(roll.obs_truncated.float().mean())}
-    names = [schema["function"]["name"] for schema in env.tools or []]
-    for name in names:  # every tool's keys at every step (torchrun averages them)
-        mine = [ok for tool, ok in calls if tool == name]
-        out[f"tool_calls/{name}"] = len(mine) / len(roll.episodes)
-        out[f"tool_errors/{name}"] = mine.count(False) / max(len(mine), 1)
-    if names:
-        out["tool_calls_unknown"] = sum(t not in names for t, _ in calls) / len(roll.episodes)
-    return out
 
 
 def adapters_off(model):

@@ -20,7 +20,7 @@ import torch
 
 from plumbing import chat_sums, rg
 import common as C
-from common import first_line
+from plumbing.errors import UserError, first_line
 
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
@@ -78,22 +78,22 @@ def check_messages(messages, where, field):
     string; an assistant message with "tool_calls" may have none (then it is ""). Errors name the
     row, the field and the message."""
     if not (isinstance(messages, list) and messages):
-        raise C.UserError(f"{where}: field {field!r} must be a non-empty list of chat messages "
+        raise UserError(f"{where}: field {field!r} must be a non-empty list of chat messages "
                           "{role, content}")
     out = []
     for n, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in CHAT_ROLES:
-            raise C.UserError(f"{where}: field {field!r}, message {n}: role {role!r} is not one "
+            raise UserError(f"{where}: field {field!r}, message {n}: role {role!r} is not one "
                               f"of {', '.join(CHAT_ROLES)}")
         calls = m.get("tool_calls") or []
         if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
-            raise C.UserError(f"{where}: field {field!r}, message {n}: 'tool_calls' must be a "
+            raise UserError(f"{where}: field {field!r}, message {n}: 'tool_calls' must be a "
                               "list of calls {type, function: {name, arguments}}")
         if m.get("content") is None and calls:
             m = {**m, "content": ""}  # a call without text (the OpenAI format)
         if not isinstance(m.get("content"), str):
-            raise C.UserError(f"{where}: field {field!r}, message {n}: 'content' must be a string")
+            raise UserError(f"{where}: field {field!r}, message {n}: 'content' must be a string")
         out.append(m)
     return out
 
@@ -104,7 +104,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
     prompt_field / answer_field name the source's fields ('' = the usual names). need_answer:
     the answer must hold a number (the math reward compares each completion with it)."""
     if not isinstance(raw, dict):
-        raise C.UserError(f"{where}: not a JSON object ({fields_found(raw)})")
+        raise UserError(f"{where}: not a JSON object ({fields_found(raw)})")
     p_key = prompt_field or next((k for k in ("prompt", "question", "problem") if k in raw), "")
     a_key = answer_field or next((k for k in ("answer", "solution") if k in raw), "answer")
     row = dict(raw)
@@ -112,7 +112,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
     if isinstance(prompt, list):
         prompt = check_messages(prompt, where, p_key)
     elif not (isinstance(prompt, str) and prompt):
-        raise C.UserError(f"{where}: field {p_key or 'prompt'!r} is missing or not a non-empty "
+        raise UserError(f"{where}: field {p_key or 'prompt'!r} is missing or not a non-empty "
                           f"string (or a list of chat messages); {fields_found(raw)}")
     if system_prompt:  # a system message before the user's (kept if the row has its own)
         messages = C.as_messages(prompt)
@@ -122,11 +122,11 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
     row.pop("answer", None)
     answer = raw.get(a_key)
     if isinstance(answer, (bool, list, dict)):
-        raise C.UserError(f"{where}: field {a_key!r} must be a string or a number")
+        raise UserError(f"{where}: field {a_key!r} must be a string or a number")
     if answer is not None:  # a missing or null answer stays missing (not the text 'None')
         row["answer"] = str(answer)
     if need_answer and C.final_answer(row.get("answer", ""), reference=True) is None:
-        raise C.UserError(f"{where}: field {a_key!r} is missing or has no number, which the math "
+        raise UserError(f"{where}: field {a_key!r} is missing or has no number, which the math "
                           "reward compares with each completion (or change --rewards)")
     return row
 
@@ -143,10 +143,10 @@ def jsonl_objects(path):
                     continue
                 obj = json.loads(line)
             except UnicodeDecodeError:
-                raise C.UserError(f"{where}: not UTF-8 text") from None
+                raise UserError(f"{where}: not UTF-8 text") from None
             except (json.JSONDecodeError, RecursionError) as e:  # (it recurses once a level)
                 why = getattr(e, "msg", "nested too deeply to read")
-                raise C.UserError(f"{where}: not valid JSON ({why})") from None
+                raise UserError(f"{where}: not valid JSON ({why})") from None
             yield where, obj
 
 
@@ -160,12 +160,12 @@ def file_records(path):
         try:
             import pyarrow.parquet
         except ImportError:
-            raise C.UserError(f"data file {path!r}: reading parquet needs the optional package "
+            raise UserError(f"data file {path!r}: reading parquet needs the optional package "
                               "`pyarrow` (pip install pyarrow)") from None
         try:
             rows = pyarrow.parquet.read_table(path).to_pylist()
         except Exception as e:  # pyarrow's own errors: not a parquet file, damaged
-            raise C.UserError(f"data file {path!r}: pyarrow cannot read it as parquet "
+            raise UserError(f"data file {path!r}: pyarrow cannot read it as parquet "
                               f"({type(e).__name__}: {first_line(e)})") from None
         return [(f"{path}, row {i}", r) for i, r in enumerate(rows)]
     try:
@@ -175,16 +175,16 @@ def file_records(path):
                 reader = csv.DictReader(f)
                 repeated = [k for k in reader.fieldnames or () if reader.fieldnames.count(k) > 1]
                 if repeated:  # DictReader would keep the last column of that name, silently
-                    raise C.UserError(f"data file {path!r}: the header line names column "
+                    raise UserError(f"data file {path!r}: the header line names column "
                                       f"{repeated[0]!r} twice; rename one")
                 out = [(f"{path}, line {reader.line_num}", r) for r in reader]
                 bad = next((w for w, r in out if None in r or None in r.values()), None)
                 if bad:
-                    raise C.UserError(f"{bad}: not as many values as the header line has fields")
+                    raise UserError(f"{bad}: not as many values as the header line has fields")
                 return out
             whole = json.load(f) if ext == ".json" else None
     except UnicodeDecodeError:
-        raise C.UserError(f"data file {path!r}: not UTF-8 text") from None
+        raise UserError(f"data file {path!r}: not UTF-8 text") from None
     except (json.JSONDecodeError, RecursionError):  # JSON lines in a .json file, or nested
         whole = None  # too deeply to read: a line at a time below (which says where)
     if isinstance(whole, dict):  # one object alone: one row
@@ -201,7 +201,7 @@ def hub_records(spec, split="train"):
     try:
         import datasets
     except ImportError:
-        raise C.UserError("--data hf:... needs the optional package `datasets` "
+        raise UserError("--data hf:... needs the optional package `datasets` "
                           "(pip install datasets)") from None
     name = spec[3:]
     try:
@@ -209,19 +209,19 @@ def hub_records(spec, split="train"):
             table = datasets.load_from_disk(name)  # save_to_disk's folder: a Dataset or a dict
             if isinstance(table, datasets.DatasetDict):
                 if split not in table:
-                    raise C.UserError(f"--data {spec}: no split {split!r}; it has "
+                    raise UserError(f"--data {spec}: no split {split!r}; it has "
                                       f"{', '.join(table)} (pick one with --data_split)")
                 table = table[split]
         else:
             table = datasets.load_dataset(*([name] if os.path.isdir(name) else name.split(":")),
                                           split=split)
     except ConnectionError:  # not cached, and the hub out of reach (or HF_HUB_OFFLINE=1)
-        raise C.UserError(f"--data {spec}: not in the local cache, and this machine cannot reach "
+        raise UserError(f"--data {spec}: not in the local cache, and this machine cannot reach "
                           "the hub (offline): load it once online, or give a file") from None
-    except C.UserError:
+    except UserError:
         raise
     except Exception as e:  # datasets' own errors: no such dataset, config or split
-        raise C.UserError(f"--data {spec}: datasets cannot load it ({type(e).__name__}: "
+        raise UserError(f"--data {spec}: datasets cannot load it ({type(e).__name__}: "
                           f"{first_line(e)})") from None
     return [(f"--data {spec}, row {i}", dict(r)) for i, r in enumerate(table)]
 
@@ -231,13 +231,13 @@ def read_records(spec, split="train"):
     if spec.startswith("hf:"):
         records = hub_records(spec, split)
     elif not os.path.isfile(spec):
-        raise C.UserError(f"data file {spec!r} " + (
+        raise UserError(f"data file {spec!r} " + (
             "is a directory (a save_to_disk folder or a folder of data files: --data hf:DIR)"
             if os.path.isdir(spec) else "not found"))
     else:
         records = file_records(spec)
     if not records:
-        raise C.UserError(f"data {spec!r} is empty")
+        raise UserError(f"data {spec!r} is empty")
     return records
 
 
@@ -276,7 +276,7 @@ def load_rows(spec, eval_size, need_answer, split, curriculum, **fields):
     if spec.startswith(rg.PREFIX):
         return rg.load(spec, eval_size, curriculum, lambda x: make_row(x, "", **fields))
     if curriculum:
-        raise C.UserError("--curriculum_up moves the difficulty of a reasoning-gym generator: "
+        raise UserError("--curriculum_up moves the difficulty of a reasoning-gym generator: "
                           "give --data rg:NAME (--skip_uniform works on any data)")
     if not spec:  # the built-in task: make_row changes its rows only when given fields
         def row(a, b):
@@ -389,7 +389,7 @@ def implicit_prompt(raw, where):
     before it (the completions keep that space, as in the text)."""
     chosen, rejected = raw.get("chosen"), raw.get("rejected")
     if chosen == rejected and chosen is not None:  # all of it would be the shared prompt
-        raise C.UserError(f"{where}: fields 'chosen' and 'rejected' are identical: a pair needs "
+        raise UserError(f"{where}: fields 'chosen' and 'rejected' are identical: a pair needs "
                           "two different completions")
     prompt = ""
     if isinstance(chosen, list) and isinstance(rejected, list):
@@ -403,7 +403,7 @@ def implicit_prompt(raw, where):
         shared = re.match(r"(.*\S)\s", os.path.commonprefix([chosen, rejected]), re.S)
         prompt = shared.group(1) if shared else ""
     if not prompt:
-        raise C.UserError(f"{where}: field 'prompt' is missing, and 'chosen' and 'rejected' do "
+        raise UserError(f"{where}: field 'prompt' is missing, and 'chosen' and 'rejected' do "
                           f"not start with a shared (implicit) prompt; {fields_found(raw)}")
     return {**raw, "prompt": prompt, "chosen": chosen[len(prompt):],
             "rejected": rejected[len(prompt):]}
@@ -416,7 +416,7 @@ def completion_text(c, where, field):
         if m["role"] == "assistant" and not m.get("tool_calls"):
             return m["content"]
     if not isinstance(c, str):
-        raise C.UserError(f"{where}: field {field!r} is missing or not a string or a list of one "
+        raise UserError(f"{where}: field {field!r} is missing or not a string or a list of one "
                           "assistant message (a row needs 'chosen' and 'rejected', or 'ranking')")
     return c
 
@@ -433,15 +433,15 @@ def read_preferences(spec, eval_size):
         if "ranking" in row:
             done = row["ranking"]  # the completions, best first
             if not (isinstance(done, list) and len(done) >= 2):
-                raise C.UserError(f"{where}: field 'ranking' must be a list of 2 or more strings")
+                raise UserError(f"{where}: field 'ranking' must be a list of 2 or more strings")
             done = [completion_text(c, where, "ranking") for c in done]
         else:
             done = [completion_text(row.get(key), where, key) for key in ("chosen", "rejected")]
         if len(set(done)) < len(done):
-            raise C.UserError(f"{where}: a completion is both chosen and rejected: {done}")
+            raise UserError(f"{where}: a completion is both chosen and rejected: {done}")
         margin = row.get("margin", 0.0)
         if type(margin) not in (int, float) or not math.isfinite(margin):  # (True: no)
-            raise C.UserError(f"{where}: field 'margin' must be a finite number")
+            raise UserError(f"{where}: field 'margin' must be a finite number")
         rows.append({"prompt": row["prompt"], "completions": done, "margin": float(margin),
                      "pairs": ranking_pairs(len(done))})
     # held out: a fixed fifth of the distinct prompts (at most eval_size), all rows of a prompt
@@ -461,22 +461,22 @@ def demonstration(raw, where):
     assistant messages from index start on are trained: all of {"messages"}, the completion's of
     a conversational prompt-completion row). Errors name the row and the fields found."""
     if not isinstance(raw, dict):
-        raise C.UserError(f"{where}: not a JSON object ({fields_found(raw)})")
+        raise UserError(f"{where}: not a JSON object ({fields_found(raw)})")
     tools = raw.get("tools")
     if tools is not None and not isinstance(tools, list):
-        raise C.UserError(f"{where}: field 'tools' must be a list of JSON schemas")
+        raise UserError(f"{where}: field 'tools' must be a list of JSON schemas")
     if "messages" in raw:
         m = check_messages(raw["messages"], where, "messages")
         if m[-1]["role"] != "assistant" or m[0]["role"] == "assistant":
-            raise C.UserError(f"{where}: field 'messages' must be a conversation that ends with "
+            raise UserError(f"{where}: field 'messages' must be a conversation that ends with "
                               "an assistant message, after at least one other message")
         return {"messages": m, "start": 0, "tools": tools}
     if "text" in raw and "completion" not in raw:
         if not (isinstance(raw["text"], str) and raw["text"]):
-            raise C.UserError(f"{where}: field 'text' must be a non-empty string")
+            raise UserError(f"{where}: field 'text' must be a non-empty string")
         return {"text": raw["text"]}
     if "prompt" not in raw:
-        raise C.UserError(f"{where}: not an SFT row: give 'prompt' and 'completion', 'messages' "
+        raise UserError(f"{where}: not an SFT row: give 'prompt' and 'completion', 'messages' "
                           f"or 'text'; {fields_found(raw)}")
     prompt, completion = make_row(raw, where)["prompt"], raw.get("completion")
     if isinstance(completion, list):
@@ -485,7 +485,7 @@ def demonstration(raw, where):
             return {"messages": C.as_messages(prompt) + completion,
                     "start": len(C.as_messages(prompt)), "tools": tools}
     if not (isinstance(completion, str) and completion):
-        raise C.UserError(f"{where}: field 'completion' is missing or not a non-empty string "
+        raise UserError(f"{where}: field 'completion' is missing or not a non-empty string "
                           "(or messages that end with an assistant message)")
     return {"prompt": prompt, "completion": completion}
 
@@ -510,7 +510,7 @@ def template_turns(tok, messages, k, tools, where):
                 render(last, True)) else ("give the tokenizer a chat template that keeps each "
                 "turn as written (a training template, as TRL's trl/chat_templates/"
                 "*_training.jinja), or --chat_template none")
-            raise C.UserError(f"{where}: the chat template does not render the conversation up "
+            raise UserError(f"{where}: the chat template does not render the conversation up "
                               f"to each assistant message as the start of the whole: {fix}")
         end = max(start, len(text.rstrip()) if train else len(text))
         pieces.append((whole[start:end], train))
@@ -518,7 +518,7 @@ def template_turns(tok, messages, k, tools, where):
         names = [f.get("name") for c in messages[i].get("tool_calls") or []
                  for f in [c.get("function", c)] if isinstance(f, dict)]
         if train and not all(str(name) in pieces[-1][0] for name in names):
-            raise C.UserError(f"{where}: message {i}: the chat template does not render its "
+            raise UserError(f"{where}: message {i}: the chat template does not render its "
                               "tool_calls")
     if tok.eos_token and whole[:start].endswith(tok.eos_token):  # the end tag is the EOS: it
         pieces[-1] = (pieces[-1][0][:-len(tok.eos_token)], 1)  # is the EOS token appended
@@ -549,7 +549,7 @@ def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, 
             prompt = tok(text, add_special_tokens=False)["input_ids"]
         else:
             if any(x.get("tool_calls") for x in m[k:]):
-                raise C.UserError(f"{where}: a message has tool_calls, which only a chat "
+                raise UserError(f"{where}: a message has tool_calls, which only a chat "
                                   "template renders (this tokenizer has none)")
             prompt = C.encode_prompts(tok, [m[:k]], "none")[0]
             pieces = [(x["content"], int(x["role"] == "assistant")) for x in m[k:]]
@@ -605,7 +605,7 @@ def eval_metric(rows, choice="auto"):
     rows, accuracy when every row has an answer with a number, else mean reward."""
     numeric = C.has_numbers(rows)
     if choice == "math" and not numeric:
-        raise C.UserError("--eval_reward math: some held-out rows have no answer with a number, so "
+        raise UserError("--eval_reward math: some held-out rows have no answer with a number, so "
                           "the score would be 0 whatever the model says; use --eval_reward rewards")
     if choice == "auto" and rows and all("rg_task" in r for r in rows):
         return "rg score"

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 import common as C
+from plumbing.errors import UserError
 from plumbing import envs as E
 from plumbing import loading
-from plumbing import runs
 
 from tests.helpers import OFF, ROOT, TOOLS_FILE as TOOLS, scripted_model
 
@@ -175,7 +175,7 @@ def test_a_tool_episode_through_the_sampler_keeps_the_models_tokens(name, shape,
     n = int(roll.attention_mask[0].sum())
     assert roll.ids[0, -n:].tolist() == prompt + completion and texts == ["5"]
     assert roll.completion_mask[0, :len(kinds)].tolist() == kinds
-    m = runs.tool_metrics(roll, env)
+    m = E.tool_metrics(roll, env)
     assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
     assert m["tool_calls/shout"] == len(results) - 1 == m["tool_errors/shout"]
     assert m["tool_errors"] == (len(results) - 1) / len(results) and m["tool_calls_unknown"] == 0
@@ -241,7 +241,7 @@ def test_calls_and_results_that_cannot_be_read_or_written_are_error_messages(tmp
     roll = SimpleNamespace(episodes=[episode, None], tool_calls=torch.tensor([8, 0]),
                            turns=torch.tensor([2, 1]), observations=[[t.decode(obs)], []],
                            obs_truncated=torch.tensor([False, False]))
-    m = runs.tool_metrics(roll, SimpleNamespace(tools=schemas))
+    m = E.tool_metrics(roll, SimpleNamespace(tools=schemas))
     # per completion (2): unknown are the two names that are no text, the call too deep to read
     # and 'mul'
     assert m["tool_errors"] == 7 / 8 and m["tool_calls_unknown"] == 4 / 2
@@ -254,7 +254,7 @@ def test_tools_of_one_file_share_it_and_a_repeated_tool_is_refused(tmp_path):
     functions, _ = E.load_tools(f"{tmp_path / 'tools.py'}:add, shout")
     assert functions["add"].__globals__ is functions["shout"].__globals__  # one module
     assert functions["add"].__globals__["IMPORTS"] == [1]  # imported once
-    with pytest.raises(C.UserError, match=r"--tools '.*tools.py:add,add' names the tool 'add' "
+    with pytest.raises(UserError, match=r"--tools '.*tools.py:add,add' names the tool 'add' "
                                           r"twice: list each once"):
         E.load_tools(f"{tmp_path / 'tools.py'}:add,add")
 
@@ -289,7 +289,7 @@ def test_env_token_ids_outside_the_vocabulary_and_a_huge_timeout_are_one_line(
     model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
     prompts = C.encode_prompts(tok, ["1+2="] * 2)
     for bad in (len(tok), -1, 10**30):
-        with pytest.raises(C.UserError, match=rf"--env 'test' returned token id {bad}, outside "
+        with pytest.raises(UserError, match=rf"--env 'test' returned token id {bad}, outside "
                                               rf"the vocabulary \(0 to {len(tok) - 1}\) \(on the"):
             rollout(model, tok, prompts, lambda row, turns: [5, bad], [{"prompt": "1+2="}] * 2,
                     2, 20)
@@ -364,7 +364,7 @@ def test_check_prompts_counts_the_tool_schemas(tmp_path):
     config = SimpleNamespace(max_position_embeddings=alone + 100)
     args = SimpleNamespace(chat_template="auto", max_new_tokens=100, system_prompt="")
     loading.check_prompts(t, config, rows, args)  # fits without the tools
-    with pytest.raises(C.UserError, match=r"1 of 1 prompts are too long: .* context of \d+ tokens"
+    with pytest.raises(UserError, match=r"1 of 1 prompts are too long: .* context of \d+ tokens"
                                           r" \(longest prompt: \d+ tokens, the tools shown in it "
                                           r"included\)"):
         loading.check_prompts(t, config, rows, args, schemas)

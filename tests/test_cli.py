@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 from transformers import LlamaForSequenceClassification
 
 import common as C
+from plumbing.errors import UserError
 import dpo
 from plumbing import flags
 import grpo
@@ -307,7 +308,7 @@ def test_bad_input_exits_2_with_one_clear_line(bad_inputs, tmp_path, args, messa
 
 
 def test_bad_baseline_is_a_user_error(monkeypatch, tmp_path):
-    with pytest.raises(C.UserError, match="invalid choice: 'rlooo'"):
+    with pytest.raises(UserError, match="invalid choice: 'rlooo'"):
         run_main(monkeypatch, R, "--baseline", "rlooo", "--output_dir", str(tmp_path))
 
 
@@ -351,14 +352,14 @@ def test_merge_lora_and_compare_refuse_bad_flags_in_one_line(tmp_path, capsys):
     (tmp_path / "run" / "checkpoint").mkdir(parents=True)
     (tmp_path / "run" / "checkpoint" / "args.json").write_text("{}")
     (tmp_path / "file").write_text("x")
-    with pytest.raises(C.UserError, match="--out .*file: that is a file"):
+    with pytest.raises(UserError, match="--out .*file: that is a file"):
         merge_lora(str(tmp_path / "run"), str(tmp_path / "file"))
-    with pytest.raises(C.UserError, match="no checkpoint/args.json there"):
+    with pytest.raises(UserError, match="no checkpoint/args.json there"):
         merge_lora(str(tmp_path / "nothing"))
-    with pytest.raises(C.UserError, match="that is the run folder or its checkpoint"):
+    with pytest.raises(UserError, match="that is the run folder or its checkpoint"):
         merge_lora(str(tmp_path / "run"), str(tmp_path / "run" / "checkpoint" / "sub"))
     (tmp_path / "run" / "checkpoint" / "args.json").write_text('{"algo": "grpo", "args": {')
-    with pytest.raises(C.UserError, match="checkpoint/args.json is damaged .JSONDecodeError"):
+    with pytest.raises(UserError, match="checkpoint/args.json is damaged .JSONDecodeError"):
         merge_lora(str(tmp_path / "run"))
     for argv, message in ((["--seeds", "0"], "--seeds must be >= 1, not 0"),
                           (["--samples", "-5"], "--samples must be >= 1, not -5"),

@@ -11,6 +11,7 @@ import types
 import pytest
 
 import common as C
+from plumbing.errors import UserError
 import grpo
 from plumbing import tasks
 from tools.build_models import column_sum
@@ -34,7 +35,7 @@ from tests.helpers import FAST_GRPO, OFF, read_metrics, run_main
 def test_jsonl_errors_name_the_line(tmp_path, text, need_answer, expect):
     f = tmp_path / "d.jsonl"
     f.write_bytes(text if isinstance(text, bytes) else text.encode())
-    with pytest.raises(C.UserError, match=expect):
+    with pytest.raises(UserError, match=expect):
         tasks.read_rows(str(f), need_answer)
 
 
@@ -52,7 +53,7 @@ def test_hub_dataset_rows_keep_only_real_answers(monkeypatch):
         return json.dumps(row, sort_keys=True)
     assert sorted(map(key, data.rows)) == sorted(map(key, want))
     assert tasks.eval_metric(data.rows) == "mean reward" and len(data.eval_rows) == 2
-    with pytest.raises(C.UserError, match="row 1: field 'answer' is missing or has no number"):
+    with pytest.raises(UserError, match="row 1: field 'answer' is missing or has no number"):
         tasks.load_data("hf:someone/set:main", need_answer=True)
     # too few rows to hold a fifth out
     fake.load_dataset = lambda *a, split: [{"prompt": "1+1=", "answer": "2"}] * 4
@@ -68,7 +69,7 @@ def test_jsonl_reads_numbers_nulls_and_a_byte_order_mark(tmp_path):
                   b'{"prompt": "x", "answer": null}\r\n')
     assert tasks.read_rows(str(f)) == [{"prompt": "1+1=", "answer": "2"}, {"prompt": "x"}]
     # null is no answer: the math reward refuses
-    with pytest.raises(C.UserError, match="line 3: field 'answer'"):
+    with pytest.raises(UserError, match="line 3: field 'answer'"):
         tasks.read_rows(str(f), need_answer=True)
 
 DATA_ROWS = [{"prompt": f"{i}+1=", "answer": str(i + 1), "id": f"r{i}"} for i in range(10)]
@@ -122,7 +123,7 @@ def test_every_kind_of_data_file_gives_the_same_rows(tmp_path, monkeypatch, kind
     assert len(data.eval_rows) == 2 and len(data.rows) == 10
     if kind == "dataset_dict":
         assert tasks.read_rows(spec, split="test") == DATA_ROWS[:2]
-        with pytest.raises(C.UserError, match=r"no split 'dev'; it has train, test \(pick one "
+        with pytest.raises(UserError, match=r"no split 'dev'; it has train, test \(pick one "
                                               r"with --data_split\)"):
             tasks.read_rows(spec, split="dev")
 
@@ -168,17 +169,17 @@ def test_optional_packages_missing_and_a_hub_dataset_offline_are_one_line(tmp_pa
     path.write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)  # an import of it raises ImportError
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(C.UserError, match=r"d.parquet': reading parquet needs the optional "
+    with pytest.raises(UserError, match=r"d.parquet': reading parquet needs the optional "
                                           r"package `pyarrow` \(pip install pyarrow\)"):
         tasks.read_rows(str(path))
     monkeypatch.undo()
     datasets = pytest.importorskip("datasets")
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
-    with pytest.raises(C.UserError, match=r"^--data hf:nobody/nothing:main: not in the local "
+    with pytest.raises(UserError, match=r"^--data hf:nobody/nothing:main: not in the local "
                                           "cache, and this machine cannot reach the hub"):
         tasks.read_rows("hf:nobody/nothing:main")
     monkeypatch.setitem(sys.modules, "datasets", None)
-    with pytest.raises(C.UserError, match=r"needs the optional package `datasets`"):
+    with pytest.raises(UserError, match=r"needs the optional package `datasets`"):
         tasks.read_rows(f"hf:{tmp_path}")
 
 

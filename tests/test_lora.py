@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common as C
+from plumbing.errors import UserError
 import grpo
 from plumbing import loading
 import ppo
@@ -60,7 +61,7 @@ def test_lora_reference_is_the_base_and_merged_checkpoints_match(tmp_path, tok):
 
 def test_lora_without_peft_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "peft", None)
-    with pytest.raises(C.UserError, match="needs the optional package peft"):
+    with pytest.raises(UserError, match="needs the optional package peft"):
         loading.load_policy(lora_args(), torch.device("cpu"))
 
 
@@ -98,8 +99,8 @@ def test_merge_lora_prints_no_future_warning(tmp_path, tok):
         merge_lora(str(run))
     assert not [w for w in caught if issubclass(w.category, FutureWarning)], caught
     for out in (run, run / "checkpoint", run / "checkpoint.tmp"):  # what it reads or a save uses
-        with pytest.raises(C.UserError, match="that is the run folder or its checkpoint"):
+        with pytest.raises(UserError, match="that is the run folder or its checkpoint"):
             merge_lora(str(run), str(out))
     (run / "checkpoint" / "adapter_model.safetensors").write_bytes(b"damaged")
-    with pytest.raises(C.UserError, match="its LoRA adapter could not be loaded .SafetensorError"):
+    with pytest.raises(UserError, match="its LoRA adapter could not be loaded .SafetensorError"):
         merge_lora(str(run), str(tmp_path / "merged"))

@@ -11,6 +11,7 @@ from transformers import LlamaConfig
 from transformers import LlamaForSequenceClassification
 
 import common as C
+from plumbing.errors import UserError
 import dpo
 from plumbing import calc
 from plumbing import loading
@@ -102,7 +103,7 @@ def test_preference_rows_in_trls_formats(tmp_path, name):
     ({"chosen": "Blue.", "rejected": "Blue."}, "line 1: fields 'chosen' and 'rejected' are "
      "identical")])
 def test_bad_preference_formats_get_one_line(tmp_path, row, message):
-    with pytest.raises(C.UserError, match=message):
+    with pytest.raises(UserError, match=message):
         tasks.read_preferences(str(write_jsonl(tmp_path / "p.jsonl", [row])), 0)
 
 
@@ -458,7 +459,7 @@ def test_sft_trains_every_assistant_turn_of_a_tool_conversation_and_nothing_else
     assert p1 + ids1 == prompt + ids and runs_of(ids1, mask1, tok) == [(1, "2<|im_end|>")]
     # a template that does not render tool calls would train an empty turn: refused
     tok.chat_template = CHATML
-    with pytest.raises(C.UserError, match=r"conv.jsonl, line 1: message 2: the chat template "
+    with pytest.raises(UserError, match=r"conv.jsonl, line 1: message 2: the chat template "
                                           "does not render its tool_calls"):
         sft.read_demonstrations(path, tok, "auto", 256)
 
@@ -484,14 +485,14 @@ def test_sft_on_a_thinking_template_advises_what_works(chat_model):
                     {"role": "assistant", "content": "<think>two and two</think>4"}]
     demo = {"messages": conversation, "start": 0, "tools": None}
     tok.chat_template = DROPS_EARLIER_THINKING
-    with pytest.raises(C.UserError, match="the start of the whole: train with --last_turn_only$"):
+    with pytest.raises(UserError, match="the start of the whole: train with --last_turn_only$"):
         tasks.encode_demonstration(tok, demo, where="row 0")
     _, ids, mask = tasks.encode_demonstration(tok, demo, last_turn_only=True)
     assert tok.decode([x for x, m in zip(ids, mask) if m]) == "<think>two and two</think>4" + \
         "<|im_end|>"
     tok.chat_template = OPENS_THINKING
     for last_turn_only in (False, True):
-        with pytest.raises(C.UserError, match="whole: give the tokenizer a chat template that "
+        with pytest.raises(UserError, match="whole: give the tokenizer a chat template that "
                                               "keeps each turn as written .a training template"):
             tasks.encode_demonstration(tok, demo, last_turn_only=last_turn_only)
 

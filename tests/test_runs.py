@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-import common as C
+from plumbing.errors import UserError
 import grpo
 from plumbing import runs
 
@@ -24,7 +24,7 @@ def test_one_run_per_folder_and_stale_locks_are_taken(tmp_path):
         folder.mkdir()
         (folder / "run.lock").write_text(str(pid))
     args = grpo.Args(output_dir=str(busy))
-    with pytest.raises(C.UserError, match=f"in use by a run in process {os.getppid()}"):
+    with pytest.raises(UserError, match=f"in use by a run in process {os.getppid()}"):
         runs.start_run(args, "grpo")
     run = runs.start_run(grpo.Args(output_dir=str(stale)), "grpo")
     assert (stale / "run.lock").read_text() == str(os.getpid())

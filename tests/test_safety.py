@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import common as C
+from plumbing.errors import UserError
 import grpo
 import reinforce
 from tools import smollm2
@@ -39,14 +40,14 @@ def test_smollm2_out_refuses_a_folder_that_is_not_its_own_output(tmp_path, monke
     monkeypatch.chdir(user)
     for out in (str(models), str(models) + "/", str(user), ".", "", str(tmp_path / "file"),
                 str(tmp_path / "link"), str(tmp_path)):
-        with pytest.raises(C.UserError, match=r"--out .*(does not write|link or a file)"):
+        with pytest.raises(UserError, match=r"--out .*(does not write|link or a file)"):
             smollm2.replace_folder(smollm2.check_out(out), fake_conversion)
     assert (user / "notes.txt").read_text() == "a week of work"
     assert (models / "tiny-policy" / "config.json").read_text() == "mine"
     # a leftover out.tmp that is not a killed conversion's is refused too, not removed
     (tmp_path / "new.tmp").mkdir()
     (tmp_path / "new.tmp" / "keep.txt").write_text("x")
-    with pytest.raises(C.UserError, match="new.tmp holds 1 thing"):
+    with pytest.raises(UserError, match="new.tmp holds 1 thing"):
         smollm2.check_out(str(tmp_path / "new"))
     assert (tmp_path / "new.tmp" / "keep.txt").exists()
     # its own output: a new folder (slash stripped), then an earlier conversion, replaced whole
@@ -87,12 +88,12 @@ def test_merge_lora_out_refuses_a_folder_a_merge_did_not_write(tmp_path):
     (mine / "config.json").write_text("mine")
     (mine / "train.py").write_text("mine")
     for out in (str(mine), str(mine) + "/", str(tmp_path)):
-        with pytest.raises(C.UserError, match="which a merge does not write"):
+        with pytest.raises(UserError, match="which a merge does not write"):
             merge(str(tmp_path / "run"), out)
     assert (mine / "config.json").read_text() == "mine"
     (tmp_path / "m.tmp").mkdir()
     (tmp_path / "m.tmp" / "notes.txt").write_text("x")
-    with pytest.raises(C.UserError, match="m.tmp holds notes.txt"):
+    with pytest.raises(UserError, match="m.tmp holds notes.txt"):
         check_out(str(tmp_path / "m"))
     earlier = tmp_path / "merged"
     earlier.mkdir()
@@ -280,7 +281,7 @@ def test_messages_name_what_the_user_gave(monkeypatch, tmp_path):
     gguf = tmp_path / "model.Q4_1.gguf"
     gguf.write_bytes(b"GGUF")
     for name in (str(gguf), "SmolLM2.gguf"):
-        with pytest.raises(C.UserError, match=r"is a GGUF file; .*python tools/smollm2.py"):
+        with pytest.raises(UserError, match=r"is a GGUF file; .*python tools/smollm2.py"):
             loading.load_model(name, "lm", torch.device("cpu"))
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import common as C
+from plumbing.errors import UserError
 import grpo
 import ppo
 import reinforce
@@ -23,7 +24,7 @@ EASY = "rg:chain_sum?max_terms=2&max_digits=1"  # 2 one-digit terms: a few hundr
 
 def test_without_reasoning_gym_rg_is_one_line_naming_the_package(monkeypatch):
     monkeypatch.setattr(rg, "reasoning_gym", None)
-    with pytest.raises(C.UserError, match=r"needs the optional package reasoning-gym \(pip "):
+    with pytest.raises(UserError, match=r"needs the optional package reasoning-gym \(pip "):
         tasks.load_data(EASY, 10)
 
 
@@ -39,7 +40,7 @@ def test_spec_settings_mixture_weights_and_its_errors():
                           ("rg:chain_sum?min_terms=5&max_terms=2", "refuses the settings"),
                           ("rg:chain_sum?size=0", "size > 0"),
                           ("rg:chain_sum?seed=1099511627000&size=1000", "must be < 2**40")):
-        with pytest.raises(C.UserError, match=spec.split(":")[1].split("?")[0]) as e:
+        with pytest.raises(UserError, match=spec.split(":")[1].split("?")[0]) as e:
             tasks.load_data(spec, 10)
         assert message in str(e.value)
 
@@ -82,7 +83,7 @@ def test_the_rg_reward_scores_the_stated_answer_with_the_generators_scorer(compl
     entry = {"question": "State the final answer to the following arithmetic problem: 4 + 3 =",
              "answer": "7", "metadata": {}}
     assert rg.reward([completion], [rg.row("chain_sum", entry)]) == [pytest.approx(score)]
-    with pytest.raises(C.UserError, match="--rewards rg scores reasoning-gym's rows"):
+    with pytest.raises(UserError, match="--rewards rg scores reasoning-gym's rows"):
         rg.reward(["7"], [{"prompt": "4+3=", "answer": "7"}])
 
 
@@ -98,7 +99,7 @@ def test_eval_scores_rg_rows_with_the_rg_score_whatever_trains(tmp_path):
     assert C.compute_rewards(data.eval_rows, texts, {"rg": 1.0}, fns)[0].tolist() == [1.0] * 4
     assert tasks.eval_metric(data.eval_rows, "math") == "accuracy"
     (tmp_path / "mine.py").write_text("def random(completions, rows):\n    return [1.0]\n")
-    with pytest.raises(C.UserError, match="'random' is a built-in reward; rename it"):
+    with pytest.raises(UserError, match="'random' is a built-in reward; rename it"):
         loading.load_reward_fns([f"{tmp_path / 'mine.py'}:random"])
 
 
@@ -129,9 +130,9 @@ def test_curriculum_rises_with_the_training_score_and_falls(monkeypatch):
     rows = data.next_batch(rng, 64)
     assert tasks.observe(data.state, rows, low["rg"], low, 8)["curriculum/chain_sum"] == 0
     assert max(r["rg_entry"]["metadata"]["num_terms"] for r in data.eval_rows) > 2  # the target
-    with pytest.raises(C.UserError, match="no curriculum for gsm_symbolic"):
+    with pytest.raises(UserError, match="no curriculum for gsm_symbolic"):
         tasks.load_data("rg:gsm_symbolic", 4, curriculum=(0.8, 0.3))
-    with pytest.raises(C.UserError, match="give --data rg:NAME"):
+    with pytest.raises(UserError, match="give --data rg:NAME"):
         tasks.load_data("", 4, curriculum=(0.8, 0.3))
 
 

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
+from plumbing.errors import UserError
 import engine
 from plumbing import calc
 from plumbing import envs as E
@@ -26,7 +27,6 @@ import grpo
 from plumbing import loading
 import ppo
 import reinforce as R
-from plumbing import runs
 from plumbing import tasks
 
 from tests.helpers import (FAST_GRPO, OFF, PROMPTS, ROOT, read_metrics, rollout, run_main,
@@ -228,7 +228,7 @@ def test_env_calls_of_one_decode_step_run_at_once_and_a_slow_one_stops_in_time(t
     roll = rollout(model, tok, prompts, env, [{"prompt": "1+2="}] * 8, 2, 10)
     assert roll.turns.tolist() == [1] * 8
     t0 = time.time()
-    with pytest.raises(C.UserError, match=r"--env 'test' took more than 0.5 s on the row with "
+    with pytest.raises(UserError, match=r"--env 'test' took more than 0.5 s on the row with "
                                           r"prompt '1\+2=', turn 1 \(--env_timeout\)"):
         rollout(model, tok, prompts[:2], lambda row, turns: time.sleep(3600),
                 [{"prompt": "1+2="}] * 2, 2, 10, timeout=0.5)
@@ -433,7 +433,7 @@ def test_tool_use_flags_are_checked(monkeypatch, neox_dir, tmp_path):
     for flags, message in ((["--max_turns", "0"], "--max_turns must be >= 1"),
                            (["--eval_sampled"], "--eval_sampled scores mean@k"),
                            (["--env", "nocolon"], "write calc, path/to/file.py:function")):
-        with pytest.raises(C.UserError, match=message):
+        with pytest.raises(UserError, match=message):
             run_main(monkeypatch, grpo, *FAST_GRPO, "--model", neox_dir, *flags,
                      "--output_dir", str(tmp_path / "x"))
 
@@ -536,8 +536,10 @@ def test_cat_rollouts_keeps_multi_turn_fields(tok):
     lp = C.batched_logprobs(model, both, 1.0, 8, OFF)
     torch.testing.assert_close(lp, both.sample_logprobs, atol=2e-5, rtol=0)
     assert grpo.cat_rollouts([(a, torch.arange(3))]) is a  # one round, every row: as sampled
-    a.note = "a field of no known kind"
-    with pytest.raises(TypeError, match="'note' is a str"):  # said, not dropped
+    with pytest.raises(AttributeError):  # C.Rollout lists every field: no other can be added
+        a.note = "a field the class does not declare"
+    a.final = "a field of no kind it splits by rows"
+    with pytest.raises(TypeError, match="'final' is a str"):  # said, not dropped
         grpo.cat_rollouts([(a, torch.tensor([0])), (b, torch.tensor([1]))])
 
 
@@ -649,7 +651,7 @@ def test_tools_are_shown_by_the_template_parsed_run_and_answered_as_tool_message
         add_generation_prompt=True) + "5<|im_end|>"
     n = int(roll.attention_mask[0].sum())
     assert t.decode(roll.ids[0, -n:]) == whole and texts == ["5"]
-    m = runs.tool_metrics(roll, env)
+    m = E.tool_metrics(roll, env)
     assert m["tool_calls/add"] == 1 and m["tool_errors/add"] == 0
     assert m["tool_calls/shout"] == 1 and m["tool_errors/shout"] == 1 and m["tool_calls"] == 1
 
@@ -658,15 +660,15 @@ def test_tools_need_a_template_that_renders_them_and_a_schema_per_function(tmp_p
     (tmp_path / "tools.py").write_text(TOOLS_FILE + "\ndef bare(x):\n    return x\n")
     env = E.load_env("", f"{tmp_path / 'tools.py'}:add")
     plain = loading.load_tokenizer(loading.DEFAULT_POLICY)
-    with pytest.raises(C.UserError, match="--tools needs a model whose chat template renders"):
+    with pytest.raises(UserError, match="--tools needs a model whose chat template renders"):
         env.start([{"prompt": "1+2="}], plain, 3)
-    with pytest.raises(C.UserError, match=r"--tools: 'bare' has no schema: .* type hint"):
+    with pytest.raises(UserError, match=r"--tools: 'bare' has no schema: .* type hint"):
         E.load_env("", f"{tmp_path / 'tools.py'}:add,bare")
-    with pytest.raises(C.UserError, match="give --env or --tools, not both"):
+    with pytest.raises(UserError, match="give --env or --tools, not both"):
         E.load_env("calc", f"{tmp_path / 'tools.py'}:add")
     t = chat_tokenizer()
     t.chat_template = t.chat_template.replace("<tool_call>", "[CALL]")
-    with pytest.raises(C.UserError, match="--tools reads calls through the tokenizer's response"):
+    with pytest.raises(UserError, match="--tools reads calls through the tokenizer's response"):
         env.start([{"prompt": "1+2="}], t, 3)
 
 
@@ -956,7 +958,7 @@ def test_tool_calls_restart_the_deadline_and_a_paused_wait_does_not_count(tok):
     for env in (three_calls, waits):
         roll = rollout(model, tok, prompts, env, rows, 2, 10, timeout=1.5)
         assert roll.turns.tolist() == [1, 1]
-    with pytest.raises(C.UserError, match="took more than 1.5 s"):
+    with pytest.raises(UserError, match="took more than 1.5 s"):
         rollout(model, tok, prompts, lambda row, turns: time.sleep(3), rows, 2, 10, timeout=1.5)
 
 
@@ -1005,7 +1007,7 @@ def test_glm_calls_are_read_and_muse_glimmer_is_refused():
             "<arg_key>n</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>f</tool_call>")
     assert E.parse_calls(t, turn, schemas) == [("f", {"code": "print(1)", "n": 3}), ("f", {})]
     t.chat_template = open(os.path.join(folder, "muse_glimmer.jinja")).read()
-    with pytest.raises(C.UserError, match="this chat template uses none of them"):
+    with pytest.raises(UserError, match="this chat template uses none of them"):
         E.check_tool_format(t, schemas)
 
 

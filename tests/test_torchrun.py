@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-import common as C
+from plumbing.errors import UserError
 import grpo
 import ppo
 from plumbing import runs
@@ -152,10 +152,10 @@ def test_pipeline_under_torchrun_makes_the_one_process_update(script, lr, tmp_pa
 
 def test_fsdp_needs_torchrun_and_full_weights(monkeypatch):
     """--fsdp is refused, in one line before any collective, without torchrun and with LoRA."""
-    with pytest.raises(C.UserError, match="launch with torchrun"):
+    with pytest.raises(UserError, match="launch with torchrun"):
         run_main(monkeypatch, grpo, "--fsdp")
     monkeypatch.setenv("WORLD_SIZE", "2")  # as under torchrun: refused before joining a group
-    with pytest.raises(C.UserError, match="--fsdp with --lora_r is not supported"):
+    with pytest.raises(UserError, match="--fsdp with --lora_r is not supported"):
         run_main(monkeypatch, ppo, "--fsdp", "--lora_r", "4", "--batch_size", "16")
 
 

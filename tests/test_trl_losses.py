@@ -18,6 +18,7 @@ import torch
 
 import common as C
 import grpo
+import objectives
 import reinforce
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is not installed")
@@ -122,7 +123,8 @@ def test_luspo_and_vespo_equal_trls():
         assert_same(want, got, lp)
         w = 1.0
         if case % 3:  # a mismatch weight, capped (TIS) or masked (MIS) at 1.2
-            w, _ = grpo.mismatch_weights(old, sample, mask, 1.2, ["truncate", "mask"][case % 3 - 1])
+            mode = ["truncate", "mask"][case % 3 - 1]
+            w, _ = objectives.mismatch_weights(old, sample, mask, 1.2, mode)
         want = trl_loss(lp, old, ref, sample, adv, mask, "vespo", beta=beta,
                         is_ratio=None if case % 3 == 0 else w)
         got, logs = minrl_loss(lp, old, ref, sample, adv, mask, "token-mean", w, beta=beta,

@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import common as C  # noqa: E402
+from plumbing.errors import UserError  # noqa: E402
 import engine  # noqa: E402
 from plumbing import calc, envs, loading, tasks  # noqa: E402
 
@@ -62,7 +63,7 @@ def main():
     try:
         model = loading.load_model(sys.argv[1], "lm", torch.device("cpu"), frozen=True)
         tok = loading.load_tokenizer(sys.argv[1])
-    except C.UserError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     torch.set_num_threads(1)

@@ -120,7 +120,8 @@ def stdout(pattern):
     return lambda r: float(re.search(pattern, r["stdout"]).group(1))
 
 
-STEP_LINES = stdout(r"\.py: (\d+) lines")  # tools/step_cost.py's count
+STEP_LINES = stdout(r"\.py(?: --env)?: (\d+) lines")  # tools/step_cost.py's count: the whole reach
+READER_LINES = stdout(r"reader's (\d+) lines")  # and the algorithm reader's
 FAST = ("fast",)  # no training: seconds (--fast; .ci/run)
 # the real-model task's sizes and defaults (docs/real_model.md), from plumbing/chat_sums.py
 SUMS = ("python -c \"from plumbing import chat_sums as c; tr, te = c.split(); n = c.PRESET["
@@ -164,12 +165,20 @@ CLAIMS = [
     ("README.md", "from 0.30 at step 1 to {1.00} at step 60", CALC,
      at_step(60, "frac_tool"), 0, ("calc",)),
     ("README.md", "0.292 → {0.994} (`short` gives", OWN_REWARD, AFTER, 0, ()),
-    ("README.md", "Today grpo.py {936}", "python tools/step_cost.py grpo.py", STEP_LINES, 0,
+    ("README.md", "Today grpo.py {967}", "python tools/step_cost.py grpo.py", STEP_LINES, 0,
      FAST),
-    ("README.md", "ppo.py {880}, reinforce", "python tools/step_cost.py ppo.py", STEP_LINES, 0,
+    ("README.md", "(the reader's {513}", "python tools/step_cost.py grpo.py", READER_LINES, 0,
      FAST),
-    ("README.md", "reinforce.py {867}, each", "python tools/step_cost.py reinforce.py",
+    ("README.md", "`--env` {1,134}", "python tools/step_cost.py grpo.py --env", STEP_LINES, 0,
+     FAST),
+    ("README.md", "1,134 and {636})", "python tools/step_cost.py grpo.py --env", READER_LINES,
+     0, FAST),
+    ("README.md", "ppo.py {860} (", "python tools/step_cost.py ppo.py", STEP_LINES, 0, FAST),
+    ("README.md", "860 ({503})", "python tools/step_cost.py ppo.py", READER_LINES, 0, FAST),
+    ("README.md", "reinforce.py {847} (", "python tools/step_cost.py reinforce.py",
      STEP_LINES, 0, FAST),
+    ("README.md", "847 ({480})", "python tools/step_cost.py reinforce.py", READER_LINES, 0,
+     FAST),
     ("docs/real_model.md", "{18} of the 54 problems", SUMS, stdout(r"held (\d+)"), 0, FAST),
     ("docs/real_model.md", "evaluates {128} of them, a seeded mix", SUMS,
      lambda r: stdout(r"shown (\d+)")(r) + stdout(r"not (\d+)")(r), 0, FAST),

@@ -18,7 +18,7 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import common as C  # noqa: E402
-from common import first_line  # noqa: E402
+from plumbing.errors import UserError, first_line  # noqa: E402
 from plumbing import loading  # noqa: E402
 from safetensors import SafetensorError  # noqa: E402
 from transformers import AutoModelForSequenceClassification  # noqa: E402
@@ -37,12 +37,12 @@ def check_out(out):
     out = os.path.normpath(out)
     for path in (out, out + ".tmp", out + ".old"):
         if os.path.exists(path) and not os.path.isdir(path):  # save_pretrained would only log it
-            raise C.UserError(f"--out {path}: that is a file; give a folder to write the "
+            raise UserError(f"--out {path}: that is a file; give a folder to write the "
                               "model into")
         other = sorted(f for f in (os.listdir(path) if os.path.isdir(path) else ())
                        if not MODEL_FILES.fullmatch(f))
         if os.path.islink(path) or other:
-            raise C.UserError(f"--out {out}: {path} holds " + (f"{', '.join(other[:3])}, "
+            raise UserError(f"--out {out}: {path} holds " + (f"{', '.join(other[:3])}, "
                               if other else "a link, ") + "which a merge does not write; give "
                               "a new folder (a merge replaces only an earlier merge)")
     return out
@@ -51,11 +51,11 @@ def check_out(out):
 def merge(run_dir, out="", trust_remote_code=False):
     ckpt = os.path.join(run_dir, "checkpoint")
     if not os.path.isfile(os.path.join(ckpt, "args.json")):
-        raise C.UserError(f"{run_dir}: no checkpoint/args.json there; is it a run folder?")
+        raise UserError(f"{run_dir}: no checkpoint/args.json there; is it a run folder?")
     out = out or os.path.join(run_dir, "checkpoint-merged")
     real, own = os.path.realpath(out), os.path.realpath(ckpt)  # own.tmp, own.old: a save's
     if real in (os.path.realpath(run_dir), own) or real.startswith((own + os.sep, own + ".")):
-        raise C.UserError(f"--out {out}: that is the run folder or its checkpoint, which this "
+        raise UserError(f"--out {out}: that is the run folder or its checkpoint, which this "
                           "reads (and --resume replaces); write elsewhere, e.g. the default")
     out = check_out(out)
     try:
@@ -64,14 +64,14 @@ def merge(run_dir, out="", trust_remote_code=False):
         algo, args = saved["algo"], saved["args"]
         base_name, remote = args["model"], trust_remote_code  # never the run folder's say
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise C.UserError(f"{ckpt}/args.json is damaged ({type(e).__name__}: "
+        raise UserError(f"{ckpt}/args.json is damaged ({type(e).__name__}: "
                           f"{first_line(e)}); is {run_dir} a run folder?") from None
     if not args.get("lora_r"):
-        raise C.UserError(f"{run_dir} is not a LoRA run: its checkpoint/ is a full model already")
+        raise UserError(f"{run_dir} is not a LoRA run: its checkpoint/ is a full model already")
     try:
         import peft
     except ImportError:
-        raise C.UserError("merging LoRA adapters needs peft (pip install peft)") from None
+        raise UserError("merging LoRA adapters needs peft (pip install peft)") from None
     tok = loading.load_tokenizer(ckpt)
     if algo == "reward_model":  # the base with a head; the trained head comes from ckpt
         base = AutoModelForSequenceClassification.from_pretrained(
@@ -84,7 +84,7 @@ def merge(run_dir, out="", trust_remote_code=False):
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing`", FutureWarning)
             merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # a damaged file
-        raise C.UserError(f"{ckpt}: its LoRA adapter could not be loaded ({type(e).__name__}: "
+        raise UserError(f"{ckpt}: its LoRA adapter could not be loaded ({type(e).__name__}: "
                           f"{first_line(e)[:120]}); the run's checkpoint is damaged") from None
     tmp, old = out + ".tmp", out + ".old"  # written beside, then swapped in: never half a model
     for path in (tmp, old):  # a killed merge's (check_out: model files only)
@@ -109,6 +109,6 @@ if __name__ == "__main__":
     cli = parser.parse_args()
     try:
         merge(cli.run_dir, cli.out, cli.trust_remote_code)
-    except C.UserError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

