@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import textwrap
+import types
 from dataclasses import field
 
 from transformers import HfArgumentParser
@@ -91,9 +92,12 @@ def help_text(args_cls, algo, doc):
         if f.type is bool:  # --flag alone turns it on, --no_flag off
             value, shown = "", "on; --no_" + f.name + " turns it off" if default else "off"
         else:
-            choices = getattr(f.type, "__args__", None)  # a Literal's choices, or list[str]
-            value = {int: "N", float: "X", str: "TEXT"}.get(f.type) or (
-                "TEXT [TEXT ...]" if f.type.__origin__ is list else "{%s}" % ",".join(choices))
+            kind = f.type
+            if isinstance(kind, types.UnionType):  # float | None: a float, off when not given
+                kind = next(t for t in kind.__args__ if t is not type(None))
+            choices = getattr(kind, "__args__", None)  # a Literal's choices, or list[str]
+            value = {int: "N", float: "X", str: "TEXT"}.get(kind) or (
+                "TEXT [TEXT ...]" if kind.__origin__ is list else "{%s}" % ",".join(choices))
             shown = repr(default) if default in ("", []) else default
             if isinstance(default, str) and os.path.isabs(default):  # the bundled model, data
                 shown = min(default, os.path.relpath(default), key=len)  # from this folder
