@@ -80,10 +80,9 @@ def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the mod
 
 
 def _forward(model, ids, mask, cache=None, keep=0, hidden=False):
-    """ids (b, W) after the cache's columns: mask (b, S + W) covers both, and each token's
-    position is positions(mask)'s. Every forward passes the same arguments, so --compile's
-    guards hold. keep: logits_to_keep (the last `keep` positions go through the LM head, 0 =
-    all); hidden: also the hidden states."""
+    """ids (b, W) after the cache's S columns, mask (b, S + W). Every forward passes the same
+    arguments, so --compile's guards hold. keep: logits_to_keep (the last `keep` positions go
+    through the LM head, 0 = all); hidden: also the hidden states."""
     pos = positions(mask)[:, -ids.shape[1]:]
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
                  use_cache=cache is not None, output_hidden_states=hidden,
@@ -231,8 +230,8 @@ def decode_completions(tok, roll):
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
-    (engine.generate). greedy (held-out eval): the argmax, at temperature 1. amp: the
-    samplers' forwards run in this autocast context."""
+    (engine.generate), both under the autocast amp. greedy (held-out eval): the argmax, at
+    temperature 1."""
     with amp:
         if env is not None:
             return env.generate(model, tok, rows, args, greedy)
