@@ -29,7 +29,8 @@ from transformers import DynamicCache
 
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 
-try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
+# optional: a symbolic answer checker (pip install math-verify), used when installed
+try:
     import math_verify
 except ImportError:
     math_verify = None
@@ -74,7 +75,8 @@ def _cache_kwarg(model_cls):
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the model they wrap
+def _unwrap(model):
+    """The model inside DDP and LoRA (peft) wrappers, which pass arguments on to it."""
     model = getattr(model, "module", model)  # DistributedDataParallel
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -450,7 +452,8 @@ def normalize_then_sum(parts, weights, group_size, eps=1e-4, std=torch.std):
 
 
 # ------------------------------------------------------------------------------------------ eval
-def has_numbers(rows):  # can math_reward score every row? (a number, or maths: \pi, (1,2))
+def has_numbers(rows):
+    """Can math_reward score every row? (its answer a number, or maths: \\pi, (1,2))"""
     return all(final_answer(r.get("answer", ""), True) is not None for r in rows)
 
 
@@ -466,7 +469,7 @@ def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_siz
     eval_metric): "eval", the mean score of greedy completions; args.eval_samples = k > 0: also
     eval_mean@k and eval_pass@k (the best of k, per prompt) of k samples at the training
     temperature; args.eval_sampled: mean@k is the "eval", greedy's "eval_greedy"."""
-    if not rows:  # e.g. a data file too small to hold rows out: no score rather than a made-up 0
+    if not rows:  # e.g. a data file too small to hold rows out: no score, not a made-up 0
         return {"eval": float("nan")}
     k = getattr(args, "eval_samples", 0)
     scores = {"eval": [], "sampled": []}
