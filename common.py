@@ -75,8 +75,7 @@ def _cache_kwarg(model_cls):
     return "cache" if "cache" in params else "past_key_values"
 
 
-def _unwrap(model):
-    """The model inside DDP and LoRA (peft) wrappers, which pass arguments on to it."""
+def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the model they wrap
     model = getattr(model, "module", model)  # DistributedDataParallel
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
@@ -452,8 +451,7 @@ def normalize_then_sum(parts, weights, group_size, eps=1e-4, std=torch.std):
 
 
 # ------------------------------------------------------------------------------------------ eval
-def has_numbers(rows):
-    """Can math_reward score every row? (its answer a number, or maths: \\pi, (1,2))"""
+def has_numbers(rows):  # can math_reward score every row? (a number, or maths: \pi, (1,2))
     return all(final_answer(r.get("answer", ""), True) is not None for r in rows)
 
 
