@@ -62,13 +62,18 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"
 class Args:
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
+    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
     data_split: str = "train"  # hf: datasets only: the split to read
     prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
     answer_field: str = ""  # the rows' answer field ('' = answer or solution)
     system_prompt: str = ""  # a system message put before every prompt
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    # curriculum and prompt skipping (tasks.observe), both off by default
+    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
+    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
+    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
+    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
     # --- sampling
     group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
     prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
@@ -144,7 +149,7 @@ class Args:
     seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
     eval_every: int = arg(50, ">= 0")  # steps between held-out evals (0: before and after only)
     eval_size: int = arg(500, "> 0")  # held-out prompts per eval
-    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
+    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: rg score, or math on numbers
     eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
@@ -312,8 +317,9 @@ def main():
         flags.check_maxrl(weights, "--scale_rewards mean", args.overlong_penalty)
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        prompt_field=args.prompt_field, answer_field=args.answer_field,
-        system_prompt=args.system_prompt))  # --env calc: its sums
+        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
+        answer_field=args.answer_field, system_prompt=args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -337,13 +343,14 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
-    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, rg score, mean reward
+    scored = tasks.scored_by(metric, weights, fns)  # what a held-out answer scores
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env))
-    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
+    start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
+    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
@@ -367,6 +374,7 @@ def main():
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
+        data_logs = data.observe(roll.rows, roll.rewards, roll.parts, G)  # curriculum, skips
         if not torch.isfinite(R.global_sum(roll.rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -436,7 +444,7 @@ def main():
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),
-                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
                    **C.gold(roll.texts, roll.rows),
                    "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
                    **{k: v / args.num_iterations for k, v in sums.items()},  # mean of the mu
@@ -460,7 +468,8 @@ def main():
         R.log_step(run, metrics, bar, samples, opt)
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
+            R.save_checkpoint(run, model, tok, opt, rng, step + 1,
+                              {"eval_before": eval_before, "data_state": data.state})
         if stopping:
             break
     R.finish_run(run, metric, eval_before, evaluate)
