@@ -173,9 +173,11 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (std(rewards) + eps)
-    elif scale == "mean":  # MaxRL: (r - mean) / (mean + eps); A = 0 where the mean is <= 0 (no
-        mean = r.mean(1, keepdim=True)  # success; rewards < 0 would flip A's sign): as AllenAI's
-        adv = torch.where(mean > 0, adv / (mean + eps), 0.0)  # open-instruct and Google's Tunix
+    elif scale == "mean":
+        # MaxRL, as AllenAI's open-instruct and Google's Tunix: (r - mean) / (mean + eps), and
+        # A = 0 where the mean is <= 0 (no success; a reward < 0 would flip A's sign)
+        mean = r.mean(1, keepdim=True)
+        adv = torch.where(mean > 0, adv / (mean + eps), 0.0)
     return adv.view(-1)
 
 
@@ -254,8 +256,8 @@ def cat_rollouts(pieces):
 def sample_groups(generate, score, data, rng, run, args):
     """G scored completions per prompt: generate(rows) -> (rollout, texts), score(rows, texts) ->
     (rewards (B,), reward parts). dynamic_sampling (DAPO): groups of equal rewards are dropped and
-    more are sampled. Returns the kept rollout, rows, texts, rewards (B,), and every round's
-    (rewards, reward parts)."""
+    more are sampled. Returns the kept rollout (with its rows, texts, rewards (B,) and reward
+    parts) and every round's (rewards, reward parts)."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
     pieces, kept, seen = [], 0, []  # (rollout, its kept rows), how many, each round's rewards
@@ -276,10 +278,10 @@ def sample_groups(generate, score, data, rng, run, args):
         kept += len(idx)
         if kept >= want:
             break
-    if not kept:  # no group had a signal even after resampling: keep the last round (A = 0)
+    # no group had a signal, even after resampling: keep the last round (every A = 0)
+    if not kept:
         pieces = [(roll, torch.arange(len(rows)))]
-    roll = cat_rollouts(pieces)
-    return roll, roll.rows, roll.texts, roll.rewards, seen
+    return cat_rollouts(pieces), seen
 
 
 def check_args(args):
@@ -371,17 +373,16 @@ def main():
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
-            roll, rows, completions, rewards, seen = sample_groups(generate, score, data, rng,
-                                                                   run, args)
-        data_logs = data.observe(rows, rewards, roll.parts, G)  # curriculum, skips (tasks.observe)
-        if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
+            roll, seen = sample_groups(generate, score, data, rng, run, args)
+        data_logs = data.observe(roll.rows, roll.rewards, roll.parts, G)  # curriculum, skips
+        if not torch.isfinite(R.global_sum(roll.rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward first
             advantages = C.normalize_then_sum(roll.parts, weights, G, std=R.global_std)
         else:
-            advantages = group_advantages(rewards, G, args.scale_rewards, std=R.global_std)
+            advantages = group_advantages(roll.rewards, G, args.scale_rewards, std=R.global_std)
         advantages = advantages.to(device)
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
@@ -444,7 +445,7 @@ def main():
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
-                   **C.gold(completions, rows),
+                   **C.gold(roll.texts, roll.rows),
                    "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
                    **{k: v / args.num_iterations for k, v in sums.items()},  # mean of the mu
                    "is_ratio_max": is_max, "grad_norm": float(grad_norm),
@@ -453,10 +454,11 @@ def main():
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
                    **(env.metrics(roll) if env else {})}
-        shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
-                    "completion": shown[i], "reward": float(rewards[i])}
-                   for i in range(0, len(rows), G)[:4]]  # one of each of the first 4 groups
+        shown = roll.transcript if env else roll.texts  # observations marked as ⟦...⟧
+        samples = [{"prompt": roll.rows[i]["prompt"],
+                    "rendered_prompt": R.prompt_text(tok, roll, i),
+                    "completion": shown[i], "reward": float(roll.rewards[i])}
+                   for i in range(0, len(roll.rows), G)[:4]]  # one of each of the first 4 groups
         # under torchrun: the mean over the processes, token means weighted by their tokens
         token_keys = [k for k in sums if k != "loss"]  # token_means and a switch's own
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_keys, mask.sum()))
