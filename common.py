@@ -29,7 +29,8 @@ from transformers import DynamicCache
 
 import fastpath  # the fast paths of sample() and token_logprobs(): same numbers, less work
 
-try:  # optional: a symbolic answer checker (pip install math-verify), used when installed
+# optional: a symbolic answer checker (pip install math-verify), used when installed
+try:
     import math_verify
 except ImportError:
     math_verify = None
@@ -79,9 +80,11 @@ def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the mod
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def _forward(model, ids, mask, pos, cache=None, keep=0, hidden=False):
-    """Every forward passes the same arguments, so --compile's guards hold. keep: logits_to_keep
-    (the last `keep` positions go through the LM head, 0 = all); hidden: also the hidden states."""
+def _forward(model, ids, mask, cache=None, keep=0, hidden=False):
+    """ids (b, W) after the cache's S columns, mask (b, S + W). Every forward passes the same
+    arguments, so --compile's guards hold. keep: logits_to_keep (the last `keep` positions go
+    through the LM head, 0 = all); hidden: also the hidden states."""
+    pos = positions(mask)[:, -ids.shape[1]:]
     return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
                  use_cache=cache is not None, output_hidden_states=hidden,
                  **{_cache_kwarg(type(_unwrap(model))): cache})
@@ -170,7 +173,7 @@ def next_token(logits, temperature=1.0, top_p=1.0, greedy=False, never=None, u=N
 
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
-           amp=None, stop=(), share_prompts=True):
+           stop=(), share_prompts=True):
     """Batched sampling with a KV cache -> a Rollout (its first six fields). A row
     ends at its first EOS or at the token that completes a `stop` string, and leaves the batch
     and the cache. greedy: the argmax, not a draw. (Multi-turn episodes: engine.sample.)"""
@@ -181,37 +184,35 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     lengths = torch.full((B,), N, device=device)  # tokens each row wrote
     finished = torch.zeros(B, dtype=torch.bool, device=device)  # ended by EOS / stop
     window = max(map(len, stop), default=0) + 2  # a stop string spans <= 1 token per character
-    with amp or torch.autocast(device.type, enabled=False):
-        # the prefill: every row's prompt; share_prompts (the fast path, same numbers): each
-        # distinct prompt once, its KV cache then copied to its rows (a GRPO group's G rows)
-        prompts, row_of = fastpath.distinct(prompt_ids, device) if share_prompts else (
-            prompt_ids, None)
-        ids, prompt_mask = left_pad(prompts, tok.pad_token_id, device)
-        cache = DynamicCache()
-        logits = _forward(model, ids, prompt_mask, positions(prompt_mask), cache, keep=1)
-        logits = logits.logits[:, -1]  # (b, V): each row's next-token logits
-        if row_of is not None:
-            fastpath.copy_to_rows(cache, row_of)
-            logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
-        never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
-        batch, kv_mask = torch.arange(B, device=device), prompt_mask  # the rows still going
-        for t in range(N):
-            nxt, lp = next_token(logits, temperature, top_p, greedy, never)
-            out[batch, t], out_lp[batch, t] = nxt, lp
-            ended = torch.isin(nxt, eos)
-            if stop:  # decode each row's last few tokens: does a stop string end here?
-                tails = [tok.decode(x[max(0, t + 1 - window):t + 1]) for x in out[batch].tolist()]
-                ended |= torch.tensor([any(s in x for s in stop) for x in tails], device=device)
-            finished[batch[ended]], lengths[batch[ended]] = True, t + 1
-            if ended.all() or t + 1 == N:
-                break
-            if ended.any():  # rows done leave the batch and the KV cache
-                keep = (~ended).nonzero()[:, 0]
-                cache.batch_select_indices(keep)
-                batch, nxt, kv_mask = batch[keep], nxt[keep], kv_mask[keep]
-            pos = kv_mask.sum(-1, keepdim=True)  # the new token's position
-            kv_mask = torch.cat([kv_mask, torch.ones_like(kv_mask[:, :1])], 1)
-            logits = _forward(model, nxt[:, None], kv_mask, pos, cache, keep=1).logits[:, -1]
+    # the prefill: every row's prompt; share_prompts (the fast path, same numbers): each
+    # distinct prompt once, its KV cache then copied to its rows (a GRPO group's G rows)
+    prompts, row_of = fastpath.distinct(prompt_ids, device) if share_prompts else (
+        prompt_ids, None)
+    ids, prompt_mask = left_pad(prompts, tok.pad_token_id, device)
+    cache = DynamicCache()
+    logits = _forward(model, ids, prompt_mask, cache, keep=1)
+    logits = logits.logits[:, -1]  # (b, V): each row's next-token logits
+    if row_of is not None:
+        fastpath.copy_to_rows(cache, row_of)
+        logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
+    never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
+    batch, kv_mask = torch.arange(B, device=device), prompt_mask  # the rows still going
+    for t in range(N):
+        nxt, lp = next_token(logits, temperature, top_p, greedy, never)
+        out[batch, t], out_lp[batch, t] = nxt, lp
+        ended = torch.isin(nxt, eos)
+        if stop:  # decode each row's last few tokens: does a stop string end here?
+            tails = [tok.decode(x[max(0, t + 1 - window):t + 1]) for x in out[batch].tolist()]
+            ended |= torch.tensor([any(s in x for s in stop) for x in tails], device=device)
+        finished[batch[ended]], lengths[batch[ended]] = True, t + 1
+        if ended.all() or t + 1 == N:
+            break
+        if ended.any():  # rows done leave the batch and the KV cache
+            keep = (~ended).nonzero()[:, 0]
+            cache.batch_select_indices(keep)
+            batch, nxt, kv_mask = batch[keep], nxt[keep], kv_mask[keep]
+        kv_mask = torch.cat([kv_mask, torch.ones_like(kv_mask[:, :1])], 1)
+        logits = _forward(model, nxt[:, None], kv_mask, cache, keep=1).logits[:, -1]
     T = int(lengths.max())
     real = torch.arange(T, device=device)[None] < lengths[:, None]
     completion_mask = real.float()  # 1 on each token written, EOS included
@@ -230,13 +231,15 @@ def decode_completions(tok, roll):
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
-    (engine.generate). greedy (held-out eval): the argmax, at temperature 1."""
-    if env is not None:
-        return env.generate(model, tok, rows, args, amp, greedy)
-    prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
-    temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
-    roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy, amp,
-                  args.stop)
+    (engine.generate), both under the autocast amp. greedy (held-out eval): the argmax, at
+    temperature 1."""
+    with amp:
+        if env is not None:
+            return env.generate(model, tok, rows, args, greedy)
+        prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
+        temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
+        roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy,
+                      args.stop)
     return roll, decode_completions(tok, roll)
 
 
@@ -246,7 +249,7 @@ def plain_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy
     (B, T); entropy: also each position's entropy (B, T), else None. suppressed() ids get p = 0.
     The plain computation, as a student's; token_logprobs gives the same numbers with less."""
     # the last T + 1 positions through the LM head (logits_to_keep): position t predicts
-    logits = _forward(model, ids, attention_mask, positions(attention_mask), keep=T + 1).logits
+    logits = _forward(model, ids, attention_mask, keep=T + 1).logits
     logits = logits[:, :-1]  # (B, T, V): token t + 1, so shift by one and drop the last
     z = logits.float() / temperature  # fp32, at the sampling temperature
     logp = masked_logits(z, suppressed(model, z.shape[-1], z.device)).log_softmax(-1)
@@ -464,7 +467,7 @@ def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_siz
     eval_metric): "eval", the mean score of greedy completions; args.eval_samples = k > 0: also
     eval_mean@k and eval_pass@k (the best of k, per prompt) of k samples at the training
     temperature; args.eval_sampled: mean@k is the "eval", greedy's "eval_greedy"."""
-    if not rows:  # e.g. a data file too small to hold rows out: no score rather than a made-up 0
+    if not rows:  # e.g. a data file too small to hold rows out: no score, not a made-up 0
         return {"eval": float("nan")}
     k = getattr(args, "eval_samples", 0)
     scores = {"eval": [], "sampled": []}

@@ -146,22 +146,22 @@ def generalized_jsd(log_ps, log_pt, beta):
     return beta * (pt * (log_pt - log_m)).sum(-1) + (1 - beta) * (ps * (log_ps - log_m)).sum(-1)
 
 
-def chunk_divergence(xs, xt, targets, heads, beta, temperature):
+def chunk_divergence(xs, xt, targets, heads, args):
     """One chunk of n positions: student and teacher final hidden states xs, xt (n, H) through
-    their LM heads (logits / temperature, fp32) -> D_t, log pi_theta(o_t), log pi_T(o_t) and the
-    student's entropy (logged only), (n,) each."""
-    log_ps = (heads[0](xs).float() / temperature).log_softmax(-1)  # (n, V)
-    log_pt = (heads[1](xt).float() / temperature).log_softmax(-1)
+    their LM heads (logits / args.temperature, fp32) -> D_t (args.beta), log pi_theta(o_t),
+    log pi_T(o_t) and the student's entropy (logged only), (n,) each."""
+    log_ps = (heads[0](xs).float() / args.temperature).log_softmax(-1)  # (n, V)
+    log_pt = (heads[1](xt).float() / args.temperature).log_softmax(-1)
     pick = targets[:, None]
-    return (generalized_jsd(log_ps, log_pt, beta), log_ps.gather(-1, pick)[:, 0],
+    return (generalized_jsd(log_ps, log_pt, args.beta), log_ps.gather(-1, pick)[:, 0],
             log_pt.gather(-1, pick)[:, 0], -(log_ps.exp() * log_ps).sum(-1).detach())
 
 
-def chunked_divergence(xs, xt, targets, heads, beta, temperature, chunk):
+def chunked_divergence(xs, xt, targets, heads, args, chunk):
     """chunk_divergence over N positions (xs, xt (N, H), targets (N,)), `chunk` at a time. Each
     chunk's logits are made again in backward (checkpoint): at most one chunk's exist at once."""
     parts = [checkpoint(chunk_divergence, xs[i:i + chunk], xt[i:i + chunk], targets[i:i + chunk],
-                        heads, beta, temperature, use_reentrant=False)
+                        heads, args, use_reentrant=False)
              for i in range(0, len(xs), chunk)]
     return [torch.cat(p) for p in zip(*parts)]
 
@@ -340,9 +340,8 @@ def main():
                         with torch.no_grad(), R.adapters_off(teacher):
                             xt = final_hidden(teacher, t_roll.ids[mb], t_roll.attention_mask[mb],
                                               T)
-                        div, lp, t_lp, entropy = chunked_divergence(xs[valid], xt[valid],
-                                                           roll.ids[mb, -T:][valid], heads,
-                                                           args.beta, args.temperature, chunk)
+                        div, lp, t_lp, entropy = chunked_divergence(
+                            xs[valid], xt[valid], roll.ids[mb, -T:][valid], heads, args, chunk)
                         loss = div + pg_loss(lp, lp.detach(), adv)  # + the RL part, if any
                         sums["divergence"] += float(div.detach().sum()) / n_local
                 loss = loss.sum() / n_tokens  # token-mean over the whole step

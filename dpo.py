@@ -98,21 +98,18 @@ class Args:
 
 
 # --------------------------------------------------------------------------- the algorithm
-def dpo_loss(logp_chosen, logp_rejected, ref_chosen, ref_rejected, beta, loss_type="sigmoid",
-             label_smoothing=0.0, weight=None, n_rows=None):
-    """Per-pair DPO or IPO loss on sequence log-probs (pairs,), weighted, summed and divided by
-    n_rows (the rows of the whole optimizer step; default: a plain mean). Also returns the
-    implicit rewards beta * (log pi_theta - log pi_ref) of chosen and rejected, detached."""
+def dpo_loss(logp_chosen, logp_rejected, ref_chosen, ref_rejected, args):
+    """The DPO or IPO loss of each pair (args.loss_type, args.beta, args.label_smoothing) from
+    sequence log-probs (pairs,): (pairs,). Also returns the implicit rewards
+    beta * (log pi_theta - log pi_ref) of chosen and rejected, detached."""
+    beta, eps = args.beta, args.label_smoothing
     h = (logp_chosen - ref_chosen) - (logp_rejected - ref_rejected)
-    if loss_type == "sigmoid":
-        loss = -(1 - label_smoothing) * F.logsigmoid(beta * h) \
-            - label_smoothing * F.logsigmoid(-beta * h)
-    elif loss_type == "ipo":
+    if args.loss_type == "sigmoid":
+        loss = -(1 - eps) * F.logsigmoid(beta * h) - eps * F.logsigmoid(-beta * h)
+    elif args.loss_type == "ipo":
         loss = (h - 1 / (2 * beta)) ** 2
     else:
-        raise ValueError(loss_type)
-    weight = torch.ones_like(loss) if weight is None else weight
-    loss = (weight * loss).sum() / (len(loss) if n_rows is None else n_rows)
+        raise ValueError(args.loss_type)
     return loss, (beta * (logp_chosen - ref_chosen)).detach(), \
         (beta * (logp_rejected - ref_rejected)).detach()
 
@@ -229,8 +226,8 @@ def main():
                 logp = sequence_logprobs(train_model, batch, amp)  # (completions,), with grads
                 ref_logp = reference_logprobs(ref, batch, amp)
                 loss, r_chosen, r_rejected = dpo_loss(logp[ci], logp[ri], ref_logp[ci],
-                                                      ref_logp[ri], args.beta, args.loss_type,
-                                                      args.label_smoothing, weight, n_rows)
+                                                      ref_logp[ri], args)
+                loss = (weight * loss).sum() / n_rows  # weighted, over the whole step's rows
                 # gradients add up over the micro-batches. DDP (FSDP2) averages the processes'
                 # gradients: scaled by their number, that is the whole step's sum
                 (loss * run.world).backward()

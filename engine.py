@@ -42,24 +42,25 @@ class RowState:  # one row of sample(), as nanochat's engine keeps it
     # last token, sampled but not yet forwarded, then the observation's)
 
 
-def generate(model, tok, rows, args, amp, greedy=False, *, env):
-    """common.generate with an env (envs.load_env, which binds it): one multi-turn episode per
-    row, each on its own copy of the row. Returns the rollout, with the episodes' fields (turns,
-    observations, transcript, ...: common.Rollout), and the texts rewards read: the text after
-    the last observation. greedy (held-out eval): the argmax, at temperature 1."""
+def generate(model, tok, rows, args, greedy=False, *, env):
+    """common.generate with an env (envs.load_env, which binds it; common.generate holds the
+    autocast): one multi-turn episode per row, each on its own copy of the row. Returns the
+    rollout, with the episodes' fields (turns, observations, transcript, ...: common.Rollout),
+    and the texts rewards read: the text after the last observation. greedy (held-out eval):
+    the argmax, at temperature 1."""
     tools = env.tools  # --tools: their JSON schemas, rendered by the chat template
     prompt_ids = C.encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template, tools)
     temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
     env_step, finish = env.start(rows, tok, args.max_turns)
     roll = sample(model, tok, prompt_ids, args.max_new_tokens, env_step, temperature, top_p,
-                  greedy, amp, args.stop)
+                  greedy, args.stop)
     finish(roll)  # the episodes' turns and observations: roll.final, roll.transcript, ...
     return roll, roll.final
 
 
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, env_step, temperature=1.0, top_p=1.0,
-           greedy=False, amp=None, stop=(), share_prompts=True):
+           greedy=False, stop=(), share_prompts=True):
     """common.sample's rollout, each row an episode: when its turn ends (its first EOS, or the
     token that completes a `stop` string) it sends a Request and waits while the others go on.
     env_step(requests, wait) (envs.start_episodes) starts their calls and returns [(row,
@@ -77,88 +78,86 @@ def sample(model, tok, prompt_ids, max_new_tokens, env_step, temperature=1.0, to
     # rows join and leave forwards as their tools answer, so each row draws from its own
     # stream: u[i, k] draws row i's k-th token, whoever shares its forwards
     u = torch.rand(B, N, device=device)
-    with amp or torch.autocast(device.type, enabled=False):
-        # the prefill, as common.sample's
-        prompts, row_of = fastpath.distinct(prompt_ids, device) if share_prompts else (
-            prompt_ids, None)
-        ids, prompt_mask = C.left_pad(prompts, tok.pad_token_id, device)
-        cache = DynamicCache()
-        logits = C._forward(model, ids, prompt_mask, C.positions(prompt_mask), cache, keep=1)
-        logits = logits.logits[:, -1]  # (b, V): each row's next-token logits (state "sample")
-        if row_of is not None:
-            fastpath.copy_to_rows(cache, row_of)
-            logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
-        batch = torch.arange(B, device=device)  # the rows in the KV cache, in its order
-        kv_mask = prompt_mask  # (b, S): the cache columns that hold a row's tokens
-        never = C.suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
-        forward = functools.partial(C._forward, model)
-        while True:
-            # 1. observations that arrived go through the model, for their rows only
-            feeding = [j for j, i in enumerate(batch.tolist()) if rows[i].state == "feed"]
-            if feeding:  # plain: the whole batch, the others fed padding; here: these rows alone
-                feeds = [rows[i].feed for i in batch[feeding].tolist()]
-                logits[feeding], kv_mask = fastpath.feed_rows(forward, cache, kv_mask, feeding,
-                                                              feeds, tok.pad_token_id)
-                for i in batch[feeding].tolist():
-                    rows[i].state, rows[i].feed = "sample", []
-            # 2. every row whose logits are ready draws its next token (logits: last column)
-            drawing = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
-                                   device=device)
-            who, requests = batch[drawing], []
-            if len(who):
-                col = torch.tensor([rows[i].n for i in who.tolist()], device=device)
-                nxt, lp = C.next_token(logits[drawing], temperature, top_p, greedy, never,
-                                       u[who, col])
-                out[who, col], out_lp[who, col] = nxt, lp
-                ended = torch.isin(nxt, eos)  # the model's turn ended on its EOS
-                if stop:  # decode each row's last few tokens of this turn: a stop string?
-                    recent = out[who].tolist()
-                    tails = [tok.decode(x[max(rows[i].begun, n + 1 - window):n + 1])
-                             for i, n, x in zip(who.tolist(), col.tolist(), recent)]
-                    ended |= torch.tensor([any(s in x for s in stop) for x in tails],
-                                          device=device)
-                for i, e, x in zip(who.tolist(), ended.tolist(), nxt.tolist()):
-                    r = rows[i]
-                    r.n += 1
-                    if e:  # its env answers: a Request, then it waits
-                        requests.append(Request(i, out[i, r.begun:r.n].tolist(), N - r.n,
-                                                x if x in eos else None))
-                        r.state = "wait"
-                    elif r.n == N:  # the budget is spent
-                        r.state = "done"
-            # 3. the env: start the new calls; the answers of those finished (wait if no row can
-            # go on without one); an observation is written now, and fed at the next forward
-            waiting = any(r.state == "wait" for r in rows)
-            for i, obs in env_step(requests, not drawing.any()) if waiting else []:
+    # the prefill, as common.sample's
+    prompts, row_of = fastpath.distinct(prompt_ids, device) if share_prompts else (
+        prompt_ids, None)
+    ids, prompt_mask = C.left_pad(prompts, tok.pad_token_id, device)
+    cache = DynamicCache()
+    logits = C._forward(model, ids, prompt_mask, cache, keep=1)
+    logits = logits.logits[:, -1]  # (b, V): each row's next-token logits (state "sample")
+    if row_of is not None:
+        fastpath.copy_to_rows(cache, row_of)
+        logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
+    batch = torch.arange(B, device=device)  # the rows in the KV cache, in its order
+    kv_mask = prompt_mask  # (b, S): the cache columns that hold a row's tokens
+    never = C.suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
+    forward = functools.partial(C._forward, model)
+    while True:
+        # 1. observations that arrived go through the model, for their rows only
+        feeding = [j for j, i in enumerate(batch.tolist()) if rows[i].state == "feed"]
+        if feeding:  # plain: the whole batch, the others fed padding; here: these rows alone
+            feeds = [rows[i].feed for i in batch[feeding].tolist()]
+            logits[feeding], kv_mask = fastpath.feed_rows(forward, cache, kv_mask, feeding,
+                                                          feeds, tok.pad_token_id)
+            for i in batch[feeding].tolist():
+                rows[i].state, rows[i].feed = "sample", []
+        # 2. every row whose logits are ready draws its next token (logits: last column)
+        drawing = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
+                               device=device)
+        who, requests = batch[drawing], []
+        if len(who):
+            col = torch.tensor([rows[i].n for i in who.tolist()], device=device)
+            nxt, lp = C.next_token(logits[drawing], temperature, top_p, greedy, never,
+                                   u[who, col])
+            out[who, col], out_lp[who, col] = nxt, lp
+            ended = torch.isin(nxt, eos)  # the model's turn ended on its EOS
+            if stop:  # decode each row's last few tokens of this turn: a stop string?
+                recent = out[who].tolist()
+                tails = [tok.decode(x[max(rows[i].begun, n + 1 - window):n + 1])
+                         for i, n, x in zip(who.tolist(), col.tolist(), recent)]
+                ended |= torch.tensor([any(s in x for s in stop) for x in tails],
+                                      device=device)
+            for i, e, x in zip(who.tolist(), ended.tolist(), nxt.tolist()):
                 r = rows[i]
-                if obs is None:  # the episode ended
-                    r.state, finished[i] = "done", True
-                    continue
-                out[i, r.n:r.n + len(obs)] = torch.tensor(obs, dtype=torch.long)
-                is_obs[i, r.n:r.n + len(obs)] = True
-                r.feed = [int(out[i, r.n - 1])] + list(obs)  # the turn's last token, then it
-                r.n += len(obs)
-                r.begun, r.state = r.n, "done" if r.n == N else "feed"
-            # 4. rows done leave the batch and the KV cache
-            keep = [j for j, i in enumerate(batch.tolist()) if rows[i].state != "done"]
-            if not keep:
-                break
-            if len(keep) < len(batch):
-                keep = torch.tensor(keep, device=device)
-                cache.batch_select_indices(keep)
-                batch, logits, kv_mask = batch[keep], logits[keep], kv_mask[keep]
-            # 5. a decode step: the rows that drew give their token; the others (waiting, or to
-            # be fed next) ride along as padding with attention 0: their columns stay empty
-            going = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
-                                 device=device)
-            if going.any():
-                nxt = torch.tensor([int(out[i, rows[i].n - 1]) if rows[i].state == "sample"
-                                    else tok.pad_token_id for i in batch.tolist()], device=device)
-                pos = kv_mask.sum(-1, keepdim=True)  # the new token's position
-                kv_mask = torch.cat([kv_mask, going[:, None].long()], 1)
-                step = C._forward(model, nxt[:, None], kv_mask, pos, cache, keep=1).logits[:, -1]
-                logits = torch.where(going[:, None], step, logits)
-            kv_mask = fastpath.compact(cache, kv_mask)  # empty columns: dropped once half
+                r.n += 1
+                if e:  # its env answers: a Request, then it waits
+                    requests.append(Request(i, out[i, r.begun:r.n].tolist(), N - r.n,
+                                            x if x in eos else None))
+                    r.state = "wait"
+                elif r.n == N:  # the budget is spent
+                    r.state = "done"
+        # 3. the env: start the new calls; the answers of those finished (wait if no row can
+        # go on without one); an observation is written now, and fed at the next forward
+        waiting = any(r.state == "wait" for r in rows)
+        for i, obs in env_step(requests, not drawing.any()) if waiting else []:
+            r = rows[i]
+            if obs is None:  # the episode ended
+                r.state, finished[i] = "done", True
+                continue
+            out[i, r.n:r.n + len(obs)] = torch.tensor(obs, dtype=torch.long)
+            is_obs[i, r.n:r.n + len(obs)] = True
+            r.feed = [int(out[i, r.n - 1])] + list(obs)  # the turn's last token, then it
+            r.n += len(obs)
+            r.begun, r.state = r.n, "done" if r.n == N else "feed"
+        # 4. rows done leave the batch and the KV cache
+        keep = [j for j, i in enumerate(batch.tolist()) if rows[i].state != "done"]
+        if not keep:
+            break
+        if len(keep) < len(batch):
+            keep = torch.tensor(keep, device=device)
+            cache.batch_select_indices(keep)
+            batch, logits, kv_mask = batch[keep], logits[keep], kv_mask[keep]
+        # 5. a decode step: the rows that drew give their token; the others (waiting, or to
+        # be fed next) ride along as padding with attention 0: their columns stay empty
+        going = torch.tensor([rows[i].state == "sample" for i in batch.tolist()],
+                             device=device)
+        if going.any():
+            nxt = torch.tensor([int(out[i, rows[i].n - 1]) if rows[i].state == "sample"
+                                else tok.pad_token_id for i in batch.tolist()], device=device)
+            kv_mask = torch.cat([kv_mask, going[:, None].long()], 1)
+            step = C._forward(model, nxt[:, None], kv_mask, cache, keep=1).logits[:, -1]
+            logits = torch.where(going[:, None], step, logits)
+        kv_mask = fastpath.compact(cache, kv_mask)  # empty columns: dropped once half
     lengths = torch.tensor([r.n for r in rows], device=device)
     real = torch.arange(int(lengths.max()), device=device)[None] < lengths[:, None]
     completion_mask = (real & ~is_obs[:, :real.shape[1]]).float()  # the model's, not observations

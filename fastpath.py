@@ -1,6 +1,6 @@
 """fastpath.py: the fast paths of common.py's sampling and log-probs, and engine.py's. Same values
 and gradients as the plain versions there (tested); read those first, and come here for how it is
-made cheap. Pure torch: the model's forward comes in as a function, forward(ids, mask, pos, cache,
+made cheap. Pure torch: the model's forward comes in as a function, forward(ids, mask, cache,
 keep, hidden) (common._forward with its model bound): this file imports nothing of the project.
 
 - distinct, copy_to_rows: sample()'s prefill runs each distinct prompt once and copies its KV
@@ -47,18 +47,17 @@ def feed_rows(forward, cache, mask, rows, feeds, pad_id):
         ids[k, W - len(feed):] = torch.tensor(feed, device=device)
         block[j, W - len(feed):] = 1
     mask = torch.cat([mask, block], 1)
-    pos = (mask[rows].cumsum(-1)[:, -W:] - 1).clamp(min=0)  # common.positions, the past included
     rows = torch.tensor(rows, device=device)
-    return forward_rows(forward, cache, rows, ids, mask[rows], pos), mask
+    return forward_rows(forward, cache, rows, ids, mask[rows]), mask
 
 
-def forward_rows(forward, cache, rows, ids, mask, pos):
-    """forward(ids, mask, pos, cache) for the batch's rows `rows` (k,) alone: ids, pos (k, W),
+def forward_rows(forward, cache, rows, ids, mask):
+    """forward(ids, mask, cache) for the batch's rows `rows` (k,) alone: ids (k, W),
     mask (k, S + W). The plain version forwards the whole batch, the others fed padding with
     attention 0; here they get W columns of zeros, hidden by their attention mask just the same.
     Returns the k rows' logits at the last column (k, V)."""
     part = DynamicCache([(layer.keys[rows], layer.values[rows]) for layer in cache.layers])
-    logits = forward(ids, mask, pos, part, keep=1).logits[:, -1]
+    logits = forward(ids, mask, part, keep=1).logits[:, -1]
     W = ids.shape[1]
     for layer, new in zip(cache.layers, part.layers):
         for name in ("keys", "values"):
@@ -95,7 +94,7 @@ def exact_head(head, forward):
     if not hasattr(head, "exact_logits"):
         ids = torch.tensor([[0, 1]], device=head.weight.device)
         with torch.no_grad():
-            out = forward(ids, torch.ones_like(ids), ids, keep=1, hidden=True)  # positions 0, 1
+            out = forward(ids, torch.ones_like(ids), keep=1, hidden=True)  # positions 0, 1
             head.exact_logits = torch.equal(head(out.hidden_states[-1][:, -1:]).float(),
                                             out.logits.float())
         if not head.exact_logits:
@@ -112,18 +111,18 @@ def final_hidden(forward, ids, attention_mask, T, share=True):
     P = ids.shape[1] - T
     Tb = max(1, int(attention_mask[:, P:].sum(-1).max()))  # these rows' longest completion
     ids, attention_mask = ids[:, :P + Tb], attention_mask[:, :P + Tb]
-    B, pos = ids.shape[0], (attention_mask.cumsum(-1) - 1).clamp(min=0)  # common.positions
+    B = ids.shape[0]
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                    return_inverse=True)
     if share and P > 1 and len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb):
         cache, p_mask = DynamicCache(), prompts[:, P:2 * P - 1]
-        forward(prompts[:, :P - 1], p_mask, (p_mask.cumsum(-1) - 1).clamp(min=0), cache, keep=1)
+        forward(prompts[:, :P - 1], p_mask, cache, keep=1)
         cache.batch_select_indices(row_of)  # every prompt but its last token, once per prompt
         # each row feeds its last prompt token and completion tokens 0..Tb-2: they predict 0..Tb-1
-        x = forward(ids[:, P - 1:-1], attention_mask[:, :-1], pos[:, P - 1:-1], cache, keep=1,
+        x = forward(ids[:, P - 1:-1], attention_mask[:, :-1], cache, keep=1,
                     hidden=True).hidden_states[-1]  # (B, Tb, H)
     else:  # contiguous: MKL's rounding of the head's matmul can depend on the memory layout
-        x = forward(ids, attention_mask, pos, keep=1, hidden=True).hidden_states[-1][:, -Tb - 1:-1]
+        x = forward(ids, attention_mask, keep=1, hidden=True).hidden_states[-1][:, -Tb - 1:-1]
         x = x.contiguous()
     return x, ids[:, -Tb:]
 

@@ -62,13 +62,18 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"
 class Args:
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
+    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
     data_split: str = "train"  # hf: datasets only: the split to read
     prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
     answer_field: str = ""  # the rows' answer field ('' = answer or solution)
     system_prompt: str = ""  # a system message put before every prompt
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    # curriculum and prompt skipping (tasks.observe), both off by default
+    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
+    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
+    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
+    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
     # --- sampling
     group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
     prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
@@ -144,7 +149,7 @@ class Args:
     seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
     eval_every: int = arg(50, ">= 0")  # steps between held-out evals (0: before and after only)
     eval_size: int = arg(500, "> 0")  # held-out prompts per eval
-    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
+    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: rg score, or math on numbers
     eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
@@ -168,9 +173,11 @@ def group_advantages(rewards, group_size, scale="group", eps=1e-4, std=torch.std
         adv = adv / (r.std(1, keepdim=True) + eps)
     elif scale == "batch":
         adv = adv / (std(rewards) + eps)
-    elif scale == "mean":  # MaxRL: (r - mean) / (mean + eps); A = 0 where the mean is <= 0 (no
-        mean = r.mean(1, keepdim=True)  # success; rewards < 0 would flip A's sign): as AllenAI's
-        adv = torch.where(mean > 0, adv / (mean + eps), 0.0)  # open-instruct and Google's Tunix
+    elif scale == "mean":
+        # MaxRL, as AllenAI's open-instruct and Google's Tunix: (r - mean) / (mean + eps), and
+        # A = 0 where the mean is <= 0 (no success; a reward < 0 would flip A's sign)
+        mean = r.mean(1, keepdim=True)
+        adv = torch.where(mean > 0, adv / (mean + eps), 0.0)
     return adv.view(-1)
 
 
@@ -249,8 +256,8 @@ def cat_rollouts(pieces):
 def sample_groups(generate, score, data, rng, run, args):
     """G scored completions per prompt: generate(rows) -> (rollout, texts), score(rows, texts) ->
     (rewards (B,), reward parts). dynamic_sampling (DAPO): groups of equal rewards are dropped and
-    more are sampled. Returns the kept rollout, rows, texts, rewards (B,), and every round's
-    (rewards, reward parts)."""
+    more are sampled. Returns the kept rollout (with its rows, texts, rewards (B,) and reward
+    parts) and every round's (rewards, reward parts)."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
     pieces, kept, seen = [], 0, []  # (rollout, its kept rows), how many, each round's rewards
@@ -271,10 +278,10 @@ def sample_groups(generate, score, data, rng, run, args):
         kept += len(idx)
         if kept >= want:
             break
-    if not kept:  # no group had a signal even after resampling: keep the last round (A = 0)
+    # no group had a signal, even after resampling: keep the last round (every A = 0)
+    if not kept:
         pieces = [(roll, torch.arange(len(rows)))]
-    roll = cat_rollouts(pieces)
-    return roll, roll.rows, roll.texts, roll.rewards, seen
+    return cat_rollouts(pieces), seen
 
 
 def check_args(args):
@@ -310,8 +317,9 @@ def main():
         flags.check_maxrl(weights, "--scale_rewards mean", args.overlong_penalty)
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        prompt_field=args.prompt_field, answer_field=args.answer_field,
-        system_prompt=args.system_prompt))  # --env calc: its sums
+        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
+        answer_field=args.answer_field, system_prompt=args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -335,13 +343,14 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
-    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, rg score, mean reward
+    scored = tasks.scored_by(metric, weights, fns)  # what a held-out answer scores
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env))
-    start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
+    start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
+    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
@@ -364,16 +373,16 @@ def main():
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
-            roll, rows, completions, rewards, seen = sample_groups(generate, score, data, rng,
-                                                                   run, args)
-        if not torch.isfinite(R.global_sum(rewards.sum())):  # NaN/inf in any process: skip
+            roll, seen = sample_groups(generate, score, data, rng, run, args)
+        data_logs = data.observe(roll.rows, roll.rewards, roll.parts, G)  # curriculum, skips
+        if not torch.isfinite(R.global_sum(roll.rewards.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward first
             advantages = C.normalize_then_sum(roll.parts, weights, G, std=R.global_std)
         else:
-            advantages = group_advantages(rewards, G, args.scale_rewards, std=R.global_std)
+            advantages = group_advantages(roll.rewards, G, args.scale_rewards, std=R.global_std)
         advantages = advantages.to(device)
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
@@ -435,8 +444,8 @@ def main():
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),
-                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
-                   **C.gold(completions, rows),
+                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
+                   **C.gold(roll.texts, roll.rows),
                    "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
                    **{k: v / args.num_iterations for k, v in sums.items()},  # mean of the mu
                    "is_ratio_max": is_max, "grad_norm": float(grad_norm),
@@ -445,10 +454,11 @@ def main():
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
                    **(env.metrics(roll) if env else {})}
-        shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
-                    "completion": shown[i], "reward": float(rewards[i])}
-                   for i in range(0, len(rows), G)[:4]]  # one of each of the first 4 groups
+        shown = roll.transcript if env else roll.texts  # observations marked as ⟦...⟧
+        samples = [{"prompt": roll.rows[i]["prompt"],
+                    "rendered_prompt": R.prompt_text(tok, roll, i),
+                    "completion": shown[i], "reward": float(roll.rewards[i])}
+                   for i in range(0, len(roll.rows), G)[:4]]  # one of each of the first 4 groups
         # under torchrun: the mean over the processes, token means weighted by their tokens
         token_keys = [k for k in sums if k != "loss"]  # token_means and a switch's own
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_keys, mask.sum()))
@@ -458,7 +468,8 @@ def main():
         R.log_step(run, metrics, bar, samples, opt)
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
+            R.save_checkpoint(run, model, tok, opt, rng, step + 1,
+                              {"eval_before": eval_before, "data_state": data.state})
         if stopping:
             break
     R.finish_run(run, metric, eval_before, evaluate)

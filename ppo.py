@@ -71,13 +71,18 @@ class Args:
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     reward_model: str = loading.DEFAULT_REWARD_MODEL  # AutoModelForSequenceClassification, 1 label
     critic_init: Literal["reward_model", "policy"] = "reward_model"  # TL;DR details | N details
-    data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
+    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
     data_split: str = "train"  # hf: datasets only: the split to read
     prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
     answer_field: str = ""  # the rows' answer field ('' = answer or solution)
     system_prompt: str = ""  # a system message put before every prompt
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    # curriculum and prompt skipping (tasks.observe), both off by default
+    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
+    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
+    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
+    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
     # --- sampling
     batch_size: int = arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
     max_new_tokens: int = arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
@@ -134,7 +139,7 @@ class Args:
     seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
     eval_every: int = arg(40, ">= 0")  # steps between held-out evals (0: before and after only)
     eval_size: int = arg(500, "> 0")  # held-out prompts per eval
-    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
+    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: rg score, or math on numbers
     eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = arg(40, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
@@ -381,8 +386,9 @@ def main():
     loading.check_default_reward_model(args, "rm" in weights or args.critic_init == "reward_model")
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        prompt_field=args.prompt_field, answer_field=args.answer_field,
-        system_prompt=args.system_prompt))  # --env calc: its sums
+        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
+        answer_field=args.answer_field, system_prompt=args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "ppo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -421,8 +427,8 @@ def main():
                              {"params": list(value_model.parameters()), "lr": args.critic_lr}],
                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
-    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, rg score, mean reward
+    scored = tasks.scored_by(metric, weights, fns)  # what a held-out answer scores
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
@@ -430,6 +436,7 @@ def main():
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
+    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
     token_means = ("kl", "returns", "values")  # global means weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
                disable=run.rank > 0)
@@ -450,6 +457,7 @@ def main():
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         raw_scores, parts = C.compute_rewards(rows, completions, weights, fns)
+        data_logs = data.observe(rows, raw_scores, parts, 1)  # curriculum, skips (tasks.observe)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue
@@ -486,7 +494,7 @@ def main():
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(raw_scores.mean()),
                    "reward_std": float(R.global_std(raw_scores)),
-                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
                    **C.gold(completions, rows),
                    "kl": float(C.masked_mean(kl, mask)), "kl_seq": kl_seq, "kl_coef": kl_coef,
                    **stats, "explained_var": explained_variance(old_values, returns, mask,
@@ -514,7 +522,8 @@ def main():
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1,
                               {"eval_before": eval_before, "kl_coef": kl_coef,
-                               "score_norm": norm, "critic": R.full_state_dict(critic)},
+                               "score_norm": norm, "critic": R.full_state_dict(critic),
+                               "data_state": data.state},
                               trained=[model, value_model])
         if stopping:
             break

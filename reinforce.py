@@ -73,13 +73,18 @@ Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --r
 class Args:
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    data: str = ""  # '' = built-in addition task; a JSONL of {"prompt", "answer"}; hf:NAME[:CONFIG]
+    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
     data_split: str = "train"  # hf: datasets only: the split to read
     prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
     answer_field: str = ""  # the rows' answer field ('' = answer or solution)
     system_prompt: str = ""  # a system message put before every prompt
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    # curriculum and prompt skipping (tasks.observe), both off by default
+    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
+    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
+    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
+    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
     # --- sampling
     samples_per_prompt: int = arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
     prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (k samples each)
@@ -132,7 +137,7 @@ class Args:
     seed: int = arg(0, ">= 0, < 2**63")  # seeds sampling, data order, new weights: same run
     eval_every: int = arg(100, ">= 0")  # steps between held-out evals (0: before and after only)
     eval_size: int = arg(500, "> 0")  # held-out prompts per eval
-    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: math if answers are numbers
+    eval_reward: Literal["auto", "math", "rewards"] = "auto"  # auto: rg score, or math on numbers
     eval_samples: int = arg(0, ">= 0, <= 1000")  # k > 0: also mean@k and pass@k of k samples
     eval_sampled: bool = False  # the held-out score "eval" is mean@k, not greedy (--env calc: on)
     save_every: int = arg(100, ">= 0")  # steps between checkpoints (0: only at the end, Ctrl-C)
@@ -251,8 +256,9 @@ def main():
         flags.check_maxrl(weights, "--baseline maxrl")
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        prompt_field=args.prompt_field, answer_field=args.answer_field,
-        system_prompt=args.system_prompt))  # --env calc: its sums
+        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
+        answer_field=args.answer_field, system_prompt=args.system_prompt))  # --env calc: its sums
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "reinforce")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -275,14 +281,15 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
-    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, rg score, mean reward
+    scored = tasks.scored_by(metric, weights, fns)  # what a held-out answer scores
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
+    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
     needs_old = ref is not None or args.num_iterations > 1  # log pi_old: for the KL, for mu > 1
@@ -304,6 +311,7 @@ def main():
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
+        data_logs = data.observe(rows, scores, parts, k)  # curriculum, skips (tasks.observe)
         signal = scores  # what the returns are made of: the weighted sum of the rewards, or
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO's, each one first
             signal = C.normalize_then_sum(parts, weights, k, std=R.global_std)
@@ -382,7 +390,7 @@ def main():
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(scores.mean()),
                    "reward_std": float(R.global_std(scores)),
-                   **{f"reward/{key}": float(v.mean()) for key, v in parts.items()},
+                   **{f"reward/{key}": float(v.mean()) for key, v in parts.items()}, **data_logs,
                    **C.gold(completions, rows),
                    "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean())
                    if k > 1 else 0.0,
@@ -412,7 +420,7 @@ def main():
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
             R.save_checkpoint(run, model, tok, opt, rng, step + 1,
-                              {"eval_before": eval_before, "ema": ema})
+                              {"eval_before": eval_before, "ema": ema, "data_state": data.state})
         if stopping:
             break
     R.finish_run(run, metric, eval_before, evaluate)

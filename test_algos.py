@@ -1106,13 +1106,14 @@ def test_dpo_and_ipo_losses_equal_slow_reference(loss_type, eps):
         else:
             sig = 1 / (1 + math.exp(-beta * h))
             slow += w * (-(1 - eps) * math.log(sig) - eps * math.log(1 - sig))
-    loss, r_chosen, r_rejected = dpo.dpo_loss(lc, lr_, rc, rr, beta, loss_type, eps, weight, 3)
-    assert float(loss) == pytest.approx(slow / 3, rel=1e-5)
+    args = dpo.Args(beta=beta, loss_type=loss_type, label_smoothing=eps)
+    loss, r_chosen, r_rejected = dpo.dpo_loss(lc, lr_, rc, rr, args)
+    assert float((weight * loss).sum()) == pytest.approx(slow, rel=1e-5)
     torch.testing.assert_close(r_chosen, beta * (lc - rc))
     torch.testing.assert_close(r_rejected, beta * (lr_ - rr))
     # policy = reference: h = 0, so DPO's loss is log 2 (IPO's 1 / (4 beta^2)) for every pair
-    start, _, _ = dpo.dpo_loss(lc, lr_, lc, lr_, beta, loss_type, eps)
-    assert float(start) == pytest.approx(math.log(2) if loss_type == "sigmoid"
+    start, _, _ = dpo.dpo_loss(lc, lr_, lc, lr_, args)
+    assert float(start.mean()) == pytest.approx(math.log(2) if loss_type == "sigmoid"
                                          else 1 / (4 * beta**2), rel=1e-6)
 
 

@@ -31,11 +31,9 @@ the run), as said once when the tool loads. Even sandboxed, run an untrusted mod
 machine you can lose: a kernel bug is an escape.
 """
 import contextlib
-import functools
 import json
 import os
 import re
-import resource
 import shutil
 import signal
 import subprocess
@@ -111,15 +109,17 @@ def sandbox():
                        f"set {UNSAFE}=1 to run the model's code without a sandbox")
 
 
-def _limits(seconds, memory_mb):
-    """In the child, before it runs the code (inherited by all it starts): CPU time, address
-    space, file size, open files, no core dumps."""
+def limits(seconds, memory_mb):
+    """The command (util-linux's prlimit) that sets the limits of the call's first process, which
+    all it starts inherit: CPU time, address space, file size, open files, no core dumps. A
+    command, not Popen's preexec_fn: Python code between fork and exec in a process with threads
+    (torch's, the envs' workers) can crash the child. Without prlimit (not Linux): none, only the
+    limits run_python polls."""
     cpu = int(seconds) + 1
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
-    resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_MB << 20, FILE_MB << 20))
-    resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
-    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    if not shutil.which("prlimit"):
+        return []
+    return ["prlimit", f"--cpu={cpu}", f"--as={memory_mb << 20}", f"--fsize={FILE_MB << 20}",
+            "--nofile=64", "--core=0", "--"]
 
 
 def processes_of(pid):
@@ -164,12 +164,12 @@ def run_python(code, timeout=TIMEOUT_S, memory_mb=MEMORY_MB, output_chars=OUTPUT
                 cwd = "/"
             else:
                 cmd, cwd = [sys.executable, "-I", path], folder
+            cmd = limits(timeout, memory_mb) + cmd
             proc = subprocess.Popen(
                 cmd, cwd=cwd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
                 env={"PATH": f"{os.path.dirname(sys.executable)}:/usr/local/bin:/usr/bin:/bin",
                      "HOME": "/tmp" if SANDBOX else folder},
-                start_new_session=True,  # its own process group: killed whole below
-                preexec_fn=functools.partial(_limits, timeout, memory_mb))
+                start_new_session=True)  # its own process group: killed whole below
             note, deadline = None, time.monotonic() + timeout
             try:
                 while note is None and proc.poll() is None:  # every 10 ms: time, processes,

@@ -107,11 +107,12 @@ def calc(row, turns):
     return f" {a + b if op == '+' else a - b if op == '-' else a * b} "
 
 
-def calc_data(eval_size=CALC_EVAL_SIZE):
+def calc_data(eval_size=CALC_EVAL_SIZE, skip=(0, 0.0)):
     """The calculator task's rows, as tasks.load_data returns them: next_batch(rng, k) gives k
-    fresh training sums, eval_rows the held-out ones."""
+    fresh training sums, eval_rows the held-out ones (skip: tasks.scheduled's)."""
     eval_rows = [tasks.addition_row(a, b) for a, b in calc_eval_pairs()][:eval_size]
 
     def next_batch(rng, k):
         return [tasks.addition_row(a, b) for a, b in calc_train_pairs(rng, k)]
-    return C.SimpleNamespace(next_batch=next_batch, eval_rows=eval_rows, rows=eval_rows)
+    return tasks.scheduled(C.SimpleNamespace(next_batch=next_batch, eval_rows=eval_rows,
+                                             rows=eval_rows), skip=skip)

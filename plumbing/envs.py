@@ -318,7 +318,8 @@ def observation_ids(tok, obs, left, end=None):
 
 def task_data(args, data):
     """--env calc without --data: the calculator's sums, else the data as loaded."""
-    return calc.calc_data(args.eval_size) if args.env == "calc" and not args.data else data
+    skip = (args.skip_uniform, args.skip_keep)  # --skip_uniform applies to the sums too
+    return calc.calc_data(args.eval_size, skip) if args.env == "calc" and not args.data else data
 
 
 def from_args(args):

@@ -14,12 +14,13 @@ import os
 import re
 import sys
 import textwrap
+import types
 from dataclasses import field
 
 from transformers import HfArgumentParser
 
 from plumbing.errors import UserError, first_line
-from plumbing import calc, chat_sums
+from plumbing import calc, chat_sums, rg
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to", "save_optimizer")
@@ -91,9 +92,12 @@ def help_text(args_cls, algo, doc):
         if f.type is bool:  # --flag alone turns it on, --no_flag off
             value, shown = "", "on; --no_" + f.name + " turns it off" if default else "off"
         else:
-            choices = getattr(f.type, "__args__", None)  # a Literal's choices, or list[str]
-            value = {int: "N", float: "X", str: "TEXT"}.get(f.type) or (
-                "TEXT [TEXT ...]" if f.type.__origin__ is list else "{%s}" % ",".join(choices))
+            kind = f.type
+            if isinstance(kind, types.UnionType):  # float | None: a float, off when not given
+                kind = next(t for t in kind.__args__ if t is not type(None))
+            choices = getattr(kind, "__args__", None)  # a Literal's choices, or list[str]
+            value = {int: "N", float: "X", str: "TEXT"}.get(kind) or (
+                "TEXT [TEXT ...]" if kind.__origin__ is list else "{%s}" % ",".join(choices))
             shown = repr(default) if default in ("", []) else default
             if isinstance(default, str) and os.path.isabs(default):  # the bundled model, data
                 shown = min(default, os.path.relpath(default), key=len)  # from this folder
@@ -222,6 +226,7 @@ def parse_args(args_cls, algo, doc=""):
         task.pop("reward_fn", None)  # its reward function (never blamed on a --reward_fn)
     if "env" in names:  # --env calc's (calc.preset); given flags still win
         task.update(calc.preset(known.env, algo))
+    task.update(rg.preset(known.data, algo, names))  # --data rg:...'s own
     parser.set_defaults(**task)
     parser.set_defaults(**{k: v for k, v in saved.items() if k in names})
     argv = []  # argparse takes "-1e-4" for a flag: "--lr -1e-4" is read as "--lr=-1e-4"
@@ -323,6 +328,9 @@ def check_args(args):
     if getattr(args, "fsdp", False) and args.lora_r:  # DDP replicates LoRA's few weights cheaply
         raise UserError("--fsdp with --lora_r is not supported: LoRA trains a few adapter "
                           "weights; under torchrun without --fsdp, DDP replicates them cheaply")
+    if world > 1 and (getattr(args, "curriculum_up", 0) or getattr(args, "skip_uniform", 0)):
+        raise UserError("--curriculum_up and --skip_uniform under torchrun are not supported yet:"
+                          " each process sees its share of the rewards, so their draws would part")
     if world > 1 and getattr(args, "dynamic_sampling", False):
         raise UserError("--dynamic_sampling under torchrun is not supported yet: processes "
                           "would keep different numbers of rows")

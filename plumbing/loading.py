@@ -26,6 +26,7 @@ from transformers.modeling_layers import GradientCheckpointingLayer
 
 import common as C
 from plumbing.errors import UserError, first_line
+from plumbing import tasks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 DEFAULT_POLICY = os.path.join(ROOT, "models", "tiny-adder")  # bundled: tools/build_models.py
@@ -324,7 +325,7 @@ def load_reward_fns(specs):
     for spec in (s for item in specs for s in item.split(",") if s):
         fn = load_function("--reward_fn", spec, "write path/to/file.py:function")
         name = spec.rpartition(":")[2]
-        if name in C.RULES or name == "rm":
+        if name in C.RULES or name == "rm" or name in tasks.REWARDS:
             raise UserError(f"--reward_fn {spec!r}: {name!r} is a built-in reward; rename it")
         fns[name] = functools.partial(checked_reward, name, fn)
     return fns
@@ -365,8 +366,8 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
     weights = {}
     for part in filter(None, (spec or ",".join(fns) or default).split(",")):
         name, _, w = part.partition("=")
-        if name not in C.RULES and name != "rm" and name not in fns:
-            known = ", ".join([*C.RULES, "rm", *fns])
+        if name not in C.RULES and name != "rm" and name not in fns and name not in tasks.REWARDS:
+            known = ", ".join([*C.RULES, "rm", *tasks.REWARDS, *fns])
             raise UserError(f"--rewards: unknown reward {name!r} (known: {known})")
         if name in weights:  # math=1,math=2: one would silently win
             raise UserError(f"--rewards names {name!r} twice: give each reward one weight")
@@ -383,4 +384,6 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
     for name in (n for n in fns if n not in weights):  # imported, and never called
         raise UserError(f"--reward_fn {name!r} is loaded but --rewards {spec!r} does not use "
                           f"it: add {name}=W to --rewards, or drop that --reward_fn")
+    for name in (n for n in weights if n in tasks.REWARDS):  # rg, random: the scripts' fns
+        fns[name] = tasks.REWARDS[name]
     return weights

@@ -512,7 +512,7 @@ def stuck(m, first):
     return {"truncated": m.get("frac_truncated", 0) >= CUT,
             "constant_reward": flat and m.get("reward_std", 1) < 1e-6,
             "zero_std": flat and m.get("frac_zero_std", 0) == 1 and m.get("reward_std", 1) >= 1e-6,
-            "zero_part": flat and len(parts) > 1 and any(m[k] == 0 for k in parts),
+            "zero_part": flat and 0 < sum(m[k] == 0 for k in parts) < len(parts),
             "kl": m.get("kl", 0) > KL_BREAKING, "clip": m.get("clip_frac", 0) > CLIP_BREAKING}
 
 

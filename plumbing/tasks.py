@@ -8,6 +8,7 @@ held-out score is (eval_metric). Every error names the file, the row and the fie
 calculator tool task is envs.py; a prompt as token ids, common.encode_prompts.
 """
 import csv
+import functools
 import json
 import math
 import os
@@ -17,7 +18,7 @@ from types import SimpleNamespace
 
 import torch
 
-from plumbing import chat_sums
+from plumbing import chat_sums, rg
 import common as C
 from plumbing.errors import UserError, first_line
 
@@ -245,12 +246,38 @@ def read_rows(spec, need_answer=False, split="train", **fields):
     return [make_row(obj, where, need_answer, **fields) for where, obj in read_records(spec, split)]
 
 
-def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", **fields):
-    """'' -> the built-in task; 'chat-sums' -> chat_sums.py's; a file or 'hf:...' -> its rows
-    (read_rows). fields: make_row's prompt_field, answer_field and system_prompt. need_answer:
-    every row must have an answer with a number (the math reward checks it).
-    Returns next_batch(rng, k) -> k training rows, eval_rows (held out) and rows (all). next_batch
-    keeps no state but the rng it is given, so saving that rng resumes the data stream exactly."""
+def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train",
+              curriculum=(0.0, 0.0), skip=(0, 0.0), **fields):
+    """'' -> the built-in task; 'chat-sums' -> chat_sums.py's; 'rg:...' -> reasoning-gym's (rg.py);
+    a file or 'hf:...' -> its rows (read_rows). fields: make_row's prompt_field, answer_field and
+    system_prompt. need_answer: every row must have an answer with a number (the math reward).
+    curriculum (up, down) and skip (k, keep): see observe (off: up 0, k 0).
+    Returns next_batch(rng, k) -> k training rows, eval_rows (held out), rows (all), observe(rows,
+    rewards, parts, group_size) (observe on state) and state: what next_batch reads besides the
+    rng (saved in checkpoints), so saving both resumes the data stream exactly."""
+    data = load_rows(spec, eval_size, need_answer, split, curriculum[0] > 0, **fields)
+    return scheduled(data, curriculum, skip)
+
+
+def scheduled(data, curriculum=(0.0, 0.0), skip=(0, 0.0)):
+    """data (next_batch, eval_rows, rows; rg's: and state) with observe and its state (see
+    load_data), next_batch skipping settled prompts when skip[0] > 0."""
+    data.state = getattr(data, "state", {})  # (rg's next_batch reads its levels there)
+    data.state.update(up=curriculum[0], down=curriculum[1], skip=skip[0], keep=skip[1],
+                      visits={}, recent={}, skipped=0)
+    if skip[0]:
+        data.next_batch = skipping(data.next_batch, data.state)
+    data.observe = functools.partial(observe, data.state)  # the loop's call after scoring
+    return data
+
+
+def load_rows(spec, eval_size, need_answer, split, curriculum, **fields):
+    """load_data's rows and next_batch (see there), before observe's state."""
+    if spec.startswith(rg.PREFIX):
+        return rg.load(spec, eval_size, curriculum, lambda x: make_row(x, "", **fields))
+    if curriculum:
+        raise UserError("--curriculum_up moves the difficulty of a reasoning-gym generator: "
+                          "give --data rg:NAME (--skip_uniform works on any data)")
     if not spec:  # the built-in task: make_row changes its rows only when given fields
         def row(a, b):
             return make_row(addition_row(a, b), "", **fields) if any(fields.values()) else \
@@ -275,6 +302,76 @@ def load_data(spec, eval_size=TASK_EVAL_SIZE, need_answer=False, split="train", 
     def next_file_batch(rng, k):
         return [rng.choice(train_rows) for _ in range(k)]
     return SimpleNamespace(next_batch=next_file_batch, eval_rows=eval_rows, rows=rows)
+
+
+# ----------------------------------------------------- what the loop learns about its prompts
+CURRICULUM_WINDOW = 64  # a generator's level moves on its training score over this many samples
+
+
+def prompt_key(row):
+    return json.dumps(row["prompt"], sort_keys=True)  # a chat prompt is a list: not hashable
+
+
+def skipping(next_batch, state):
+    """next_batch, drawing again in place of a prompt whose last k = state["skip"] visits each
+    scored all alike and the same (all right, or all wrong: zero advantage, nothing learned), kept
+    with chance state["keep"] (0: always skipped; 0.25: reweighted to a quarter). Polaris and
+    Skywork-OR1 drop prompts a model always solves; DAPO's dynamic sampling, groups in a batch."""
+    def next_batch_skipping(rng, k):
+        out, tries = [], 0
+        while len(out) < k:
+            row, tries = next_batch(rng, 1)[0], tries + 1
+            last = state["visits"].get(prompt_key(row), [])[-state["skip"]:]
+            settled = len(last) == state["skip"] and last[0] is not None and len(set(last)) == 1
+            if settled and tries <= 100 * k and rng.random() >= state["keep"]:
+                state["skipped"] += 1  # (every prompt settled: after 100 k draws, taken anyway)
+                continue
+            out.append(row)
+        return out
+    return next_batch_skipping
+
+
+def observe(state, rows, rewards, parts, group_size):
+    """After a step is scored (rows, rewards (B,), the reward parts; groups of group_size
+    contiguous rows): each prompt's visit is noted for skipping, each generator's training score
+    (its rg score, else the reward) moves its curriculum level, one up when its mean over the last
+    CURRICULUM_WINDOW samples is >= state["up"], one down when < state["down"]. Returns what to log:
+    reward/rg/NAME (a mixture's tasks), curriculum/NAME (the level) and frac_skipped."""
+    logs, score = {}, parts.get("rg", rewards).float().tolist()
+    for name in state.get("tasks", ()):  # reasoning-gym's generators, in the --data order
+        mine = [s for s, r in zip(score, rows) if r.get("rg_task") == name]
+        logs[f"reward/rg/{name}"] = sum(mine) / len(mine) if mine else math.nan
+        if name in state.get("level", {}):
+            recent = state["recent"].setdefault(name, []) + mine
+            level, move = state["level"][name], 0
+            if len(recent) >= CURRICULUM_WINDOW:
+                acc = sum(recent[-CURRICULUM_WINDOW:]) / CURRICULUM_WINDOW
+                move = int(acc >= state["up"] and level < rg.max_level(name)) \
+                    - int(acc < state["down"] and level > 0)
+            state["level"][name] = level + move
+            state["recent"][name] = [] if move else recent[-CURRICULUM_WINDOW:]  # a new level
+            logs[f"curriculum/{name}"] = level + move  # starts its own count
+    if state["skip"]:
+        for i in range(0, len(rows), group_size):
+            group = rewards[i:i + group_size].float()
+            alike = float(group[0]) if bool((group == group[0]).all()) else None
+            visits = state["visits"].setdefault(prompt_key(rows[i]), [])
+            visits[:] = (visits + [alike])[-state["skip"]:]
+        logs["frac_skipped"] = state["skipped"] / (state["skipped"] + len(rows) // group_size)
+        state["skipped"] = 0
+    return logs
+
+
+def random_reward(completions, rows):
+    """--rewards random: 1 or 0 by a fair coin, whatever the completion says: the control of
+    "Spurious Rewards" (Shao et al. 2025), where it alone moved Qwen2.5-Math-7B on MATH. torch's
+    RNG: seeded by --seed (each torchrun process its own) and saved in checkpoints, so a resumed
+    run draws the same coins."""
+    return (torch.rand(len(completions)) < 0.5).float()
+
+
+REWARDS = {"rg": lambda completions, rows: torch.tensor(rg.reward(completions, rows)),
+           "random": random_reward}  # --rewards names them beside math, format, length, rm
 
 
 # preference data (reward_model.py, dpo.py), TRL's formats: pairs {"prompt", "chosen", "rejected"}
@@ -503,10 +600,20 @@ def collate(examples, pad_id, device):
 
 
 def eval_metric(rows, choice="auto"):
-    """What the held-out score is: 'accuracy' (math_reward, 0-1) or 'mean reward' (the run's
-    --rewards). auto: accuracy when every row has an answer with a number, else mean reward."""
+    """What the held-out score is: 'accuracy' (math_reward, 0-1), 'rg score' (reasoning-gym's own
+    score_answer, 0-1) or 'mean reward' (the run's --rewards). auto: rg score on reasoning-gym's
+    rows, accuracy when every row has an answer with a number, else mean reward."""
     numeric = C.has_numbers(rows)
     if choice == "math" and not numeric:
         raise UserError("--eval_reward math: some held-out rows have no answer with a number, so "
                           "the score would be 0 whatever the model says; use --eval_reward rewards")
+    if choice == "auto" and rows and all("rg_task" in r for r in rows):
+        return "rg score"
     return "accuracy" if choice == "math" or (choice == "auto" and numeric) else "mean reward"
+
+
+def scored_by(metric, weights, fns):
+    """The reward weights a held-out answer is scored with, for eval_metric's metric (rg score:
+    reasoning-gym's scorer joins fns, the functions by name, whatever --rewards trains on)."""
+    fns.setdefault("rg", REWARDS["rg"])
+    return {"accuracy": {"math": 1.0}, "rg score": {"rg": 1.0}}.get(metric, weights)

@@ -45,7 +45,8 @@ def test_chunked_divergence_equals_the_definition_at_every_position(beta):
     ws, wt = (torch.randn(V, H, generator=g, dtype=torch.float64) for _ in range(2))
     y = torch.randint(V, (N,), generator=g)
     heads = (lambda x: x @ ws.T, lambda x: x @ wt.T)
-    div, lp, t_lp, ent = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=3)
+    args = distill.Args(beta=beta, temperature=temperature)
+    div, lp, t_lp, ent = distill.chunked_divergence(xs, xt, y, heads, args, chunk=3)
     ps, pt = ((x @ w.T / temperature).softmax(-1) for x, w in ((xs, ws), (xt, wt)))
     for i in range(N):
         want = slow_jsd(ps[i].detach(), pt[i], beta)  # fp32 logits (as the LM head's): ~1e-7
@@ -54,7 +55,7 @@ def test_chunked_divergence_equals_the_definition_at_every_position(beta):
         assert float(t_lp[i]) == pytest.approx(float(pt[i, y[i]].log()), rel=1e-5)
         assert float(ent[i]) == pytest.approx(float(-(ps[i] * ps[i].log()).sum()), rel=1e-5)
     (g_chunks,) = torch.autograd.grad(div.sum(), xs)
-    whole, *_ = distill.chunked_divergence(xs, xt, y, heads, beta, temperature, chunk=N)
+    whole, *_ = distill.chunked_divergence(xs, xt, y, heads, args, chunk=N)
     (g_whole,) = torch.autograd.grad(whole.sum(), xs)
     torch.testing.assert_close(g_chunks, g_whole, rtol=0, atol=1e-6)
 
@@ -78,7 +79,8 @@ def test_jsd_equals_trls_distillation_loss(beta, temperature):
     valid = mask.bool()
     y = torch.zeros(int(valid.sum()), dtype=torch.long)
     div, *_ = distill.chunked_divergence(hs[valid], ht[valid], y, (lambda x: x @ ws.T,
-                                           lambda x: x @ wt.T), beta, temperature, chunk=4)
+                                           lambda x: x @ wt.T),
+                                         distill.Args(beta=beta, temperature=temperature), chunk=4)
     got = div.sum() / mask.sum()
     g_got = torch.autograd.grad(got, (hs, ws))
     assert float(got) == pytest.approx(float(want), abs=1e-6) and float(want) > 1e-3

@@ -204,14 +204,13 @@ def test_feed_rows_and_compact_equal_the_plain_whole_batch_forward():
     ids, mask = C.left_pad(prompts, 0, "cpu")
     caches = [DynamicCache(), DynamicCache()]
     for cache in caches:
-        forward(ids, mask, C.positions(mask), cache, keep=1)
+        forward(ids, mask, cache, keep=1)
     feeds = [[20, 21, 22], [23]]  # rows 0 and 2
     fast, fast_mask = fastpath.feed_rows(forward, caches[0], mask, [0, 2], feeds, 0)
     # plain: the whole batch, row 1 fed padding (attention 0), each row's tokens at the right end
     block = torch.tensor([[20, 21, 22], [0, 0, 0], [0, 0, 23]])
     plain_mask = torch.cat([mask, torch.tensor([[1, 1, 1], [0, 0, 0], [0, 0, 1]])], 1)
-    pos = (plain_mask.cumsum(-1)[:, -3:] - 1).clamp(min=0)
-    plain = forward(block, plain_mask, pos, caches[1], keep=1).logits[:, -1]
+    plain = forward(block, plain_mask, caches[1], keep=1).logits[:, -1]  # positions(plain_mask)
     assert torch.equal(fast_mask, plain_mask)
     torch.testing.assert_close(fast, plain[[0, 2]], atol=1e-5, rtol=0)
     # 8 empty columns more in the fast path's cache (rows waiting for a tool), then compact
@@ -224,7 +223,6 @@ def test_feed_rows_and_compact_equal_the_plain_whole_batch_forward():
     assert compacted.shape[1] == 7 and torch.equal(compacted.sum(-1), plain_mask.sum(-1))
     steps = []
     for cache, m in ((caches[0], compacted), (caches[1], plain_mask)):
-        pos = m.sum(-1, keepdim=True)  # the new token's position
-        m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)
-        steps.append(forward(torch.tensor([[30], [31], [32]]), m, pos, cache, keep=1).logits)
+        m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)  # the new token: position m.sum()
+        steps.append(forward(torch.tensor([[30], [31], [32]]), m, cache, keep=1).logits)
     torch.testing.assert_close(steps[0], steps[1], atol=1e-5, rtol=0)
