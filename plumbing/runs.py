@@ -505,9 +505,10 @@ def log_step(run, metrics, bar, samples, opt):
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
-def stuck(m, first):
-    """The kinds of warn_if_stuck that hold for the metrics line m (first: step 1's reward)."""
-    flat = m["reward"] <= first + 1e-6  # nothing gained since step 1 (solved groups: not)
+def stuck(m, first, risen=False):
+    """The kinds of warn_if_stuck that hold for the metrics line m (first: step 1's reward;
+    risen: a step since has beaten it, so the run learns and a hard batch is no warning)."""
+    flat = not risen and m["reward"] <= first + 1e-6  # nothing gained since step 1
     parts = [k for k in m if k.startswith("reward/")]
     return {"truncated": m.get("frac_truncated", 0) >= CUT,
             "constant_reward": flat and m.get("reward_std", 1) < 1e-6,
@@ -526,7 +527,9 @@ def warn_if_stuck(run, metrics, roll, args):
     for); at any step, KL to pi_ref or the step's own clipping past a level that means the run is
     breaking. Call before log_step."""
     first = run.history[0]["reward"] if run.history else metrics["reward"]
-    now, before = stuck(metrics, first), stuck(run.history[-1], first) if run.history else {}
+    risen = any(m["reward"] > first + 1e-6 for m in run.history)
+    now = stuck(metrics, first, risen)
+    before = stuck(run.history[-1], first, risen) if run.history else {}
     parts = [k for k in metrics if k.startswith("reward/")]
     zero = [k for k in parts if metrics[k] == 0]  # a reward that pays no completion
     ended = roll.completion_mask.sum(-1)[~roll.truncated]  # the lengths of completions that ended
