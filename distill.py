@@ -175,8 +175,7 @@ def group_advantages(rewards, k, eps=1e-4):
 def final_hidden(model, ids, attention_mask, T):
     """The final hidden states (B, T, H) at the positions that predict the last T tokens of ids;
     the LM head runs on the last position only (logits_to_keep=1)."""
-    out = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=1, use_cache=False,
-                position_ids=C.positions(attention_mask), output_hidden_states=True)
+    out = C._forward(model, ids, attention_mask, keep=1, hidden=True)
     return out.hidden_states[-1][:, -T - 1:-1]
 
 

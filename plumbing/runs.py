@@ -330,25 +330,15 @@ def step_start(run, rng, step, save):
     states of this moment (the data stream rng's too) and calls save() (save_checkpoint of the
     last completed step, with its arguments bound now); a resume then goes on exactly as the
     uninterrupted run. One process only: under torchrun Ctrl-C finishes the step as before."""
-    STOP["abandon"] = None
-    if run.world == 1:
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-        np_rng = numpy.random.get_state() if numpy is not None else None
-        STOP["abandon"] = (step, save, rng, rng.getstate(), torch.get_rng_state(), cuda,
-                           random.getstate(), np_rng)
+    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states()) if run.world == 1 else None
 
 
 def _abandon_step():
     """main_guard, on StepAbandoned: the RNG states step_start kept, then its save()."""
-    step, save, rng, data, cpu, cuda, python, np_rng = STOP["abandon"]
+    step, save, rng, data, states = STOP["abandon"]
     STOP["abandon"] = None
     rng.setstate(data)
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda)
-    random.setstate(python)
-    if np_rng is not None:
-        numpy.random.set_state(np_rng)
+    set_rng_states(*states)
     run = STARTED["run"]
     if step > run.saved_step:  # steps done since the last checkpoint: save them
         save()
@@ -377,6 +367,26 @@ def seed_everything(seed):
         numpy.random.seed(seed % 2**32)  # (numpy takes seeds below 2^32)
     torch.manual_seed(seed + 100003 * get_rank())  # rank 0: seed itself, as in one process
     return random.Random(seed)
+
+
+def rng_states():
+    """This process's RNG states: CPU, CUDA (or None), and Python's and numpy's global ones (your
+    env and reward functions may draw from them; numpy's keys as a list: weights_only loads no
+    array). Saved in checkpoints, and kept by step_start."""
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+    np_rng = numpy.random.get_state() if numpy is not None else None
+    np_rng = np_rng and (np_rng[0], np_rng[1].tolist(), *np_rng[2:])
+    return torch.get_rng_state(), cuda, random.getstate(), np_rng
+
+
+def set_rng_states(cpu, cuda, *user):
+    """The states rng_states() returned (a checkpoint from before the user RNGs were saved has
+    only the first two)."""
+    torch.set_rng_state(cpu)
+    if cuda is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(cuda)
+    if user:
+        set_user_rngs(*user)
 
 
 def set_user_rngs(python, numpy_state):
@@ -411,12 +421,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
     else:
         opt.load_state_dict(s["optimizer"])
     if len(s.get("rngs", ())) == run.world:  # a (CPU, CUDA, Python and numpy) state per
-        cpu_rng, cuda_rng, *user = s["rngs"][run.rank]  # process; else reseeded
-        torch.set_rng_state(cpu_rng)
-        if cuda_rng is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(cuda_rng)
-        if user:  # (a checkpoint from before they were saved has none)
-            set_user_rngs(*user)
+        set_rng_states(*s["rngs"][run.rank])  # process; else reseeded
     rng.setstate(s["data_rng"])
     run.nonfinite = s["nonfinite"]
     if run.rank == 0:
@@ -578,10 +583,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     bad = sum(float(not torch.isfinite(_local(p)).all()) for m in trained for p in m.parameters())
     if global_sum(bad):  # NaN/inf weights, in any process: keep the last good checkpoint
         stop_run(run, f"the weights are NaN or inf after step {step}; try a lower --lr")
-    cuda_rng = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-    np_rng = numpy.random.get_state() if numpy is not None else None  # your functions' RNGs
-    np_rng = np_rng and (np_rng[0], np_rng[1].tolist(), *np_rng[2:])  # too (set_user_rngs)
-    rngs = [(torch.get_rng_state(), cuda_rng, random.getstate(), np_rng)] * run.world
+    rngs = [rng_states()] * run.world
     if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
         dist.all_gather_object(rngs, rngs[0])
     weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state
