@@ -189,15 +189,12 @@ def zero_std_groups(rewards, group_size):
 def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=None,
                    is_weight=1.0, sample_logprobs=None):
     """The policy loss per token plus beta * k to the reference (GRPO: KL in the loss). logprobs,
-    old_logprobs, ref_logprobs, sample_logprobs (the sampler's), mask (B, T); advantages A (B,);
-    args: the objective's switches (Args). k2's gradient pulls along the reverse
-    KL(pi_theta || pi_ref), k3's the forward KL(pi_ref || pi_theta) (docs/algorithms.md).
-    is_weight: O.mismatch_weights'. Returns the loss (B, T) and what to log, (B, T) each: ratio,
-    kl, clip_frac (where the clip acted). A switch since DAPO (GSPO, CISPO, ...) hands the batch
-    to objectives.py, whose per_token_loss adds its own logs (docs/policy_losses.md)."""
-    if O.switched_on(args):  # an objective since DAPO: objectives.py
-        return O.per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs,
-                                is_weight, sample_logprobs)
+    old_logprobs, ref_logprobs, mask (B, T); advantages A (B,); args: the objective's switches
+    (Args). k2's gradient pulls along the reverse KL(pi_theta || pi_ref), k3's the forward
+    KL(pi_ref || pi_theta) (docs/algorithms.md). is_weight: O.mismatch_weights'. Returns the loss
+    (B, T) and what to log, (B, T) each: ratio, kl, clip_frac (where the clip acted).
+    sample_logprobs (the sampler's): for objectives.per_token_loss, which main() calls in this
+    one's place (same arguments, same returns) when a flag since DAPO is on."""
     ratio = torch.exp(logprobs - old_logprobs)  # rho = pi_theta / pi_old, per token
     adv = advantages[:, None]
     unclipped = ratio * adv
@@ -355,6 +352,9 @@ def main():
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
     tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
+    # a flag since DAPO (GSPO, CISPO, SAPO, DPPO, VESPO, V3.2, sampler penalty): its loss in place
+    # of per_token_loss, objectives.py's, with the same arguments (None: GRPO's own)
+    objective = O.per_token_loss if O.switched_on(args) else None
     G = args.group_size
     token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # weighted
 
@@ -420,8 +420,9 @@ def main():
                     # pi_old / pi_sampler: logged raw; with --tis_cap, the loss's weight
                     is_weight, is_ratio = O.mismatch_weights(old, roll.sample_logprobs[mb],
                                                              mask[mb], *tis)
-                    loss, logs = per_token_loss(logprobs, old, advantages[mb], mask[mb], args,
-                                                ref_mb, is_weight, roll.sample_logprobs[mb])
+                    loss, logs = (objective or per_token_loss)(
+                        logprobs, old, advantages[mb], mask[mb], args, ref_mb, is_weight,
+                        roll.sample_logprobs[mb])
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
                     # DDP/FSDP2 average the processes' gradients: x world makes them the sum

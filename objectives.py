@@ -1,8 +1,9 @@
-"""objectives.py: the policy objectives since DAPO, beside GRPO's own loss (grpo.per_token_loss,
-which hands a batch here when one of their flags is on). Each is a small function of per-token
-tensors (B, T) and the advantages A (B, 1); per_token_loss below puts the switched-on ones
-together. docs/policy_losses.md is the guide: each one's idea, its paper, TRL's name for it and
-the runs measured; tests/test_trl_losses.py checks each against TRL's own code.
+"""objectives.py: the policy objectives since DAPO, beside GRPO's own loss (grpo.per_token_loss;
+when one of their flags is on, grpo.py's loop calls per_token_loss below in its place, with the
+same arguments). Each is a small function of per-token tensors (B, T) and the advantages A
+(B, 1); per_token_loss puts the switched-on ones together. docs/policy_losses.md is the guide:
+each one's idea, its paper, TRL's name for it and the runs measured; tests/test_trl_losses.py
+checks each against TRL's own code.
 
     GSPO     one ratio per sequence, s_i = exp(mean_t log rho_i,t)            sequence_log_ratio()
     CISPO    -sg(clip(rho, 1 - eps_low, 1 + eps_high)) A log pi_theta                     cispo()

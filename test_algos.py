@@ -27,7 +27,7 @@ import reward_model
 import sft
 from plumbing import tasks
 
-from tests.helpers import ARCHS, OFF, PROMPTS, fast_logprobs, tiny_model, tiny_rm
+from tests.helpers import ARCHS, OFF, PROMPTS, fast_logprobs, grpo_loss, tiny_model, tiny_rm
 
 
 # ---- common.py: the completion mask (EOS kept, pad = EOS)
@@ -309,7 +309,7 @@ def test_micro_batched_gradient_equals_full_batch_gradient(mode, tok):
         model.zero_grad()
         for s in C.micro_batches(mask, mb):  # as grpo.py and reinforce.py split a step
             lp, _ = C.token_logprobs(model, roll.ids[s], roll.attention_mask[s], T)
-            loss = grpo.per_token_loss(lp, old[s], adv[s], None, grpo.Args())[0]
+            loss = grpo_loss(lp, old[s], adv[s], None, grpo.Args())[0]
             grpo.aggregate(loss, mask[s], mode, mask.sum(), len(mask), 8).backward()
         return torch.cat([p.grad.flatten() for p in model.parameters()])
     rows = torch.cat(C.micro_batches(mask, 3))  # every row once, shortest completions first
@@ -325,8 +325,8 @@ def test_clipping_zeroes_the_gradient_exactly_where_it_should():
     ratio = torch.tensor([0.5, 0.9, 1.1, 1.5, 0.5, 0.9, 1.1, 1.5])
     adv = torch.tensor([1.0, 1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0])
     logprobs = torch.log(ratio)[:, None].requires_grad_()  # 8 rows of one token each
-    loss, logs = grpo.per_token_loss(logprobs, torch.zeros(8, 1), adv, None,
-                                     grpo.Args(clip_eps_high=0.28))
+    loss, logs = grpo_loss(logprobs, torch.zeros(8, 1), adv, None,
+                           grpo.Args(clip_eps_high=0.28))
     loss.sum().backward()
     # A > 0: clipped above 1 + eps_high (1.5); A < 0: clipped below 1 - eps (0.5).
     # Elsewhere grad = -A * ratio.
@@ -343,7 +343,7 @@ def test_ratio_is_one_and_kl_zero_at_first_inner_step(tok):
     lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
     ref_lp = C.batched_logprobs(ref, roll, 1.0, 2, OFF)
     adv = torch.ones(len(lp))
-    _, logs = grpo.per_token_loss(lp, lp.detach(), adv, None, grpo.Args(), ref_lp)
+    _, logs = grpo_loss(lp, lp.detach(), adv, None, grpo.Args(), ref_lp)
     ratio, kl = logs["ratio"], logs["kl"]
     m = roll.completion_mask.bool()
     assert (ratio[m] == 1).all()
@@ -359,8 +359,8 @@ def expected_kl_term_gradient(estimator, logits, ref_logits):
     ref_logp = ref_logits.log_softmax(-1)
     V = len(logits)
     zero = torch.zeros(V)
-    loss, _ = grpo.per_token_loss(logp[:, None], logp.detach()[:, None], zero, None,
-                                  grpo.Args(beta=1.0, kl_estimator=estimator), ref_logp[:, None])
+    loss, _ = grpo_loss(logp[:, None], logp.detach()[:, None], zero, None,
+                        grpo.Args(beta=1.0, kl_estimator=estimator), ref_logp[:, None])
     weights = logp.exp().detach()  # pi(y): the chance that the sampled token is y
     (weights * loss[:, 0]).sum().backward()
     return theta.grad
@@ -434,7 +434,7 @@ def random_step(seed=0, B=6, T=5, spread=0.3):
 def test_policy_losses_and_gradients_match_slow_reference(kind, level):
     eps = (0.2, 0.28) if level == "token" else (0.05, 0.08)  # some ratios clipped either way
     lp, old, adv, mask = random_step()
-    loss, logs = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+    loss, logs = grpo_loss(lp, old, adv, mask, grpo.Args(
         clip_eps=eps[0], clip_eps_high=eps[1], seq_clip_eps=eps[0], seq_clip_eps_high=eps[1],
         importance_sampling_level=level, policy_loss=kind))
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
@@ -449,7 +449,7 @@ def test_policy_losses_and_gradients_match_slow_reference(kind, level):
 
 def test_gspo_ratio_is_one_number_per_sequence_and_its_gradient_the_papers():
     lp, old, adv, mask = random_step(spread=0.01)
-    loss, logs = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+    loss, logs = grpo_loss(lp, old, adv, mask, grpo.Args(
         seq_clip_eps=1.0, seq_clip_eps_high=1.0, importance_sampling_level="sequence"))
     for i in range(len(lp)):
         n = int(mask[i].sum())
@@ -466,9 +466,9 @@ def test_gspo_ratio_is_one_number_per_sequence_and_its_gradient_the_papers():
 
 def test_cispo_keeps_the_gradient_of_clipped_tokens():
     lp, old, adv, mask = random_step(spread=1.0)  # ratios far outside [0.8, 1.2]
-    cispo, logs = grpo.per_token_loss(lp, old, adv, None, grpo.Args(policy_loss="cispo"))
+    cispo, logs = grpo_loss(lp, old, adv, None, grpo.Args(policy_loss="cispo"))
     (g_cispo,) = torch.autograd.grad((cispo * mask).sum(), lp)
-    clip, drop = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
+    clip, drop = grpo_loss(lp, old, adv, None, grpo.Args())
     (g_clip,) = torch.autograd.grad((clip * mask).sum(), lp)
     dropped = (drop["clip_frac"] * mask).bool()
     assert dropped.sum() >= 3
@@ -483,7 +483,7 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens():
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_mu_one_gives_ratio_one_and_the_plain_policy_gradient(kind, level):
     lp, _, adv, mask = random_step()
-    loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, grpo.Args(
+    loss, logs = grpo_loss(lp, lp.detach(), adv, mask, grpo.Args(
         clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level=level, policy_loss=kind))
     assert (logs["ratio"] == 1).all()
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)  # plain PG: -A grad log pi per token
@@ -509,13 +509,13 @@ def test_mismatch_weights_match_slow_reference_and_cap_inf_is_the_identity(mode,
     assert objectives.mismatch_weights(old, sample, mask)[0] == 1.0  # cap 0: off
     # the weight multiplies the policy part, not the KL term (as TRL applies it)
     ref = old - 0.1
-    got, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), ref, is_weight=w)
-    policy, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
+    got, *_ = grpo_loss(lp, old, adv, None, grpo.Args(), ref, is_weight=w)
+    policy, *_ = grpo_loss(lp, old, adv, None, grpo.Args())
     torch.testing.assert_close(got, policy * w + 0.04 * C.kl_estimate(lp, ref, "k3"))
     # no mismatch and an infinite cap: the weight is 1 and the loss exactly the uncorrected one
     w, _ = objectives.mismatch_weights(old, old.clone(), mask, math.inf, mode, level)
-    plain, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args())
-    weighted, *_ = grpo.per_token_loss(lp, old, adv, None, grpo.Args(), is_weight=w)
+    plain, *_ = grpo_loss(lp, old, adv, None, grpo.Args())
+    weighted, *_ = grpo_loss(lp, old, adv, None, grpo.Args(), is_weight=w)
     assert (w == 1).all() and torch.equal(weighted, plain)
 
 
@@ -585,7 +585,7 @@ def test_dppo_and_the_sampler_penalty_match_the_papers_token_by_token(delta):
     sample = (lp.detach() + torch.randn(lp.shape, generator=g) * 0.8).clamp(max=0) * mask
     args = grpo.Args(policy_loss="dppo", clip_eps=delta[0], clip_eps_high=delta[1],
                      sampler_kl_coef=1e-3, beta=0.0)
-    loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, args, None, 1.0, sample)
+    loss, logs = grpo_loss(lp, lp.detach(), adv, mask, args, None, 1.0, sample)
     want = slow_dppo_loss(lp, sample, adv, mask, delta, 1e-3)
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
     (want_grad,) = torch.autograd.grad(want.sum(), lp)
@@ -597,7 +597,7 @@ def test_dppo_and_the_sampler_penalty_match_the_papers_token_by_token(delta):
     torch.testing.assert_close(grad[masked], (2e-3 * (lp.detach() - sample))[masked])
     torch.testing.assert_close(logs["sampler_kl"] * mask, (lp.detach() - sample) ** 2 * mask)
     # no mismatch (pi_theta = pi_sampler): nothing masked, the plain policy gradient -A grad log pi
-    loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, args, None, 1.0, lp.detach())
+    loss, logs = grpo_loss(lp, lp.detach(), adv, mask, args, None, 1.0, lp.detach())
     (grad,) = torch.autograd.grad((loss * mask).sum(), lp)
     torch.testing.assert_close(grad, -adv[:, None] * mask)
     assert (logs["clip_frac"] == 0).all()
@@ -638,7 +638,7 @@ def test_luspo_weighs_each_sequences_loss_by_its_length():
     """--loss_agg seq-sum (LUSPO, arXiv 2602.05261): (1/G) sum_i |o_i| L_i for GSPO's one loss per
     sequence L_i, where seq-mean-token-mean (GSPO's) gives every sequence the same weight."""
     lp, old, adv, mask = random_step(spread=0.01)
-    loss, _ = grpo.per_token_loss(lp, old, adv, mask, grpo.Args(
+    loss, _ = grpo_loss(lp, old, adv, mask, grpo.Args(
         importance_sampling_level="sequence", beta=0.0))
     per_seq = loss[:, 0]  # one value per sequence
     got = grpo.aggregate(loss, mask, "seq-sum", mask.sum(), len(lp), 5)

@@ -25,6 +25,7 @@ import distill
 import dpo
 from plumbing import envs as E
 import grpo
+import objectives
 import ppo
 import reinforce as R
 import reward_model
@@ -37,6 +38,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repo f
 PROMPTS = ["1+2=", "37+48=", "5+999=", "0+0=", "Hello, how are you?"]
 ARCHS = ["llama", "qwen2", "gpt2", "gpt_neox"]
 OFF = torch.autocast("cpu", enabled=False)
+
+
+def grpo_loss(logprobs, old_logprobs, advantages, mask, args, *rest, **kw):
+    """The per-token loss grpo.main() computes for these Args: GRPO's own per_token_loss, or
+    objectives.per_token_loss when a flag since DAPO is on (the same arguments and returns)."""
+    fn = objectives.per_token_loss if objectives.switched_on(args) else grpo.per_token_loss
+    return fn(logprobs, old_logprobs, advantages, mask, args, *rest, **kw)
 
 
 def tiny_config(arch, vocab=99):

@@ -12,7 +12,7 @@ import grpo
 import reinforce
 from tools import smollm2
 
-from tests.helpers import FAST_GRPO, one_error_line, read_metrics, run_main
+from tests.helpers import FAST_GRPO, grpo_loss, one_error_line, read_metrics, run_main
 
 
 # ---- no command deletes what it did not write
@@ -321,7 +321,7 @@ def test_dppo_ratio_cap_caps_the_detached_ratio_as_the_dppo_authors():
     for cap in (0.0, 3.0):
         args = grpo.Args(policy_loss="dppo", beta=0.0, dppo_ratio_cap=cap, clip_eps=0.9,
                          clip_eps_high=0.9)
-        loss, logs = grpo.per_token_loss(lp, lp.detach(), adv, mask, args, None, 1.0, sample)
+        loss, logs = grpo_loss(lp, lp.detach(), adv, mask, args, None, 1.0, sample)
         (grad,) = torch.autograd.grad(loss.sum(), lp)
         rho = (lp.detach() - sample).exp()
         w = rho.clamp(max=cap) if cap else rho
@@ -341,7 +341,7 @@ def test_off_policy_mask_0_is_trls_threshold_0_and_luspo_is_in_help(capsys, monk
     dropped = {}
     for delta in (None, 0.0, 0.1):
         args = grpo.Args(beta=0.0, off_policy_mask=delta)
-        _, logs = grpo.per_token_loss(lp, lp, adv, mask, args, None, 1.0, sample)
+        _, logs = grpo_loss(lp, lp, adv, mask, args, None, 1.0, sample)
         dropped[delta] = logs.get("seq_masked", torch.zeros(3, 2))[:, 0].tolist()
     assert dropped == {None: [0, 0, 0], 0.0: [1, 0, 0], 0.1: [0, 0, 0]}
     monkeypatch.setattr(sys, "argv", ["grpo.py", "--help"])

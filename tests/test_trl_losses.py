@@ -18,6 +18,7 @@ import torch
 
 import common as C
 import grpo
+from tests.helpers import grpo_loss
 import objectives
 import reinforce
 
@@ -73,8 +74,8 @@ def trl_loss(lp, old, ref, sample, adv, mask, loss_type, level="token", beta=0.0
 
 def minrl_loss(lp, old, ref, sample, adv, mask, loss_agg, is_weight=1.0, **switches):
     args = grpo.Args(**switches)
-    loss, logs = grpo.per_token_loss(lp, old, adv, mask, args, ref if args.beta else None,
-                                     is_weight, sample)
+    loss, logs = grpo_loss(lp, old, adv, mask, args, ref if args.beta else None, is_weight,
+                           sample)
     return grpo.aggregate(loss, mask, loss_agg, mask.sum(), len(lp), lp.shape[1]), logs
 
 

@@ -2,6 +2,7 @@
 
     python tools/step_cost.py grpo.py        # the whole reach and the algorithm reader's
     python tools/step_cost.py grpo.py --env  # with the multi-turn engine (--env / --tools)
+    python tools/step_cost.py grpo.py --objectives  # with a loss since DAPO (objectives.py)
     python tools/step_cost.py grpo.py -v     # and each function reached, longest first
 
 The count is the lines of main()'s `for step in ...` loop plus every function of the project's
@@ -10,13 +11,15 @@ passed as a value, transitively, over every branch; a function nested in one tha
 counts inside it, and a class that is reached counts all its methods (an autograd Function:
 forward AND backward). Comments and docstrings count. Static, from the code's own imports: a
 function reached only through a value built before the loop (the data's next_batch, an env's
-start, a --reward_fn) is not seen, so the README says what each option adds.
+start, a --reward_fn, grpo's objective) is not seen, so the README says what each option adds:
+--env and --objectives count them.
 
 Two numbers: the whole reach (every module above) and the algorithm reader's: the loop and the
 functions of the script and common.py it reaches (with --env, engine.py's too, from
-engine.generate, which a run with an env reaches through the env): what a student reads to follow
-the algorithm, leaving the fast paths (fastpath.py), the objectives since DAPO (objectives.py,
-off by default) and the run-keeping (plumbing/) for later.
+engine.generate, which a run with an env reaches through the env; with --objectives,
+objectives.py's): what a student reads to follow the algorithm, leaving the fast paths
+(fastpath.py), the objectives since DAPO (objectives.py, off by default) and the run-keeping
+(plumbing/) for later.
 
 The count is reported, not enforced: the README quotes it (tools/check_docs.py re-checks the
 number). tests/test_docs.py only holds a step to four files and under STEP_CEILING, a quarter
@@ -81,9 +84,10 @@ def lines(node):
     return node.end_lineno - first + 1
 
 
-def step_cost(script, root=ROOT, env=False):
+def step_cost(script, root=ROOT, env=False, objectives=False):
     """(loop lines, {(module, name): lines} of each function the step reaches) for script; env:
-    with what engine.generate reaches (a run with --env or --tools)."""
+    with what engine.generate reaches (a run with --env or --tools); objectives: with what
+    objectives.per_token_loss reaches (grpo.py with a flag since DAPO: its `objective`)."""
     funcs, imports = project_functions(root)
     me = script[:-3]
     loop = next(n for n in ast.walk(funcs[(me, "main")]) if isinstance(n, ast.For)
@@ -117,9 +121,10 @@ def step_cost(script, root=ROOT, env=False):
                 yield f"{n.value.id}.{n.attr}"
 
     seen, todo = set(), [(me, "main", stmt) for stmt in loop.body]
-    if env:  # the env's generate: engine.generate, bound to it before the loop
-        seen.add(("engine", "generate"))
-        todo.append(("engine", "generate", funcs[("engine", "generate")]))
+    # values bound before the loop: the env's generate (engine.generate), grpo's objective
+    for key in [("engine", "generate")] * env + [("objectives", "per_token_loss")] * objectives:
+        seen.add(key)
+        todo.append((*key, funcs[key]))
     while todo:
         mod, scope, node = todo.pop()
         for name in used(node):
@@ -133,21 +138,24 @@ def step_cost(script, root=ROOT, env=False):
     return loop.end_lineno - loop.lineno + 1, {k: lines(funcs[k]) for k in outer}
 
 
-def reader_cost(script, loop, reached, env=False):
+def reader_cost(script, loop, reached, env=False, objectives=False):
     """The algorithm reader's lines: the loop and the reached functions of the script, common.py
-    (and engine.py with env)."""
-    mine = {script[:-3], *READER, *(("engine",) if env else ())}
+    (and engine.py with env, objectives.py with objectives)."""
+    mine = {script[:-3], *READER, *(("engine",) if env else ()),
+            *(("objectives",) if objectives else ())}
     return loop + sum(n for (mod, _), n in reached.items() if mod in mine)
 
 
 def main():
-    script, env = sys.argv[1], "--env" in sys.argv
-    loop, reached = step_cost(os.path.basename(script), env=env)
+    script, env, objectives = sys.argv[1], "--env" in sys.argv, "--objectives" in sys.argv
+    loop, reached = step_cost(os.path.basename(script), env=env, objectives=objectives)
     files = {script} | {m.replace(".", "/") + ".py" for m, _ in reached}
-    reader = reader_cost(os.path.basename(script), loop, reached, env)
-    print(f"{script}{' --env' if env else ''}: {loop + sum(reached.values())} lines (loop {loop}, "
+    reader = reader_cost(os.path.basename(script), loop, reached, env, objectives)
+    flags = " --env" * env + " --objectives" * objectives
+    extra = ", engine.py" * env + ", objectives.py" * objectives
+    print(f"{script}{flags}: {loop + sum(reached.values())} lines (loop {loop}, "
           f"{len(reached)} functions) in {len(files)} files; ceiling {STEP_CEILING}; the "
-          f"algorithm reader's {reader} lines ({script}, common.py{', engine.py' if env else ''})")
+          f"algorithm reader's {reader} lines ({script}, common.py{extra})")
     if "-v" in sys.argv:
         for (mod, name), n in sorted(reached.items(), key=lambda kv: -kv[1]):
             print(f"  {n:4} {mod}.{name}")
