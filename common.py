@@ -436,20 +436,6 @@ def compute_rewards(rows, completions, weights, fns=None):
     return sum(weights[n] * v for n, v in parts.items()), parts
 
 
-def normalize_then_sum(parts, weights, group_size, eps=1e-4, std=torch.std):
-    """GDPO's advantages from several rewards (arXiv 2601.05242; TRL's "normalize_then_sum"): each
-    reward normalised within its group of contiguous rows first (summed first, one reward's spread
-    drowns another's), then the weighted sum over the batch (std: runs.global_std under torchrun).
-    parts {name: (B,)}, weights {name: w} -> (B,)."""
-    total = 0.0
-    for name, w in weights.items():
-        r = parts[name].float().view(-1, group_size)
-        sd = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(r)  # one: 0 (TRL)
-        total = total + w * ((r - r.mean(1, keepdim=True)) / (sd + eps))
-    total = total.view(-1)  # each part's group mean is 0, so the batch mean is 0 up to rounding
-    return (total - total.mean()) / (std(total) + eps)
-
-
 # ------------------------------------------------------------------------------------------ eval
 def has_numbers(rows):  # can math_reward score every row? (a number, or maths: \pi, (1,2))
     return all(final_answer(r.get("answer", ""), True) is not None for r in rows)

@@ -199,22 +199,24 @@ def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=
     adv = advantages[:, None]
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps_high) * adv
-    loss = -torch.min(unclipped, clipped)  # PPO, GRPO: -min(rho A, clip(rho, low, high) A)
-    is_clipped = (clipped < unclipped).float()  # the min took the clipped branch: gradient 0
+    # PPO's and GRPO's -min(rho A, clip(rho, 1 - eps_low, 1 + eps_high) A); where the min takes
+    # the clipped branch, the token's gradient is 0 (logged: clip_frac)
+    loss = -torch.min(unclipped, clipped)
+    is_clipped = (clipped < unclipped).float()
     kl = torch.zeros_like(logprobs) if ref_logprobs is None else C.kl_estimate(
         logprobs, ref_logprobs, args.kl_estimator)
-    loss = loss * is_weight + args.beta * kl  # is_weight: the mismatch correction (TIS, MIS)
+    loss = loss * is_weight + args.beta * kl  # is_weight: the mismatch correction (1: off)
     return loss, {"kl": kl, "ratio": ratio, "clip_frac": is_clipped}
 
 
 def aggregate(loss, mask, loss_agg, n_tokens, n_seqs, max_new_tokens):
     """This micro-batch's share of the step's loss. The normalisers (n_tokens, n_seqs) count the
     whole optimizer step, so micro-batching does not change the gradient (TRL issue #3021)."""
-    if loss_agg == "token-mean":  # sum over all tokens / tokens in the step (DAPO, TRL)
+    if loss_agg == "token-mean":  # DAPO, TRL: sum over tokens / the step's tokens
         return (loss * mask).sum() / n_tokens  # a long answer weighs more
-    if loss_agg == "seq-mean-token-mean":  # mean over sequences of each one's token mean (GRPO)
+    if loss_agg == "seq-mean-token-mean":  # GRPO: mean over sequences of their token means
         return ((loss * mask).sum(-1) / mask.sum(-1).clamp(min=1)).sum() / n_seqs
-    if loss_agg == "seq-sum":  # sum over each sequence / sequences (LUSPO: GSPO's loss x |o_i|)
+    if loss_agg == "seq-sum":  # LUSPO: sum over tokens / sequences (GSPO's loss x |o_i|)
         return (loss * mask).sum() / n_seqs
     # seq-sum-norm (Dr. GRPO): sum over all tokens / (sequences * max_new_tokens), a constant
     return (loss * mask).sum() / (n_seqs * max_new_tokens)
@@ -235,8 +237,8 @@ def cat_rollouts(pieces):
             continue
         if isinstance(x, list):  # multi-turn fields: texts per row
             out[key] = [getattr(r, key)[j] for r, i in pieces for j in i.tolist()]
-        elif torch.is_tensor(x) and x.dim() == 2:  # right-padded to T; ids and attention_mask
-            prompt = key in ("ids", "attention_mask")  # are left-padded to P first
+        elif torch.is_tensor(x) and x.dim() == 2:  # right-padded to T columns
+            prompt = key in ("ids", "attention_mask")  # and left-padded to P first
             out[key] = torch.cat([F.pad(getattr(r, key)[i.to(x.device)],
                                       (P - r.P if prompt else 0, T - r.completion_mask.shape[1]))
                                   for r, i in pieces])
@@ -257,19 +259,23 @@ def sample_groups(generate, score, data, rng, run, args):
     parts) and every round's (rewards, reward parts)."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
-    pieces, kept, seen = [], 0, []  # (rollout, its kept rows), how many, each round's rewards
+    # each round's (rollout, the rows it keeps); the rows kept; each round's (rewards, parts)
+    pieces, kept, seen = [], 0, []
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
-        prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
+        # this process's share of the step's prompts (torchrun), each G times
+        prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]
         rows = [r for r in prompts for _ in range(G)]
         roll, texts = generate(rows)
         rewards, parts = score(rows, texts)
-        if args.overlong_penalty:  # DAPO: 0 until the last overlong_buffer tokens, then linear
+        # DAPO's soft overlong punishment: 0 until the last overlong_buffer tokens, then linear
+        if args.overlong_penalty:
             length = roll.completion_mask.sum(-1).cpu()
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
         seen.append((rewards, parts))
-        roll.rows, roll.texts, roll.rewards, roll.parts = rows, texts, rewards, parts  # kept
-        keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)  # groups with a signal
+        roll.rows, roll.texts, roll.rewards, roll.parts = rows, texts, rewards, parts
+        # the groups with a signal (unequal rewards); without dynamic_sampling, every group
+        keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)
         idx = keep.repeat_interleave(G).nonzero().squeeze(-1)[:want - kept]
         pieces.append((roll, idx))
         kept += len(idx)
@@ -307,43 +313,47 @@ def check_args(args):
 def main():
     args = flags.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
     check_args(args)
-    env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
+    env = E.from_args(args)  # --env / --tools: the tool environment, or None
     fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
     if args.scale_rewards == "mean":  # MaxRL: rewards that can be < 0 are refused
         flags.check_maxrl(weights, "--scale_rewards mean", args.overlong_penalty)
+    # the prompts: a file, a hub dataset, rg: or the built-in task (--env calc: its own sums)
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
         curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
         skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
-        answer_field=args.answer_field, system_prompt=args.system_prompt))  # --env calc: its sums
-    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
+        answer_field=args.answer_field, system_prompt=args.system_prompt))
+    device = R.setup_distributed()  # torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
     amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
     sample_amp = amp if args.sample_dtype == "same" else loading.autocast(device, args.sample_dtype)
+    # the policy (a checkpoint when resuming), once the prompts and --tools are checked
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "",
-                                     data.rows, env)  # the prompts and --tools checked first
-    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
+                                     data.rows, env)
+    R.set_threads(args, model)  # CPU: one thread for a small model (runs.set_threads)
+    # the reference pi_ref: none at beta = 0; with LoRA the policy itself, adapters off
+    ref = None
     if args.beta > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
-    if "rm" in weights:  # the reward model's score, as a reward function (common.rm_scores)
+    if "rm" in weights:  # the reward model's score, a reward function (common.rm_scores)
         fns["rm"] = loading.load_reward_model(args, device)
     if args.sanity:
         failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
-    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
+    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, rg score, mean reward
-    scored = tasks.scored_by(metric, weights, fns)  # what a held-out answer scores
+    # the held-out score: accuracy, a reasoning-gym score or the mean reward; what it scores
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)
+    scored = tasks.scored_by(metric, weights, fns)
 
-    def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
+    def evaluate():  # held-out scores; under torchrun each process scores a share
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
@@ -356,9 +366,11 @@ def main():
     # of per_token_loss, objectives.py's, with the same arguments (None: GRPO's own)
     objective = O.per_token_loss if O.switched_on(args) else None
     G = args.group_size
-    token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # weighted
+    # the logged means over the step's tokens (under torchrun weighted by each process's)
+    token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")
 
-    def generate(rows):  # one completion per row (env: a multi-turn episode) and the texts scored
+    # one completion per row (with an env: a multi-turn episode), and the texts rewards read
+    def generate(rows):
         return C.generate(model, tok, rows, args, sample_amp, env)
 
     def score(rows, texts):  # the weighted reward (B,) and each of its parts
@@ -366,26 +378,29 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
                disable=run.rank > 0)
     for step in bar:
-        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update: save
-            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # step, stop at once
+        # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
+        R.step_start(run, rng, step, lambda: R.save_checkpoint(
+            run, model, tok, opt, rng, step, {"eval_before": eval_before}))
         t0 = time.time()
         # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
-        data_logs = data.observe(roll.rows, roll.rewards, roll.parts, G)  # curriculum, skips
-        if not torch.isfinite(R.global_sum(roll.rewards.sum())):  # NaN/inf in any process: skip
+        # the data's bookkeeping (rg: curriculum levels; prompts to skip)
+        data_logs = data.observe(roll.rows, roll.rewards, roll.parts, G)
+        # a NaN/inf reward in any process: no update this step
+        if not torch.isfinite(R.global_sum(roll.rewards.sum())):
             R.skip_update(run, "reward")
             continue
         # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
-        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO: each reward first
-            advantages = C.normalize_then_sum(roll.parts, weights, G, std=R.global_std)
+        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO
+            advantages = O.normalize_then_sum(roll.parts, weights, G, std=R.global_std)
         else:
             advantages = group_advantages(roll.rewards, G, args.scale_rewards, std=R.global_std)
         advantages = advantages.to(device)
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
-        if args.mask_truncated:  # DAPO overlong filtering: completions with no EOS carry no loss
+        if args.mask_truncated:  # DAPO's overlong filtering: no loss without an EOS
             mask = mask * (~roll.truncated)[:, None].float()
         # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
         # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio)
@@ -400,7 +415,7 @@ def main():
         B, T = mask.shape
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
-        n_local = float(mask.sum().clamp(min=1))  # for the logged means: this process's tokens
+        n_local = float(mask.sum().clamp(min=1))  # this process's tokens, for the logs
         sums = dict.fromkeys(("loss",) + token_means, 0.0)  # the logged means, summed
         is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
         for it in range(args.num_iterations):
@@ -428,9 +443,10 @@ def main():
                     # DDP/FSDP2 average the processes' gradients: x world makes them the sum
                     (loss * run.world).backward()  # gradients add up over the micro-batches
                 # logged token means over the step, averaged over the mu updates
-                out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
+                # is_frac_out: the tokens whose pi_old / pi_sampler is off by more than 2x
+                out = ((is_ratio < 0.5) | (is_ratio > 2)).float()
                 logs.update(entropy=entropy, is_ratio=is_ratio, is_frac_out=out)
-                for key, x in logs.items():  # token_means, and a switch's own (seq_masked, ...)
+                for key, x in logs.items():  # token_means and a switch's own (seq_masked)
                     sums[key] = sums.get(key, 0.0) + float((x.detach() * mask[mb]).sum()) / n_local
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
@@ -440,7 +456,8 @@ def main():
             opt.zero_grad(set_to_none=True)
         # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
-        all_rewards = torch.cat([r for r, _ in seen])  # every round's, with dynamic_sampling
+        # every round's rewards and parts (several with dynamic_sampling)
+        all_rewards = torch.cat([r for r, _ in seen])
         parts = {k: torch.cat([p[k] for _, p in seen]) for k in seen[0][1]}
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
@@ -455,11 +472,12 @@ def main():
                    "step_time": elapsed,
                    "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
                    **(env.metrics(roll) if env else {})}
-        shown = roll.transcript if env else roll.texts  # observations marked as ⟦...⟧
+        # samples.jsonl: a completion of each of the first 4 groups (observations as ⟦...⟧)
+        shown = roll.transcript if env else roll.texts
         samples = [{"prompt": roll.rows[i]["prompt"],
                     "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(roll.rewards[i])}
-                   for i in range(0, len(roll.rows), G)[:4]]  # one of each of the first 4 groups
+                   for i in range(0, len(roll.rows), G)[:4]]
         # under torchrun: the mean over the processes, token means weighted by their tokens
         token_keys = [k for k in sums if k != "loss"]  # token_means and a switch's own
         metrics = R.global_mean(metrics, weights=dict.fromkeys(token_keys, mask.sum()))

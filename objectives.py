@@ -14,10 +14,11 @@ checks each against TRL's own code.
              beta's KL term times rho (unbiased KL)                             per_token_loss()
     prime-rl + kappa (log pi_theta - log pi_sampler)^2                         per_token_loss()
     TIS/MIS  loss * min(pi_old / pi_sampler, C), or 0 past C                 mismatch_weights()
+    GDPO     A from each reward normalised in its group, then summed       normalize_then_sum()
 
-reinforce.py uses mismatch_weights too (--tis_cap). The ratio objectives need a ratio pi_theta /
-pi_old that moves, which GRPO and REINFORCE have only with --num_iterations > 1; ppo.py's loss
-(its policy_loss) could take cispo() or sapo() in place of its clip, untested.
+reinforce.py uses mismatch_weights and normalize_then_sum too (the same flags). The ratio objectives
+need a ratio pi_theta / pi_old that moves, which GRPO and REINFORCE have only with --num_iterations
+> 1; ppo.py's loss (its policy_loss) could take cispo() or sapo() in place of its clip, untested.
 """
 import math
 
@@ -131,6 +132,20 @@ def off_policy_keep(logprobs, sample_logprobs, adv, mask, delta):
     drift = (sample_logprobs - logprobs.detach()) * mask  # log pi_sampler - log pi_theta
     drift = drift.sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)  # (B, 1)
     return ((adv >= 0) | (drift <= delta)).float()
+
+
+def normalize_then_sum(parts, weights, group_size, eps=1e-4, std=torch.std):
+    """GDPO's advantages from several rewards (arXiv 2601.05242; TRL's "normalize_then_sum"): each
+    reward normalised within its group of contiguous rows first (summed first, one reward's spread
+    drowns another's), then the weighted sum over the batch (std: runs.global_std under torchrun).
+    parts {name: (B,)}, weights {name: w} -> (B,)."""
+    total = 0.0
+    for name, w in weights.items():
+        r = parts[name].float().view(-1, group_size)
+        sd = r.std(1, keepdim=True) if group_size > 1 else torch.zeros_like(r)  # one: 0 (TRL)
+        total = total + w * ((r - r.mean(1, keepdim=True)) / (sd + eps))
+    total = total.view(-1)  # each part's group mean is 0, so the batch mean is 0 up to rounding
+    return (total - total.mean()) / (std(total) + eps)
 
 
 def mismatch_weights(old_logprobs, sample_logprobs, mask, cap=0.0, mode="truncate", level="token"):

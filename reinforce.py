@@ -314,7 +314,7 @@ def main():
         data_logs = data.observe(rows, scores, parts, k)  # curriculum, skips (tasks.observe)
         signal = scores  # what the returns are made of: the weighted sum of the rewards, or
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO's, each one first
-            signal = C.normalize_then_sum(parts, weights, k, std=R.global_std)
+            signal = O.normalize_then_sum(parts, weights, k, std=R.global_std)
         if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
             R.skip_update(run, "reward")
             continue

@@ -661,11 +661,11 @@ def test_gdpo_normalises_each_reward_first_and_keeps_mixes_apart():
                                    / (parts[k][group].std() + 1e-4)) for k, w in weights.items()))
     total = torch.tensor(total)
     want = (total - total.mean()) / (total.std() + 1e-4)
-    torch.testing.assert_close(C.normalize_then_sum(parts, weights, 2), want)
+    torch.testing.assert_close(objectives.normalize_then_sum(parts, weights, 2), want)
     two = {"a": torch.tensor([1.0, 0, 1, 0]), "b": torch.tensor([0.0, 0, 1, 0])}
     summed = grpo.group_advantages(two["a"] + two["b"], 2)
     assert torch.allclose(summed[:2], summed[2:], atol=1e-3)  # summed first: they collapse
-    gdpo = C.normalize_then_sum(two, {"a": 1.0, "b": 1.0}, 2)
+    gdpo = objectives.normalize_then_sum(two, {"a": 1.0, "b": 1.0}, 2)
     torch.testing.assert_close(gdpo[2], 2 * gdpo[0], rtol=1e-3, atol=1e-4)
 
 

@@ -9,6 +9,7 @@ import torch
 import common as C
 from plumbing.errors import UserError
 import grpo
+import objectives
 import reinforce
 from tools import smollm2
 
@@ -192,11 +193,11 @@ def test_maxrl_advantages_with_rewards_of_both_signs_and_partial_credit_match_a_
 
 
 def test_gdpo_with_one_sample_per_prompt_gives_zero_as_trl_not_nan():
-    """C.normalize_then_sum with groups of one: each reward's group std is TRL's 0, so every
-    advantage is 0 (it was NaN, and the run stopped after 10 skipped updates); reinforce.py
+    """objectives.normalize_then_sum with groups of one: each reward's group std is TRL's 0, so
+    every advantage is 0 (it was NaN, and the run stopped after 10 skipped updates); reinforce.py
     refuses the flags at start, since nothing could be learned."""
     parts = {"math": torch.tensor([1.0, 0.0, 1.0]), "format": torch.tensor([0.0, 1.0, 1.0])}
-    got = C.normalize_then_sum(parts, {"math": 1.0, "format": 0.5}, 1)
+    got = objectives.normalize_then_sum(parts, {"math": 1.0, "format": 0.5}, 1)
     assert torch.equal(got, torch.zeros(3))
 
 

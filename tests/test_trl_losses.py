@@ -18,9 +18,9 @@ import torch
 
 import common as C
 import grpo
-from tests.helpers import grpo_loss
 import objectives
 import reinforce
+from tests.helpers import grpo_loss
 
 trl_grpo = pytest.importorskip("trl.trainer.grpo_trainer", reason="TRL is not installed")
 TRL = trl_grpo.GRPOTrainer
@@ -173,8 +173,9 @@ def trl_normalize_then_sum(rewards_per_func, weights, num_generations):
 
 
 def test_gdpo_normalize_then_sum_equals_trls_in_grpo_and_reinforce():
-    """C.normalize_then_sum (--multi_objective_aggregation normalize_then_sum in grpo.py and
-    reinforce.py) against TRL's block, with groups whose parts are all equal (std 0) among them."""
+    """objectives.normalize_then_sum (--multi_objective_aggregation normalize_then_sum in grpo.py
+    and reinforce.py) against TRL's block, with groups whose parts are all equal (std 0) among
+    them."""
     g = torch.Generator().manual_seed(3)
     for case in range(CASES):
         G, K = [2, 4, 8][case % 3], 1 + case % 3  # group size, rewards
@@ -186,14 +187,15 @@ def test_gdpo_normalize_then_sum_equals_trls_in_grpo_and_reinforce():
             continue  # two equal-by-construction rows: TRL's batch std is 0 and so is ours
         want = trl_normalize_then_sum(parts, weights, G)
         named = {f"r{j}": parts[:, j] for j in range(K)}
-        got = C.normalize_then_sum(named, dict(zip(named, weights)), G)
+        got = objectives.normalize_then_sum(named, dict(zip(named, weights)), G)
         assert float((want - got).abs().max()) < 1e-5 * max(1.0, float(want.abs().max()))
     # one sample per prompt: TRL's per-reward std is 0, so is every advantage (ours was NaN)
     parts = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]])
-    got = C.normalize_then_sum({"a": parts[:, 0], "b": parts[:, 1]}, {"a": 1.0, "b": 0.5}, 1)
+    got = objectives.normalize_then_sum({"a": parts[:, 0], "b": parts[:, 1]},
+                                        {"a": 1.0, "b": 0.5}, 1)
     assert torch.equal(got, trl_normalize_then_sum(parts, [1.0, 0.5], 1))
-    # reinforce.py's GDPO is the same function on the same parts (one copy, in common.py)
-    assert reinforce.C.normalize_then_sum is grpo.C.normalize_then_sum
+    # reinforce.py's GDPO is the same function on the same parts (one copy, in objectives.py)
+    assert reinforce.O.normalize_then_sum is grpo.O.normalize_then_sum
 
 
 def test_vespo_clamps_equal_trls_where_they_act():
