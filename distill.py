@@ -186,7 +186,7 @@ def lm_head(model):
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(C._forward, base))
     if head is None:
         raise UserError("--loss jsd needs a plain linear LM head (not a LoRA-wrapped or "
-                          "soft-capped one): use --loss opd")
+                        "soft-capped one): use --loss opd")
     return lambda x: C.masked_logits(head(x).float(), C.suppressed(base, head.out_features,
                                                                     x.device))
 
@@ -222,29 +222,29 @@ def check_args(args, rows):
     flags.check_args(args)
     if args.reward_coef and args.samples_per_prompt < 2:
         raise UserError("--reward_coef needs --samples_per_prompt >= 2: a group of one has no "
-                          "relative advantage")
+                        "relative advantage")
     if args.fsdp and args.loss == "jsd":
         raise UserError("--fsdp shards the LM head that --loss jsd runs a chunk at a time: "
-                          "use --loss opd, or DDP (torchrun without --fsdp)")
+                        "use --loss opd, or DDP (torchrun without --fsdp)")
     if not args.teacher and not (args.teacher_context or args.teacher_system_prompt):
         raise UserError("no --teacher: the teacher is the student's own starting weights, which "
-                          "teach nothing unless shown more: give --teacher PATH, or "
-                          "--teacher_context FIELD or --teacher_system_prompt TEXT")
+                        "teach nothing unless shown more: give --teacher PATH, or "
+                        "--teacher_context FIELD or --teacher_system_prompt TEXT")
     for row in rows if args.teacher_context else ():
         if args.teacher_context not in row:
             raise UserError(f"--teacher_context {args.teacher_context!r}: the row "
-                              f"{C.as_text(row['prompt'])[:40]!r} has no such field")
+                            f"{C.as_text(row['prompt'])[:40]!r} has no such field")
     if args.teacher:
         student, teacher = (loading.load_tokenizer(name, args.trust_remote_code)
                             for name in (args.model, args.teacher))
         if student.get_vocab() != teacher.get_vocab():
             raise UserError(f"--teacher {args.teacher}: its vocabulary ({len(teacher)} tokens) "
-                              f"is not the student's ({len(student)}): a teacher must score the "
-                              "student's own token ids")
+                            f"is not the student's ({len(student)}): a teacher must score the "
+                            "student's own token ids")
         if args.chat_template == "auto" and student.chat_template != teacher.chat_template:
             raise UserError(f"--teacher {args.teacher}: its chat template differs from the "
-                              "student's, so it would read other prompts (--chat_template none "
-                              "for plain text)")
+                            "student's, so it would read other prompts (--chat_template none "
+                            "for plain text)")
 
 
 # -------------------------------------------------------------------------- the training loop
@@ -273,8 +273,8 @@ def main():
     heads = (lm_head(model), lm_head(teacher)) if args.loss == "jsd" else None
     if heads and model.config.vocab_size != teacher.config.vocab_size:
         raise UserError(f"--loss jsd compares whole distributions: the teacher's LM head has "
-                          f"{teacher.config.vocab_size} rows, the student's "
-                          f"{model.config.vocab_size}; use --loss opd")
+                        f"{teacher.config.vocab_size} rows, the student's "
+                        f"{model.config.vocab_size}; use --loss opd")
     chunk = max(1, fastpath.CHUNK_ELEMS // model.config.vocab_size)  # positions per chunk
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters

@@ -182,9 +182,9 @@ def main():
     # the policy (fp32 weights, dropout off) and pi_ref, the starting model, frozen
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "")
     R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    ref = model if args.lora_r else loading.load_model(args.model, "lm", device, frozen=True,
-                                                 compile=args.compile,
-                                                 trust_remote_code=args.trust_remote_code)
+    ref = model if args.lora_r else loading.load_model(
+        args.model, "lm", device, frozen=True, compile=args.compile,
+        trust_remote_code=args.trust_remote_code)
     train, held = [encode_rows(tok, rows, args.chat_template) for rows in (train, held)]
     task = tasks.load_data("", args.eval_size).eval_rows if not args.eval_data else \
         tasks.read_rows(args.eval_data, need_answer=True)[:args.eval_size]

@@ -293,20 +293,20 @@ def check_args(args):
         raise UserError("--group_size must be >= 2: a group of one has no relative advantage")
     if args.kl_estimator == "k1" and args.beta > 0:
         raise UserError("--kl_estimator k1 in the loss has zero expected gradient (E[grad log pi]"
-                          " = 0): it only adds noise. Use k2 (reverse KL) or k3 (forward KL)")
+                        " = 0): it only adds noise. Use k2 (reverse KL) or k3 (forward KL)")
     if args.policy_loss in ("dppo", "vespo") and args.importance_sampling_level == "sequence":
         raise UserError(f"--policy_loss {args.policy_loss} forms its own ratio: leave "
-                          "--importance_sampling_level token")
+                        "--importance_sampling_level token")
     if args.multi_objective_aggregation == "normalize_then_sum" and args.scale_rewards == "mean":
         raise UserError("--scale_rewards mean (MaxRL) with normalize_then_sum (GDPO): GDPO "
-                          "scales each reward by its own std (as TRL), so MaxRL would be ignored")
+                        "scales each reward by its own std (as TRL), so MaxRL would be ignored")
     if args.multi_objective_aggregation == "normalize_then_sum" and args.overlong_penalty:
         raise UserError("--overlong_penalty with normalize_then_sum (GDPO): the penalty is not "
-                          "one of the --rewards to normalise; write it as a --reward_fn")
+                        "one of the --rewards to normalise; write it as a --reward_fn")
     n = args.prompts_per_step * args.group_size
     if n % args.micro_batch_size:
         raise UserError(f"--micro_batch_size {args.micro_batch_size} must divide "
-                          f"prompts_per_step * group_size = {n}")
+                        f"prompts_per_step * group_size = {n}")
 
 
 # -------------------------------------------------------------------------- the training loop

@@ -254,12 +254,12 @@ def load_critic(args, tok, device, norm=(0.0, 1.0)):
     if args.critic_init == "reward_model":
         if not args.reward_model:
             raise UserError("--critic_init reward_model needs --reward_model (or use "
-                              "--critic_init policy)")
+                            "--critic_init policy)")
         if loading.load_tokenizer(src, args.trust_remote_code).get_vocab() != tok.get_vocab():
             raise UserError(f"the critic reads the policy's token ids, but reward model {src!r}"
-                              " has a different tokenizer; use --critic_init policy")
+                            " has a different tokenizer; use --critic_init policy")
         critic = loading.load_model(src, "rm", device, frozen=False,
-                              trust_remote_code=args.trust_remote_code)
+                                    trust_remote_code=args.trust_remote_code)
     else:  # a new score head, as expected: transformers' "MISSING" load report stays unsaid
         verbosity = hf_logging.get_verbosity()
         hf_logging.set_verbosity_error()
@@ -289,13 +289,13 @@ def check_args(args):
     mb = args.batch_size // args.num_minibatches
     if args.batch_size % args.num_minibatches or mb % min(args.micro_batch_size, mb):
         raise UserError(f"--num_minibatches {args.num_minibatches} must divide --batch_size "
-                          f"{args.batch_size}, and --micro_batch_size {args.micro_batch_size} "
-                          "the minibatch")
+                        f"{args.batch_size}, and --micro_batch_size {args.micro_batch_size} "
+                        "the minibatch")
     if args.batch_size < 8:
         raise UserError("--batch_size must be >= 8: advantages are whitened over the batch")
     if args.adaptive_kl and args.kl_coef == 0:
         raise UserError("--adaptive_kl scales kl_coef by a factor: from --kl_coef 0 it would "
-                          "stay 0; give a starting kl_coef > 0 (N details: 0.15)")
+                        "stay 0; give a starting kl_coef > 0 (N details: 0.15)")
 
 
 # -------------------------------------------------------------------------- the training loop

@@ -233,16 +233,16 @@ def check_args(args):
     flags.check_args(args)
     if args.baseline == "rloo" and args.samples_per_prompt < 2:
         raise UserError("--baseline rloo needs --samples_per_prompt >= 2: with k = 1 there is no "
-                          "other sample to form the leave-one-out baseline")
+                        "other sample to form the leave-one-out baseline")
     gdpo = args.multi_objective_aggregation == "normalize_then_sum"
     if gdpo and args.samples_per_prompt < 2:  # TRL gives each reward A = 0 then: nothing learns
         raise UserError("normalize_then_sum (GDPO) needs --samples_per_prompt >= 2: it "
-                          "normalises each reward within a prompt's samples (one: A = 0)")
+                        "normalises each reward within a prompt's samples (one: A = 0)")
     if args.baseline == "maxrl" and (gdpo or args.beta > 0):  # MaxRL's b is a success rate
         raise UserError("--baseline maxrl divides by the mean return, a success rate in [0, 1]"
-                          ": " + ("GDPO's normalised rewards (mean 0)" if gdpo else "the KL "
-                          "penalty in the return (--beta > 0)") + " would make it near 0 or "
-                          "negative; use another --baseline" + ("" if gdpo else " or --beta 0"))
+                        ": " + ("GDPO's normalised rewards (mean 0)" if gdpo else "the KL "
+                        "penalty in the return (--beta > 0)") + " would make it near 0 or "
+                        "negative; use another --baseline" + ("" if gdpo else " or --beta 0"))
 
 
 # -------------------------------------------------------------------------- the training loop

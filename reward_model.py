@@ -118,7 +118,7 @@ def load_reward_model(src, tok, device, args):
             output_loading_info=True)
     except (OSError, ValueError) as e:
         raise UserError(f"model {src!r} could not be loaded as a reward model: "
-                          f"{first_line(e)}") from None
+                        f"{first_line(e)}") from None
     finally:
         hf_logging.set_verbosity(verbosity)
     if any(k.startswith("score.") for k in info["missing_keys"]):  # a fresh head (N details)

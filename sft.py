@@ -147,7 +147,7 @@ def read_demonstrations(path, tok, chat_template, limit, last_turn_only=False):
                                                       where)
         if limit and len(p) + len(ids) > limit:
             raise UserError(f"{where}: {len(p) + len(ids)} tokens, more than the model's "
-                              f"context of {limit}")
+                            f"context of {limit}")
         examples.append((p, ids, mask))
     return examples
 

@@ -172,15 +172,15 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
             raise
         except BaseException as e:  # noqa: B036 -- a SystemExit in an env must not end the run 0
             raise UserError(f"{who} raised {type(e).__name__}: {first_line(e)} "
-                              f"({where(i, turns)})") from None
+                            f"({where(i, turns)})") from None
         ids = isinstance(out, list) and all(type(x) is int for x in out)
         if out is not None and not isinstance(out, str) and not ids:
             raise UserError(f"{who} returned {type(out).__name__} {out!r:.40} "
-                              f"({where(i, turns)}): return the observation text, or None to end")
+                            f"({where(i, turns)}): return the observation text, or None to end")
         bad = [x for x in out if not 0 <= x < vocab] if ids else []  # no embedding row for it
         if bad:
             raise UserError(f"{who} returned token id {bad[0]}, outside the vocabulary (0 to "
-                              f"{vocab - 1}) ({where(i, turns)})")
+                            f"{vocab - 1}) ({where(i, turns)})")
         return out
 
     running = {}  # row -> (its call's Future, [when its clock started], its Request)
@@ -206,7 +206,7 @@ def start_episodes(rows, make, who, timeout, tok, max_turns=1):
                           t0[0] is not None and now - t0[0] > timeout)
             if late:
                 raise UserError(f"{who} took more than {timeout:g} s "
-                                  f"{where(late[0], seen[late[0]].turns)} (--env_timeout)")
+                                f"{where(late[0], seen[late[0]].turns)} (--env_timeout)")
             ready = sorted(i for i, (f, _, _) in running.items() if f.done())
             if ready or not wait or not running:
                 break
@@ -327,7 +327,7 @@ def from_args(args):
     (--max_turns has its range beside its Args field, checked with the others)."""
     if args.eval_sampled and args.eval_samples < 1:
         raise UserError("--eval_sampled scores mean@k of --eval_samples k samples: give "
-                          "--eval_samples k (k >= 1)")
+                        "--eval_samples k (k >= 1)")
     return load_env(args.env, args.tools, args.env_timeout, args.max_new_tokens)
 
 
@@ -364,7 +364,7 @@ def chat_observation(tok, messages, results, tools=None, names=None):
     begin = whole.rfind(TURN, 0, at[0]) + len(TURN)
     if begin < len(TURN) or min(at) < 0 or sorted(at) != at:
         raise UserError("--tools: the chat template does not show an assistant turn's text and "
-                          "each tool message's content: write an --env that answers the model")
+                        "each tool message's content: write an --env that answers the model")
     ids = []
     for k, result in enumerate(results):
         ids += tok(whole[begin:at[k]], add_special_tokens=False)["input_ids"]  # markers
@@ -397,7 +397,7 @@ def load_tools(spec):
             schemas.append(get_json_schema(fn))
         except Exception as e:  # no type hints, no docstring, an argument it does not describe
             raise UserError(f"--tools: {fn.__name__!r} has no schema: {first_line(e)} "
-                              "(give every argument a type hint and a line under Args:)") from None
+                            "(give every argument a type hint and a line under Args:)") from None
         name = schemas[-1]["function"]["name"]
         if name in functions:
             raise UserError(f"--tools {spec!r} names the tool {name!r} twice: list each once")
@@ -427,12 +427,12 @@ def check_tool_format(tok, schemas):
         if not tok.chat_template or (tok.apply_chat_template(chat, tools=schemas, tokenize=False)
                                      == tok.apply_chat_template(chat, tokenize=False)):
             raise UserError("--tools needs a model whose chat template renders tools (e.g. "
-                              "Qwen2.5, Qwen3 or Llama 3.1 instruct); this one shows the model no "
-                              "tools")
+                            "Qwen2.5, Qwen3 or Llama 3.1 instruct); this one shows the model no "
+                            "tools")
     if call_format(tok) is None:
         raise UserError("--tools reads calls through the tokenizer's response parser, as "
-                          "<tool_call>...</tool_call> (Hermes, Qwen) or as Llama 3.1's JSON; this "
-                          "chat template uses none of them: write an --env that parses its calls")
+                        "<tool_call>...</tool_call> (Hermes, Qwen) or as Llama 3.1's JSON; this "
+                        "chat template uses none of them: write an --env that parses its calls")
     chat_observation(tok, chat, ["x", "y"], schemas)  # it shows a turn and two tool messages
 
 

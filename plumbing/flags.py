@@ -45,8 +45,8 @@ def check_maxrl(weights, flag, overlong_penalty=0.0):
     if signed or overlong_penalty:
         what = f"--rewards {','.join(signed)}" if signed else "--overlong_penalty"
         raise UserError(f"{flag} (MaxRL) divides by each group's mean reward, a success rate; "
-                          f"{what} makes rewards negative, where its advantages would flip sign: "
-                          "give rewards in [0, 1], or another baseline")
+                        f"{what} makes rewards negative, where its advantages would flip sign: "
+                        "give rewards in [0, 1], or another baseline")
 
 
 def _saved_args(resume_dir, algo):
@@ -66,7 +66,7 @@ def _saved_args(resume_dir, algo):
         raise UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
     if saved["algo"] != algo:
         raise UserError(f"--resume {resume_dir!r}: that run was made by {saved['algo']}.py; "
-                          "resume it with that script")
+                        "resume it with that script")
     return saved["args"]
 
 
@@ -249,8 +249,8 @@ def parse_args(args_cls, algo, doc=""):
         if name not in SAFE_TO_CHANGE_ON_RESUME and new != old:
             safe = ", ".join(SAFE_TO_CHANGE_ON_RESUME[:3])
             raise UserError(f"--{name} {new} differs from the resumed run's {old!r}: a resumed "
-                              f"run keeps its settings (only {safe} may change); start a new run "
-                              "to change it")
+                            f"run keeps its settings (only {safe} may change); start a new run "
+                            "to change it")
     if resume and args.output_dir not in ("", saved.get("output_dir"), resume):
         raise UserError("--resume DIR continues in DIR: leave --output_dir out")
     if resume:
@@ -314,38 +314,38 @@ def check_args(args):
             raise UserError(f"--{f.name} must be a finite number, not {value}")
         if isinstance(value, float) and abs(value) > FP32_MAX:  # torch cannot pass it to a kernel
             raise UserError(f"--{f.name} {value:g} is beyond float32's largest number "
-                              f"({FP32_MAX:.4g}), in which the losses are computed")
+                            f"({FP32_MAX:.4g}), in which the losses are computed")
         if "valid" in f.metadata and value is not None:  # None: a switch left off
             check_range(f.name, value, f.metadata["valid"])
     world = int(os.environ.get("WORLD_SIZE", "1"))  # under torchrun
     for name in ("prompts_per_step", "batch_size"):  # they count the whole step, all processes
         if world > 1 and getattr(args, name, 0) % world:
             raise UserError(f"--{name} {getattr(args, name)} counts the whole step: it must "
-                              f"divide among the {world} processes")
+                            f"divide among the {world} processes")
     if getattr(args, "fsdp", False) and world == 1:
         raise UserError("--fsdp shards the model across torchrun's processes: launch with "
-                          "torchrun --nproc_per_node N (N >= 2), or leave --fsdp out")
+                        "torchrun --nproc_per_node N (N >= 2), or leave --fsdp out")
     if getattr(args, "fsdp", False) and args.lora_r:  # DDP replicates LoRA's few weights cheaply
         raise UserError("--fsdp with --lora_r is not supported: LoRA trains a few adapter "
-                          "weights; under torchrun without --fsdp, DDP replicates them cheaply")
+                        "weights; under torchrun without --fsdp, DDP replicates them cheaply")
     if world > 1 and (getattr(args, "curriculum_up", 0) or getattr(args, "skip_uniform", 0)):
         raise UserError("--curriculum_up and --skip_uniform under torchrun are not supported yet:"
-                          " each process sees its share of the rewards, so their draws would part")
+                        " each process sees its share of the rewards, so their draws would part")
     if world > 1 and getattr(args, "dynamic_sampling", False):
         raise UserError("--dynamic_sampling under torchrun is not supported yet: processes "
-                          "would keep different numbers of rows")
+                        "would keep different numbers of rows")
     if "" in getattr(args, "stop", []):
         raise UserError("--stop: an empty stop string would end every completion at once")
     lr = max(("lr", "critic_lr"), key=lambda name: getattr(args, name, 0))  # ppo: two models
     shrink = getattr(args, lr) * getattr(args, "weight_decay", 0)  # AdamW: w <- w (1 - lr wd) ...
     if shrink >= 1:
         raise UserError(f"--weight_decay {args.weight_decay} with --{lr} {getattr(args, lr)}: "
-                          f"AdamW multiplies every weight by 1 - lr * weight_decay "
-                          f"({1 - shrink:.3g}) at each step, so lr * weight_decay must be < 1")
+                        f"AdamW multiplies every weight by 1 - lr * weight_decay "
+                        f"({1 - shrink:.3g}) at each step, so lr * weight_decay must be < 1")
     if 0 < getattr(args, "tis_cap", 0) < 1:  # min(w, C) with C < 1 shrinks every token's weight
         raise UserError(f"--tis_cap {args.tis_cap}: the cap C on pi_old / pi_sampler (1 where "
-                          "they agree) must be >= 1, or 0 (off); below 1 it scales the whole "
-                          "gradient down (1e-30: none at all)")
+                        "they agree) must be >= 1, or 0 (off); below 1 it scales the whole "
+                        "gradient down (1e-30: none at all)")
     # a step's rows (the product of its sizes; times --max_new_tokens where it samples) as int64
     # token ids must fit in this machine's memory: 10**30 would allocate until it is killed
     sizes = [n for n in ("group_size", "samples_per_prompt", "prompts_per_step", "batch_size")
@@ -357,5 +357,5 @@ def check_args(args):
         memory = 2**40
     if 8 * n > memory:
         raise UserError(f"--{' * --'.join(sizes)} = {n:.3g} token ids a step: {8 * n / 2**30:.3g}"
-                          f" GB before any model runs, more than this machine's "
-                          f"{memory / 2**30:.0f} GB; lower them")
+                        f" GB before any model runs, more than this machine's "
+                        f"{memory / 2**30:.0f} GB; lower them")

@@ -52,9 +52,9 @@ def _check_source(name):
         return
     if name.lower().endswith(".gguf"):  # llama.cpp's one-file format, which from_pretrained reads
         raise UserError(f"model {name!r} is a GGUF file; give a model folder or hub id: convert"
-                          " it as tools/smollm2.py does (python tools/smollm2.py for SmolLM2-135M-"
-                          "Instruct; others: from_pretrained(folder, gguf_file=name), then "
-                          "save_pretrained)")
+                        " it as tools/smollm2.py does (python tools/smollm2.py for SmolLM2-135M-"
+                        "Instruct; others: from_pretrained(folder, gguf_file=name), then "
+                        "save_pretrained)")
     head = name.split("/")[0]
     path_like = (name.startswith((".", "/", "~")) or "\\" in name
                  or "/" in name and os.path.isdir(head))
@@ -64,7 +64,7 @@ def _check_source(name):
                                           if os.path.isdir(near) else [], 1, 0.6)
         hint = f" (did you mean {os.path.join(os.path.dirname(name), close[0])}?)" if close else ""
         raise UserError(f"model {name!r}: no such local folder{hint}, and not a hub id like "
-                          "owner/name")
+                        "owner/name")
 
 
 def load_tokenizer(name, trust_remote_code=False):
@@ -98,13 +98,13 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
     is_lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
     if kind == "lm" and archs and not is_lm:
         raise UserError(f"model {name!r} has no causal-LM head (architectures: "
-                          f"{', '.join(archs)})")
+                        f"{', '.join(archs)})")
     if kind == "rm" and is_lm:
         raise UserError(f"reward model {name!r} is not a sequence-classification model "
-                          f"(architectures: {', '.join(archs)})")
+                        f"(architectures: {', '.join(archs)})")
     if kind == "rm" and cfg.num_labels != 1:
         raise UserError(f"reward model {name!r} has num_labels={cfg.num_labels}; a scalar reward "
-                          "needs 1")
+                        "needs 1")
     auto = AutoModelForCausalLM if kind == "lm" else AutoModelForSequenceClassification
     dtype = torch.bfloat16 if frozen and device.type == "cuda" else torch.float32
     try:
@@ -117,7 +117,7 @@ def load_model(name, kind, device, frozen=False, trust_remote_code=False, compil
         raise UserError(f"model {name!r} could not be loaded as {auto.__name__}: {why}") from None
     if kind == "rm" and any(k.startswith("score.") for k in info["missing_keys"]):
         raise UserError(f"reward model {name!r} has no trained score head in its checkpoint: "
-                          "it would score with random weights")
+                        "it would score with random weights")
     model = model.to(device).eval()  # eval(): dropout off; it makes log-probs noisy, KL > 0 at 0
     if kind == "lm":  # rows the tokenizer cannot decode are never sampled: see suppressed()
         _suppress_untokenized_rows(model, name, trust_remote_code)
@@ -202,11 +202,11 @@ def add_lora(model, args, adapter="", task="CAUSAL_LM"):
         linear = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
                          if isinstance(m, torch.nn.Linear)})
         raise UserError(f"--lora_target_modules: the model has no module {', '.join(bad)} "
-                          f"(its linear layers: {', '.join(linear)}; or all-linear)")
+                        f"(its linear layers: {', '.join(linear)}; or all-linear)")
     width = getattr(model.config, "hidden_size", None)
     if width and args.lora_r > width:  # rank r of B A (width x r, r x width) is at most width
         raise UserError(f"--lora_r {args.lora_r} is above the model's width {width}: a rank "
-                          "beyond it adds memory and nothing else")
+                        "beyond it adds memory and nothing else")
     config = peft.LoraConfig(r=args.lora_r, lora_alpha=args.lora_alpha, task_type=task,
                              lora_dropout=args.lora_dropout,
                              target_modules=targets.split(",") if "," in targets else targets)
@@ -237,9 +237,9 @@ def check_default_reward_model(args, used):
     policy = load_tokenizer(args.model, args.trust_remote_code)
     if policy.get_vocab() != load_tokenizer(DEFAULT_REWARD_MODEL).get_vocab():
         raise UserError(f"--model {args.model} has its own tokenizer, and the default "
-                          "--reward_model is the bundled tiny-adder-rm, trained on the bundled "
-                          "model's sums: pass --reward_model PATH (reward_model.py makes one), or "
-                          "--rewards math --critic_init policy for the rule reward")
+                        "--reward_model is the bundled tiny-adder-rm, trained on the bundled "
+                        "model's sums: pass --reward_model PATH (reward_model.py makes one), or "
+                        "--rewards math --critic_init policy for the rule reward")
 
 
 def check_prompts(tok, config, rows, args, tools=None):
@@ -255,8 +255,8 @@ def check_prompts(tok, config, rows, args, tools=None):
     chars = max(len(C.as_text(r["prompt"])) for r in rows)
     if limit and chars > longest * (limit - args.max_new_tokens):
         raise UserError(f"a prompt of {chars:,} characters is too long: prompt + max_new_tokens "
-                          f"({args.max_new_tokens}) exceeds the model's context of {limit} "
-                          f"tokens (one token is {longest} characters at most)")
+                        f"({args.max_new_tokens}) exceeds the model's context of {limit} "
+                        f"tokens (one token is {longest} characters at most)")
     hint = " (--system_prompt puts a system message first)" if getattr(
         args, "system_prompt", "") else ""
     with template_errors(tok, suffix=hint):
@@ -267,9 +267,9 @@ def check_prompts(tok, config, rows, args, tools=None):
     too_long = sum(n + args.max_new_tokens > limit for n in lens)
     if too_long:
         raise UserError(f"{too_long} of {len(lens)} prompts are too long: prompt + "
-                          f"max_new_tokens ({args.max_new_tokens}) exceeds the model's context of "
-                          f"{limit} tokens (longest prompt: {max(lens)} tokens"
-                          f"{', the tools shown in it included' if tools else ''})")
+                        f"max_new_tokens ({args.max_new_tokens}) exceeds the model's context of "
+                        f"{limit} tokens (longest prompt: {max(lens)} tokens"
+                        f"{', the tools shown in it included' if tools else ''})")
 
 
 @contextlib.contextmanager
@@ -281,7 +281,7 @@ def template_errors(tok, prefix="", suffix=""):
         yield
     except TemplateError as e:
         raise UserError(f"{prefix}the chat template of {tok.name_or_path!r} refuses the "
-                          f"conversation: {first_line(e)[:200]}{suffix}") from None
+                        f"conversation: {first_line(e)[:200]}{suffix}") from None
 
 
 def load_function(flag, spec, usage, several=False):
@@ -304,11 +304,11 @@ def load_function(flag, spec, usage, several=False):
             module = importlib.import_module(where)
     except Exception as e:
         raise UserError(f"{flag} {spec!r}: importing {where!r} failed: "
-                          f"{type(e).__name__}: {first_line(e)}") from None
+                        f"{type(e).__name__}: {first_line(e)}") from None
     except SystemExit as e:  # it would end the run with its code (0: as if all went well)
         raise UserError(f"{flag} {spec!r}: importing {where!r} called sys.exit({e.code!r}): "
-                          "the file is imported, not run (put its script part under "
-                          "if __name__ == '__main__':)") from None
+                        "the file is imported, not run (put its script part under "
+                        "if __name__ == '__main__':)") from None
     for name in names:
         if not callable(getattr(module, name, None)):
             raise UserError(f"{flag} {spec!r}: {where!r} has no function {name!r}")
@@ -350,10 +350,10 @@ def checked_reward(name, fn, completions, rows):
         raise UserError(what) from None
     if not isinstance(values, list):
         raise UserError(f"reward {name!r} returned a {kind}, not a list of numbers: return one "
-                          "number per completion")
+                        "number per completion")
     if len(values) != len(rows):
         raise UserError(f"reward {name!r} returned {len(values)} values for {len(rows)} "
-                          "completions: return one number per completion")
+                        "completions: return one number per completion")
     for i, v in enumerate(values):
         if isinstance(v, bool) or not isinstance(v, numbers.Real):
             raise UserError(f"reward {name!r} returned {v!r} for row {i}: not a number")
@@ -378,12 +378,12 @@ def parse_rewards(spec, reward_model, fns=(), default="math"):
                 from None
         if not math.isfinite(weights[name]) or not weights[name]:  # NaN: nothing would train
             raise UserError(f"--rewards: the weight of {name!r} must be finite and not 0 (a "
-                              f"reward that counts for nothing: leave it out), not {w}")
+                            f"reward that counts for nothing: leave it out), not {w}")
     if "rm" in weights and not reward_model:
         raise UserError("--rewards names 'rm' but no --reward_model is given")
     for name in (n for n in fns if n not in weights):  # imported, and never called
         raise UserError(f"--reward_fn {name!r} is loaded but --rewards {spec!r} does not use "
-                          f"it: add {name}=W to --rewards, or drop that --reward_fn")
+                        f"it: add {name}=W to --rewards, or drop that --reward_fn")
     for name in (n for n in weights if n in tasks.REWARDS):  # rg, random: the scripts' fns
         fns[name] = tasks.REWARDS[name]
     return weights

@@ -75,7 +75,7 @@ def parse(spec):
     """'rg:NAME?K=V&K=V:W,NAME' -> [(name, {setting: value}, weight)], checked: one line each."""
     if reasoning_gym is None:
         raise UserError(f"--data {spec}: needs the optional package reasoning-gym "
-                          "(pip install reasoning-gym==0.1.25)")
+                        "(pip install reasoning-gym==0.1.25)")
     out = []
     for part in spec[len(PREFIX):].split(","):
         head, _, weight = part.rpartition(":") if re.search(r":[\d.]+$", part) else (part, "", "")
@@ -83,14 +83,14 @@ def parse(spec):
         if name not in factory.DATASETS:
             close = [n for n in factory.DATASETS if name and (name in n or n in name)][:5]
             raise UserError(f"--data {spec}: reasoning-gym has no generator {name!r}"
-                              + (f" (did you mean {', '.join(close)}?)" if close else ""))
+                            + (f" (did you mean {', '.join(close)}?)" if close else ""))
         fields = factory.DATASETS[name][1].__dataclass_fields__
         settings = {}
         for item in filter(None, query.split("&")):
             key, eq, text = item.partition("=")
             if not eq or key not in fields:
                 raise UserError(f"--data {spec}: {name} has no setting {key!r} (KEY=VALUE; its "
-                                  f"settings: {', '.join(fields)})")
+                                f"settings: {', '.join(fields)})")
             default = fields[key].default
             settings[key] = tuple(text.split("|")) if isinstance(default, (tuple, list)) \
                 else value(text)
@@ -121,7 +121,7 @@ def generator(name, settings, seed, level=None):
         return factory.DATASETS[name][0](config=cfg)
     except (AssertionError, ValueError, TypeError) as e:  # reasoning-gym's checks of settings
         raise UserError(f"--data rg:{name}: reasoning-gym refuses the settings "
-                          f"{dict(settings)} ({type(e).__name__}: {first_line(e)})") from None
+                        f"{dict(settings)} ({type(e).__name__}: {first_line(e)})") from None
 
 
 @functools.lru_cache(maxsize=None)
@@ -146,7 +146,7 @@ def load(spec, eval_size, curriculum, make_row):
         seed, size = settings.pop("seed", 0), settings.pop("size", SIZE)
         if not (0 <= seed and 0 < size and seed + size < EVAL_SEED):
             raise UserError(f"--data rg:{name}: seed + size must be < 2**40 (the held-out "
-                              f"seed) and size > 0, not seed {seed}, size {size}")
+                            f"seed) and size > 0, not seed {seed}, size {size}")
         held = generator(name, tuple(sorted(settings.items())), EVAL_SEED)  # the given settings
         n = max(1, round(eval_size * w / total))  # a mixture: shared by weight
         eval_rows += [make_row(row(name, held[i])) for i in range(n)]
@@ -174,7 +174,7 @@ def load(spec, eval_size, curriculum, make_row):
                     break
             else:
                 raise UserError(f"--data rg:{name}: 1000 draws in a row were held-out "
-                                  "questions: its settings make too few distinct questions")
+                                "questions: its settings make too few distinct questions")
             out.append(make_row(row(name, entry)))
         return out
     return SimpleNamespace(next_batch=next_batch, eval_rows=eval_rows, rows=eval_rows,

@@ -170,7 +170,7 @@ def _take_lock(folder):
                 os.remove(path)  # stale: its process is gone
                 continue
             raise UserError(f"{folder!r} is in use by a run in process {pid} (remove {path} if "
-                              "that process is not this program)") from None
+                            "that process is not this program)") from None
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
         atexit.register(_release_lock, folder)
@@ -236,8 +236,8 @@ def start_run(args, algo):
     others = sorted(set(os.listdir(folder)) - set(RUN_FILES)) if os.path.isdir(folder) else []
     if others and not args.resume:  # a run writes (and replaces) checkpoint/, summary.json, ...
         raise UserError(f"--output_dir {folder!r} holds files that are not a run's "
-                          f"({', '.join(others[:3])}), beside which a run would write and replace "
-                          "its own: give a new or empty folder")
+                        f"({', '.join(others[:3])}), beside which a run would write and replace "
+                        "its own: give a new or empty folder")
     try:
         if not os.path.exists(folder):
             NEW_FOLDERS.add(folder)
@@ -253,8 +253,8 @@ def start_run(args, algo):
         raise UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
     if not state and (held or os.path.exists(os.path.join(folder, "checkpoint"))):
         raise UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
-                          f"checkpoint/), which a new run would replace: continue "
-                          f"it with --resume {folder}, or choose another --output_dir")
+                        f"checkpoint/), which a new run would replace: continue "
+                        f"it with --resume {folder}, or choose another --output_dir")
     for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
         shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)
     history = _trim_jsonl(metrics_path, state["step"]) if state else []
@@ -285,7 +285,7 @@ def open_tracker(args, folder):
         tracker = __import__(package)
     except ImportError:
         raise UserError(f"--report_to {kind} needs the optional package {package} "
-                          f"(pip install {package})") from None
+                        f"(pip install {package})") from None
     tracker.init(project="minrl", name=os.path.basename(os.path.abspath(folder)),
                  config=dataclasses.asdict(args))
     return tracker
@@ -303,20 +303,20 @@ def _load_state(folder, max_steps):
         if not found:  # damaged bytes, not a foreign object
             raise UserError(f"{path} is damaged (not a trainer state); cannot resume") from None
         raise UserError(f"{path} holds {found[1]}, not only tensors and numbers: unpickling "
-                          "it could run code, so it is refused (a run writes no such thing)") \
+                        "it could run code, so it is refused (a run writes no such thing)") \
             from None
     except Exception as e:  # truncated or damaged: say which file, not a pickle traceback
         raise UserError(f"{path} is damaged ({first_line(e)}); cannot resume") from None
     if state["step"] > max_steps:  # the loop would do nothing and report the run as finished
         raise UserError(f"--max_steps {max_steps} is below the step of {folder}'s checkpoint "
-                          f"({state['step']}): a resumed run goes on from there; give "
-                          f"--max_steps {state['step']} or more")
+                        f"({state['step']}): a resumed run goes on from there; give "
+                        f"--max_steps {state['step']} or more")
     finishing = state["step"] == max_steps and "extra" in state and not os.path.exists(
         os.path.join(folder, "summary.json"))  # killed in its final eval: --resume finishes it
     if "optimizer" not in state and not finishing:  # a finished run's last checkpoint
         raise UserError(f"{folder} is a finished run whose last checkpoint holds no optimizer "
-                          "state (--save_optimizer keeps it): --resume cannot continue it exactly; "
-                          f"train on in a new run with --model {folder}/checkpoint")
+                        "state (--save_optimizer keeps it): --resume cannot continue it exactly; "
+                        f"train on in a new run with --model {folder}/checkpoint")
     return state
 
 

@@ -79,17 +79,17 @@ def check_messages(messages, where, field):
     row, the field and the message."""
     if not (isinstance(messages, list) and messages):
         raise UserError(f"{where}: field {field!r} must be a non-empty list of chat messages "
-                          "{role, content}")
+                        "{role, content}")
     out = []
     for n, m in enumerate(messages):
         role = m.get("role") if isinstance(m, dict) else None
         if role not in CHAT_ROLES:
             raise UserError(f"{where}: field {field!r}, message {n}: role {role!r} is not one "
-                              f"of {', '.join(CHAT_ROLES)}")
+                            f"of {', '.join(CHAT_ROLES)}")
         calls = m.get("tool_calls") or []
         if not (isinstance(calls, list) and all(isinstance(c, dict) for c in calls)):
             raise UserError(f"{where}: field {field!r}, message {n}: 'tool_calls' must be a "
-                              "list of calls {type, function: {name, arguments}}")
+                            "list of calls {type, function: {name, arguments}}")
         if m.get("content") is None and calls:
             m = {**m, "content": ""}  # a call without text (the OpenAI format)
         if not isinstance(m.get("content"), str):
@@ -113,7 +113,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
         prompt = check_messages(prompt, where, p_key)
     elif not (isinstance(prompt, str) and prompt):
         raise UserError(f"{where}: field {p_key or 'prompt'!r} is missing or not a non-empty "
-                          f"string (or a list of chat messages); {fields_found(raw)}")
+                        f"string (or a list of chat messages); {fields_found(raw)}")
     if system_prompt:  # a system message before the user's (kept if the row has its own)
         messages = C.as_messages(prompt)
         if messages[0]["role"] != "system":
@@ -127,7 +127,7 @@ def make_row(raw, where, need_answer=False, prompt_field="", answer_field="", sy
         row["answer"] = str(answer)
     if need_answer and C.final_answer(row.get("answer", ""), reference=True) is None:
         raise UserError(f"{where}: field {a_key!r} is missing or has no number, which the math "
-                          "reward compares with each completion (or change --rewards)")
+                        "reward compares with each completion (or change --rewards)")
     return row
 
 
@@ -161,12 +161,12 @@ def file_records(path):
             import pyarrow.parquet
         except ImportError:
             raise UserError(f"data file {path!r}: reading parquet needs the optional package "
-                              "`pyarrow` (pip install pyarrow)") from None
+                            "`pyarrow` (pip install pyarrow)") from None
         try:
             rows = pyarrow.parquet.read_table(path).to_pylist()
         except Exception as e:  # pyarrow's own errors: not a parquet file, damaged
             raise UserError(f"data file {path!r}: pyarrow cannot read it as parquet "
-                              f"({type(e).__name__}: {first_line(e)})") from None
+                            f"({type(e).__name__}: {first_line(e)})") from None
         return [(f"{path}, row {i}", r) for i, r in enumerate(rows)]
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:  # -sig: a byte-order mark is fine
@@ -176,7 +176,7 @@ def file_records(path):
                 repeated = [k for k in reader.fieldnames or () if reader.fieldnames.count(k) > 1]
                 if repeated:  # DictReader would keep the last column of that name, silently
                     raise UserError(f"data file {path!r}: the header line names column "
-                                      f"{repeated[0]!r} twice; rename one")
+                                    f"{repeated[0]!r} twice; rename one")
                 out = [(f"{path}, line {reader.line_num}", r) for r in reader]
                 bad = next((w for w, r in out if None in r or None in r.values()), None)
                 if bad:
@@ -202,7 +202,7 @@ def hub_records(spec, split="train"):
         import datasets
     except ImportError:
         raise UserError("--data hf:... needs the optional package `datasets` "
-                          "(pip install datasets)") from None
+                        "(pip install datasets)") from None
     name = spec[3:]
     try:
         if any(os.path.isfile(os.path.join(name, f)) for f in ("state.json", "dataset_dict.json")):
@@ -210,19 +210,19 @@ def hub_records(spec, split="train"):
             if isinstance(table, datasets.DatasetDict):
                 if split not in table:
                     raise UserError(f"--data {spec}: no split {split!r}; it has "
-                                      f"{', '.join(table)} (pick one with --data_split)")
+                                    f"{', '.join(table)} (pick one with --data_split)")
                 table = table[split]
         else:
             table = datasets.load_dataset(*([name] if os.path.isdir(name) else name.split(":")),
                                           split=split)
     except ConnectionError:  # not cached, and the hub out of reach (or HF_HUB_OFFLINE=1)
         raise UserError(f"--data {spec}: not in the local cache, and this machine cannot reach "
-                          "the hub (offline): load it once online, or give a file") from None
+                        "the hub (offline): load it once online, or give a file") from None
     except UserError:
         raise
     except Exception as e:  # datasets' own errors: no such dataset, config or split
         raise UserError(f"--data {spec}: datasets cannot load it ({type(e).__name__}: "
-                          f"{first_line(e)})") from None
+                        f"{first_line(e)})") from None
     return [(f"--data {spec}, row {i}", dict(r)) for i, r in enumerate(table)]
 
 
@@ -277,7 +277,7 @@ def load_rows(spec, eval_size, need_answer, split, curriculum, **fields):
         return rg.load(spec, eval_size, curriculum, lambda x: make_row(x, "", **fields))
     if curriculum:
         raise UserError("--curriculum_up moves the difficulty of a reasoning-gym generator: "
-                          "give --data rg:NAME (--skip_uniform works on any data)")
+                        "give --data rg:NAME (--skip_uniform works on any data)")
     if not spec:  # the built-in task: make_row changes its rows only when given fields
         def row(a, b):
             return make_row(addition_row(a, b), "", **fields) if any(fields.values()) else \
@@ -390,7 +390,7 @@ def implicit_prompt(raw, where):
     chosen, rejected = raw.get("chosen"), raw.get("rejected")
     if chosen == rejected and chosen is not None:  # all of it would be the shared prompt
         raise UserError(f"{where}: fields 'chosen' and 'rejected' are identical: a pair needs "
-                          "two different completions")
+                        "two different completions")
     prompt = ""
     if isinstance(chosen, list) and isinstance(rejected, list):
         chosen = check_messages(chosen, where, "chosen")
@@ -404,7 +404,7 @@ def implicit_prompt(raw, where):
         prompt = shared.group(1) if shared else ""
     if not prompt:
         raise UserError(f"{where}: field 'prompt' is missing, and 'chosen' and 'rejected' do "
-                          f"not start with a shared (implicit) prompt; {fields_found(raw)}")
+                        f"not start with a shared (implicit) prompt; {fields_found(raw)}")
     return {**raw, "prompt": prompt, "chosen": chosen[len(prompt):],
             "rejected": rejected[len(prompt):]}
 
@@ -417,7 +417,7 @@ def completion_text(c, where, field):
             return m["content"]
     if not isinstance(c, str):
         raise UserError(f"{where}: field {field!r} is missing or not a string or a list of one "
-                          "assistant message (a row needs 'chosen' and 'rejected', or 'ranking')")
+                        "assistant message (a row needs 'chosen' and 'rejected', or 'ranking')")
     return c
 
 
@@ -469,7 +469,7 @@ def demonstration(raw, where):
         m = check_messages(raw["messages"], where, "messages")
         if m[-1]["role"] != "assistant" or m[0]["role"] == "assistant":
             raise UserError(f"{where}: field 'messages' must be a conversation that ends with "
-                              "an assistant message, after at least one other message")
+                            "an assistant message, after at least one other message")
         return {"messages": m, "start": 0, "tools": tools}
     if "text" in raw and "completion" not in raw:
         if not (isinstance(raw["text"], str) and raw["text"]):
@@ -477,7 +477,7 @@ def demonstration(raw, where):
         return {"text": raw["text"]}
     if "prompt" not in raw:
         raise UserError(f"{where}: not an SFT row: give 'prompt' and 'completion', 'messages' "
-                          f"or 'text'; {fields_found(raw)}")
+                        f"or 'text'; {fields_found(raw)}")
     prompt, completion = make_row(raw, where)["prompt"], raw.get("completion")
     if isinstance(completion, list):
         completion = check_messages(completion, where, "completion")
@@ -486,7 +486,7 @@ def demonstration(raw, where):
                     "start": len(C.as_messages(prompt)), "tools": tools}
     if not (isinstance(completion, str) and completion):
         raise UserError(f"{where}: field 'completion' is missing or not a non-empty string "
-                          "(or messages that end with an assistant message)")
+                        "(or messages that end with an assistant message)")
     return {"prompt": prompt, "completion": completion}
 
 
@@ -511,7 +511,7 @@ def template_turns(tok, messages, k, tools, where):
                 "turn as written (a training template, as TRL's trl/chat_templates/"
                 "*_training.jinja), or --chat_template none")
             raise UserError(f"{where}: the chat template does not render the conversation up "
-                              f"to each assistant message as the start of the whole: {fix}")
+                            f"to each assistant message as the start of the whole: {fix}")
         end = max(start, len(text.rstrip()) if train else len(text))
         pieces.append((whole[start:end], train))
         start = end
@@ -519,7 +519,7 @@ def template_turns(tok, messages, k, tools, where):
                  for f in [c.get("function", c)] if isinstance(f, dict)]
         if train and not all(str(name) in pieces[-1][0] for name in names):
             raise UserError(f"{where}: message {i}: the chat template does not render its "
-                              "tool_calls")
+                            "tool_calls")
     if tok.eos_token and whole[:start].endswith(tok.eos_token):  # the end tag is the EOS: it
         pieces[-1] = (pieces[-1][0][:-len(tok.eos_token)], 1)  # is the EOS token appended
     return prompt, pieces
@@ -550,7 +550,7 @@ def encode_demonstration(tok, demo, chat_template="auto", last_turn_only=False, 
         else:
             if any(x.get("tool_calls") for x in m[k:]):
                 raise UserError(f"{where}: a message has tool_calls, which only a chat "
-                                  "template renders (this tokenizer has none)")
+                                "template renders (this tokenizer has none)")
             prompt = C.encode_prompts(tok, [m[:k]], "none")[0]
             pieces = [(x["content"], int(x["role"] == "assistant")) for x in m[k:]]
     ids, mask = [], []
@@ -606,7 +606,7 @@ def eval_metric(rows, choice="auto"):
     numeric = C.has_numbers(rows)
     if choice == "math" and not numeric:
         raise UserError("--eval_reward math: some held-out rows have no answer with a number, so "
-                          "the score would be 0 whatever the model says; use --eval_reward rewards")
+                        "the score would be 0 whatever the model says; use --eval_reward rewards")
     if choice == "auto" and rows and all("rg_task" in r for r in rows):
         return "rg score"
     return "accuracy" if choice == "math" or (choice == "auto" and numeric) else "mean reward"

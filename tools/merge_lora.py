@@ -38,13 +38,13 @@ def check_out(out):
     for path in (out, out + ".tmp", out + ".old"):
         if os.path.exists(path) and not os.path.isdir(path):  # save_pretrained would only log it
             raise UserError(f"--out {path}: that is a file; give a folder to write the "
-                              "model into")
+                            "model into")
         other = sorted(f for f in (os.listdir(path) if os.path.isdir(path) else ())
                        if not MODEL_FILES.fullmatch(f))
         if os.path.islink(path) or other:
             raise UserError(f"--out {out}: {path} holds " + (f"{', '.join(other[:3])}, "
-                              if other else "a link, ") + "which a merge does not write; give "
-                              "a new folder (a merge replaces only an earlier merge)")
+                            if other else "a link, ") + "which a merge does not write; give "
+                            "a new folder (a merge replaces only an earlier merge)")
     return out
 
 
@@ -56,7 +56,7 @@ def merge(run_dir, out="", trust_remote_code=False):
     real, own = os.path.realpath(out), os.path.realpath(ckpt)  # own.tmp, own.old: a save's
     if real in (os.path.realpath(run_dir), own) or real.startswith((own + os.sep, own + ".")):
         raise UserError(f"--out {out}: that is the run folder or its checkpoint, which this "
-                          "reads (and --resume replaces); write elsewhere, e.g. the default")
+                        "reads (and --resume replaces); write elsewhere, e.g. the default")
     out = check_out(out)
     try:
         with open(os.path.join(ckpt, "args.json")) as f:
@@ -65,7 +65,7 @@ def merge(run_dir, out="", trust_remote_code=False):
         base_name, remote = args["model"], trust_remote_code  # never the run folder's say
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise UserError(f"{ckpt}/args.json is damaged ({type(e).__name__}: "
-                          f"{first_line(e)}); is {run_dir} a run folder?") from None
+                        f"{first_line(e)}); is {run_dir} a run folder?") from None
     if not args.get("lora_r"):
         raise UserError(f"{run_dir} is not a LoRA run: its checkpoint/ is a full model already")
     try:
@@ -85,7 +85,7 @@ def merge(run_dir, out="", trust_remote_code=False):
             merged = peft.PeftModel.from_pretrained(base, ckpt).merge_and_unload()
     except (OSError, ValueError, RuntimeError, KeyError, SafetensorError) as e:  # a damaged file
         raise UserError(f"{ckpt}: its LoRA adapter could not be loaded ({type(e).__name__}: "
-                          f"{first_line(e)[:120]}); the run's checkpoint is damaged") from None
+                        f"{first_line(e)[:120]}); the run's checkpoint is damaged") from None
     tmp, old = out + ".tmp", out + ".old"  # written beside, then swapped in: never half a model
     for path in (tmp, old):  # a killed merge's (check_out: model files only)
         shutil.rmtree(path, ignore_errors=True)

