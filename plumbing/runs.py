@@ -325,11 +325,10 @@ class StepAbandoned(Exception):
 
 
 def step_start(run, rng, step, save):
-    """Called first in each step. Until the step's first update (finite_update), a Ctrl-C
-    abandons the step at once (a real model's step takes minutes): main_guard puts back the RNG
-    states of this moment (the data stream rng's too) and calls save() (save_checkpoint of the
-    last completed step, with its arguments bound now); a resume then goes on exactly as the
-    uninterrupted run. One process only: under torchrun Ctrl-C finishes the step as before."""
+    """Called first in each step: until its first update (finite_update), a Ctrl-C abandons the
+    step (a real model's step takes minutes): main_guard puts back the RNG states of now (the data
+    rng's too) and calls save(), the last completed step's checkpoint, so a resume goes on exactly
+    as the uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
     STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states()) if run.world == 1 else None
 
 
@@ -370,9 +369,8 @@ def seed_everything(seed):
 
 
 def rng_states():
-    """This process's RNG states: CPU, CUDA (or None), and Python's and numpy's global ones (your
-    env and reward functions may draw from them; numpy's keys as a list: weights_only loads no
-    array). Saved in checkpoints, and kept by step_start."""
+    """This process's RNG states: CPU, CUDA (or None), Python's and numpy's global ones (your
+    env and reward functions may use them), numpy's keys as a list (weights_only: no array)."""
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
     np_rng = numpy.random.get_state() if numpy is not None else None
     np_rng = np_rng and (np_rng[0], np_rng[1].tolist(), *np_rng[2:])
@@ -431,8 +429,7 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 
 # ------------------------------------------------------------------------- during the loop
 def finite_update(run, *grad_norms):
-    """True when every gradient norm is finite: the update may go ahead (and a row of skipped ones
-    ends); else the update is skipped and counted (skip_update)."""
+    """True when every gradient norm is finite: the update may go ahead; else skip_update."""
     STOP["abandon"] = None  # the update begins: a Ctrl-C from here finishes the step
     if all(torch.isfinite(n) for n in grad_norms):
         run.nonfinite_in_row = 0
@@ -480,8 +477,7 @@ def every(step, n):
 
 
 def log_step(run, metrics, bar, samples, opt):
-    """Rank 0: metrics.jsonl, the tracker, samples.jsonl (steps 1, 1 + n, 1 + 2n, ... for
-    n = --samples_every); step 1's memory."""
+    """Rank 0: metrics.jsonl, samples.jsonl (steps 1, 1 + --samples_every, ...), the tracker."""
     if run.rank > 0:
         return
     step, n = metrics["step"], getattr(run.args, "samples_every", 0)  # (the RL scripts' flag)
@@ -490,18 +486,17 @@ def log_step(run, metrics, bar, samples, opt):
     run.metrics.write(json.dumps(metrics) + "\n")
     if samples:
         run.samples.write(json.dumps({"step": step, "samples": samples}) + "\n")
-    if run.tracker is not None:
-        numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
-        if run.args.report_to == "tensorboard":  # a SummaryWriter, one number at a time
-            for k, v in numbers.items():
-                run.tracker.add_scalar(k, v, step)
-            if samples:
-                run.tracker.add_text("samples", json.dumps(samples, indent=1), step)
-        else:  # wandb and trackio: one call a step, the samples as a Table
-            if samples:
-                numbers["samples"] = run.tracker.Table(
-                    columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
-            run.tracker.log(numbers, step=step)
+    numbers = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
+    if hasattr(run.tracker, "add_scalar"):  # --report_to tensorboard: one number at a time
+        for k, v in numbers.items():
+            run.tracker.add_scalar(k, v, step)
+        if samples:
+            run.tracker.add_text("samples", json.dumps(samples, indent=1), step)
+    elif run.tracker is not None:  # wandb and trackio: one call a step, the samples as a Table
+        if samples:
+            numbers["samples"] = run.tracker.Table(
+                columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
+        run.tracker.log(numbers, step=step)
     bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
     if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
         tqdm.write(f"note: step {step}: an observation was cut by --max_new_tokens (obs_truncated)")
@@ -510,7 +505,7 @@ def log_step(run, metrics, bar, samples, opt):
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
-def stuck(m, first, risen=False):
+def stuck(m, first, risen):
     """The kinds of warn_if_stuck that hold for the metrics line m (first: step 1's reward;
     risen: a step since has beaten it, so the run learns and a hard batch is no warning)."""
     flat = not risen and m["reward"] <= first + 1e-6  # nothing gained since step 1
@@ -522,27 +517,20 @@ def stuck(m, first, risen=False):
             "kl": m.get("kl", 0) > KL_BREAKING, "clip": m.get("clip_frac", 0) > CLIP_BREAKING}
 
 
-def warn_if_stuck(run, metrics, roll, args):
-    """A run that cannot learn says so at once, one line a streak (a kind is said when it holds
-    and did not at the step before, a resumed run's too), in the log and in metrics (warning: the
-    kinds, warnings: how many; a tracker gets the count): nearly every completion cut by
-    --max_new_tokens (with a value that fits), and while the reward has not risen above step 1's,
-    every group's rewards equal, one reward for every completion (no advantage, nothing learned)
-    or, of several rewards, one that gave every completion 0 (the others teach what they pay
-    for); at any step, KL to pi_ref or the step's own clipping past a level that means the run is
-    breaking. Call before log_step."""
+def warn_if_stuck(run, metrics, args):
+    """A run that cannot learn (the kinds of stuck) says so at once, one line a streak: a kind is
+    said when it holds and did not at the step before (a resumed run's too), in the log and in
+    metrics (warning: the kinds, warnings: how many; a tracker gets the count). Before log_step."""
     first = run.history[0]["reward"] if run.history else metrics["reward"]
     risen = any(m["reward"] > first + 1e-6 for m in run.history)
     now = stuck(metrics, first, risen)
     before = stuck(run.history[-1], first, risen) if run.history else {}
     parts = [k for k in metrics if k.startswith("reward/")]
     zero = [k for k in parts if metrics[k] == 0]  # a reward that pays no completion
-    ended = roll.completion_mask.sum(-1)[~roll.truncated]  # the lengths of completions that ended
-    fits = max(4 * args.max_new_tokens, 2 * int(ended.max()) if len(ended) else 0)
     lines = {
         "truncated": f"{metrics['frac_truncated']:.0%} of completions were cut by --max_new_tokens "
                      f"{args.max_new_tokens} (no EOS) and score as cut: try --max_new_tokens "
-                     f"{fits}, or ask for shorter answers (--system_prompt)",
+                     f"{4 * args.max_new_tokens}, or ask for shorter answers (--system_prompt)",
         "constant_reward": f"every completion got the same reward, {metrics['reward']:.3g}: "
                            "nothing is learned; does your reward read fields the rows have, and "
                            "can this model reach it?",
@@ -567,9 +555,8 @@ def warn_if_stuck(run, metrics, roll, args):
 
 def adapters_off(model):
     """LoRA: a context in which the policy computes as its frozen base (a free reference)."""
-    if hasattr(model, "disable_adapter"):  # a peft model
-        return model.disable_adapter()
-    return contextlib.nullcontext()
+    peft = hasattr(model, "disable_adapter")
+    return model.disable_adapter() if peft else contextlib.nullcontext()
 
 
 def prompt_text(tok, roll, i):
@@ -588,14 +575,13 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
         dist.all_gather_object(rngs, rngs[0])
     weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state
     # a finished run's last checkpoint keeps no AdamW moments (twice the model) nor ppo's critic,
-    # as HF Trainer's final save; --save_optimizer keeps them: then --resume may extend the run
+    # as HF Trainer's final save (--resume only finishes it); --save_optimizer keeps them, to go on
     resumable = step < run.args.max_steps or getattr(run.args, "save_optimizer", False)
     if resumable:
         opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \
             if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
     if run.rank > 0:
         return
-    # the last one without AdamW (nor ppo's critic): --resume may only finish it (the final eval)
     state = {"step": step, "nonfinite": run.nonfinite, "data_rng": rng.getstate(), "rngs": rngs,
              "extra": {k: v for k, v in extra.items() if resumable or k != "critic"},
              "wall_time_s": time.time() - run.t0}
@@ -610,8 +596,7 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
             json.dump({"algo": run.algo, "args": dataclasses.asdict(run.args)}, f, indent=1)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk, as each of them says it
         shutil.rmtree(tmp, ignore_errors=True)
-        stop_run(run, f"could not write {tmp} ({' '.join(str(e).split())[:80]}); "
-                 "free some space")
+        stop_run(run, f"could not write {tmp} ({' '.join(str(e).split())[:80]}); free some space")
     if os.path.exists(final):
         os.replace(final, old)
     os.replace(tmp, final)

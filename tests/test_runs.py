@@ -58,20 +58,17 @@ def test_spark_skips_nan_and_prints_ascii_where_blocks_cannot_be_encoded(monkeyp
 
 def test_a_run_that_cannot_learn_says_so_at_step_one_once_a_streak(capsys):
     """warn_if_stuck: at step 1, nearly every completion cut (naming --max_new_tokens and a value
-    that fits what was sampled), every group's rewards equal, one reward for all; at any step KL
+    that fits: 4x it), every group's rewards equal, one reward for all; at any step KL
     to pi_ref or clip_frac past their levels (naming the flag). One line a streak, in the log and
     in the metrics (warning, warnings); not while the reward is above step 1's (groups solved)."""
     run = runs.Run(dir="", algo="grpo", args=None, state=None, metrics=io.StringIO(),
                    samples=io.StringIO())
     args = types.SimpleNamespace(max_new_tokens=6, lr=1e-4, beta=0.04)
-    lengths = torch.tensor([6] * 63 + [5])  # 63 cut at the cap, one ended after 5 tokens
-    roll = types.SimpleNamespace(completion_mask=(torch.arange(6) < lengths[:, None]).float(),
-                                 truncated=lengths == 6)
 
     def step(n, **m):
         metrics = {"step": n, "reward": 0.0, "reward_std": 0.1, "frac_zero_std": 0.5,
                    "frac_truncated": 0.0, "kl": 0.1, **m}
-        runs.warn_if_stuck(run, metrics, roll, args)
+        runs.warn_if_stuck(run, metrics, args)
         run.history.append(metrics)
         return metrics, [x for x in capsys.readouterr().out.splitlines() if "warning" in x]
     m, said = step(1, frac_truncated=63 / 64, reward_std=0.0, frac_zero_std=1.0)
