@@ -85,10 +85,9 @@ def compact(cache, mask):
 
 
 def exact_head(head, forward):
-    """The LM head if common.token_logprobs may run it apart, a chunk at a time: a plain
-    nn.Linear, not sharded (--fsdp), whose output on the final hidden state IS the logits (Gemma 2
-    soft-caps them). Checked once, on two tokens with forward (the same matmul on the same input
-    gives the same bits); the answer is kept on the head (head.exact_logits). Else None."""
+    """The LM head if common.token_logprobs may run it apart, a chunk at a time: a plain nn.Linear,
+    not sharded (--fsdp), whose output on the final hidden state IS the logits (Gemma 2 soft-caps
+    them), checked once on two tokens (same matmul, same input: same bits). Else None."""
     if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
         return None
     if not hasattr(head, "exact_logits"):
