@@ -6,12 +6,10 @@ algorithm reader can skip in the folder plumbing/ (never imported here).
 Notation used in every script:
   pi_theta  the policy being trained;  pi_old  the policy that sampled the batch (a frozen copy of
   pi_theta's log-probs);  pi_ref  a frozen reference model, usually the starting policy.
-  A rollout `roll` (a Rollout: the class lists every field) holds B rows: roll.ids and
-  roll.attention_mask (B, P + T) are P prompt columns (left-padded), then T completion columns
-  (right-padded). roll.completion_mask (B, T) is 1 on every generated token up to AND including the
-  EOS and 0 after it. Masks come from lengths, never from token values, so the EOS is in the loss
-  even when the pad token is the EOS token. roll.truncated (B,): no EOS (nor stop string) in the
-  budget; roll.sample_logprobs (B, T): log pi_sampler of each token, at the sampling temperature.
+  A rollout `roll` (a Rollout: the class lists every field, with its shape) holds B rows: P prompt
+  columns (left-padded), then T completion columns (right-padded). roll.completion_mask (B, T) is
+  1 on every generated token up to AND including the EOS and 0 after it. Masks come from lengths,
+  never from token values, so the EOS is in the loss even when the pad token is the EOS token.
   Multi-turn (tool use): observation tokens sit between the model's turns with attention_mask 1,
   completion_mask 0 and sample_logprobs 0: context, like the prompt.
   Log-probs are log pi(token | earlier tokens), in fp32, on logits / the sampling temperature.
@@ -96,9 +94,7 @@ def suppressed(model, V, device):
     ids = getattr(_unwrap(model).generation_config, "suppress_tokens", None)
     if not ids:
         return None
-    mask = torch.zeros(V, dtype=torch.bool, device=device)
-    mask[torch.tensor([i for i in ids if i < V], dtype=torch.long, device=device)] = True
-    return mask
+    return torch.isin(torch.arange(V, device=device), torch.tensor(ids, device=device))
 
 
 def masked_logits(z, mask):
@@ -174,9 +170,9 @@ def next_token(logits, temperature=1.0, top_p=1.0, greedy=False, never=None, u=N
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
            stop=(), share_prompts=True):
-    """Batched sampling with a KV cache -> a Rollout (its first six fields). A row
-    ends at its first EOS or at the token that completes a `stop` string, and leaves the batch
-    and the cache. greedy: the argmax, not a draw. (Multi-turn episodes: engine.sample.)"""
+    """Batched sampling with a KV cache -> a Rollout (its first six fields). A row ends at its
+    first EOS or at the token that completes a `stop` string, and leaves the batch and the cache.
+    greedy: the argmax, not a draw. (Multi-turn episodes: engine.sample.)"""
     B, N, device = len(prompt_ids), max_new_tokens, next(model.parameters()).device
     eos = torch.tensor(eos_ids(model, tok), device=device)
     out = torch.full((B, N), tok.pad_token_id, device=device)  # row i's token t at column t
@@ -190,8 +186,7 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
         prompt_ids, None)
     ids, prompt_mask = left_pad(prompts, tok.pad_token_id, device)
     cache = DynamicCache()
-    logits = _forward(model, ids, prompt_mask, cache, keep=1)
-    logits = logits.logits[:, -1]  # (b, V): each row's next-token logits
+    logits = _forward(model, ids, prompt_mask, cache, keep=1).logits[:, -1]  # (b, V): next token
     if row_of is not None:
         fastpath.copy_to_rows(cache, row_of)
         logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
@@ -231,8 +226,7 @@ def decode_completions(tok, roll):
 def generate(model, tok, rows, args, amp, env=None, greedy=False):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
-    (engine.generate), both under the autocast amp. greedy (held-out eval): the argmax, at
-    temperature 1."""
+    (engine.generate). Under the autocast amp; greedy (held-out eval): argmax, temperature 1."""
     with amp:
         if env is not None:
             return env.generate(model, tok, rows, args, greedy)
@@ -263,9 +257,8 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(_forward, base))
     if head is None:
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
-    # the fast path (fastpath.py): the final hidden states without padding columns (shared
-    # prompts once, except where a KV cache cannot be reused: torchrun's DDP runs one forward per
-    # backward, checkpointed layers drop it), then the head a chunk at a time: never (B, T, V)
+    # fastpath.py: no padding columns, shared prompts once (not where a KV cache cannot be reused:
+    # DDP runs one forward per backward, checkpointing drops it), the head in chunks: no (B, T, V)
     share = not torch.distributed.is_initialized() and not any(
         getattr(m, "gradient_checkpointing", False) for m in model.modules())
     x, targets = fastpath.final_hidden(functools.partial(_forward, model), ids, attention_mask, T,
@@ -289,11 +282,10 @@ def micro_batches(completion_mask, size):
 def batched_logprobs(model, roll, temperature, micro_batch, amp):
     """token_logprobs without gradients, micro-batched: old, reference and sanity log-probs."""
     out = torch.zeros_like(roll.completion_mask)
-    T = out.shape[1]
     with amp:
         for mb in micro_batches(roll.completion_mask, micro_batch):
-            lp, _ = token_logprobs(model, roll.ids[mb], roll.attention_mask[mb], T, temperature)
-            out[mb] = lp
+            out[mb], _ = token_logprobs(model, roll.ids[mb], roll.attention_mask[mb], out.shape[1],
+                                        temperature)
     return out * roll.completion_mask
 
 
@@ -451,8 +443,7 @@ def gold(completions, rows):
 def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_size=128):
     """Held-out scores under these reward weights ({"math": 1}: accuracy; the scripts choose by
     eval_metric): "eval", the mean score of greedy completions; args.eval_samples = k > 0: also
-    eval_mean@k and eval_pass@k (the best of k, per prompt) of k samples at the training
-    temperature; args.eval_sampled: mean@k is the "eval", greedy's "eval_greedy"."""
+    eval_mean@k and eval_pass@k (a prompt's best of k) of k samples at the training temperature."""
     if not rows:  # e.g. a data file too small to hold rows out: no score, not a made-up 0
         return {"eval": float("nan")}
     k = getattr(args, "eval_samples", 0)

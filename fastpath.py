@@ -85,10 +85,9 @@ def compact(cache, mask):
 
 
 def exact_head(head, forward):
-    """The LM head if common.token_logprobs may run it apart, a chunk at a time: a plain
-    nn.Linear, not sharded (--fsdp), whose output on the final hidden state IS the logits (Gemma 2
-    soft-caps them). Checked once, on two tokens with forward (the same matmul on the same input
-    gives the same bits); the answer is kept on the head (head.exact_logits). Else None."""
+    """The LM head if common.token_logprobs may run it apart, a chunk at a time: a plain nn.Linear,
+    not sharded (--fsdp), whose output on the final hidden state IS the logits (Gemma 2 soft-caps
+    them), checked once on two tokens (same matmul, same input: same bits). Else None."""
     if type(head) is not torch.nn.Linear or isinstance(head.weight, DTensor):
         return None
     if not hasattr(head, "exact_logits"):
@@ -108,10 +107,9 @@ def final_hidden(forward, ids, attention_mask, T, share=True):
     without the padding columns past these rows' longest completion Tb, and those tokens (B, Tb).
     share: each distinct prompt runs once, its KV cache copied to its rows, when that saves a
     quarter of the tokens (common.token_logprobs turns it off where a cache cannot be reused)."""
-    P = ids.shape[1] - T
+    B, P = ids.shape[0], ids.shape[1] - T
     Tb = max(1, int(attention_mask[:, P:].sum(-1).max()))  # these rows' longest completion
     ids, attention_mask = ids[:, :P + Tb], attention_mask[:, :P + Tb]
-    B = ids.shape[0]
     prompts, row_of = torch.unique(torch.cat([ids[:, :P], attention_mask[:, :P]], 1), dim=0,
                                    return_inverse=True)
     if share and P > 1 and len(prompts) * P + B * Tb <= 0.75 * B * (P + Tb):
@@ -183,10 +181,9 @@ class LinearHeadLogprobs(torch.autograd.Function):
         x, weight, bias, targets = ctx.saved_tensors
         temperature, never, blocks = ctx.args
         (amp, dtype), dev = ctx.amp, x.device.type
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]  # LoRA: the head is frozen, so W and
-        grad_x = torch.zeros_like(x) if need_x else None  # b need none (a V x H buffer saved)
-        grad_w = torch.zeros_like(weight) if need_w else None
-        grad_b = torch.zeros_like(bias) if need_b else None  # bias None: need_b is False
+        # a buffer for each input that needs a gradient: LoRA's frozen head none (no V x H buffer)
+        grad_x, grad_w, grad_b = (torch.zeros_like(t) if need else None
+                                  for t, need in zip((x, weight, bias), ctx.needs_input_grad))
         for rows, cols in blocks:
             xc, t = x[rows, cols], targets[rows, cols]
             with torch.autocast(dev, dtype=dtype, enabled=amp):  # as in forward
@@ -194,7 +191,6 @@ class LinearHeadLogprobs(torch.autograd.Function):
             logp = _masked(logits.float() / temperature, never).log_softmax(-1)
             del logits
             p = logp.exp()
-            # dL/dz = g_lp (onehot(target) - p) - g_ent p (log p + entropy), z the logits / temp.
             gz = torch.zeros_like(p)
             if g_lp is not None:
                 g = g_lp[rows, cols, None]
