@@ -805,12 +805,14 @@ def gone(word, seconds=5.0):
     return not running(word)
 
 
-def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anything(tmp_path):
+def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anything(tmp_path,
+                                                                                 monkeypatch):
     """examples/python_tool.py: a sleep or a spin stops at the wall-clock limit; a huge
     allocation is a MemoryError; a huge file or output is cut; a process it starts in a session
-    of its own is gone after, and so is the temporary folder this call made (folders other runs
-    left are not this test's business)."""
+    of its own is gone after, and so is the temporary folder this call made (made in this test's
+    own folder: another test's sandbox call in a parallel worker is not this one's)."""
     P = python_tool()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # the calls' folders go here
     assert P.run_python("print(6 * 7)") == "42\n"
     assert P.python("print(sum(x * x for x in [3, 4]))") == "25\n"
     for code in ("import time\ntime.sleep(60)", "while True: pass"):
@@ -821,12 +823,10 @@ def test_python_tool_cannot_hang_fill_the_disk_reach_the_network_or_leave_anythi
     assert "File too large" in P.run_python("open('f', 'wb').write(b'x' * (100 << 20))")
     out = P.run_python("while True: print('y' * 1000)", timeout=1)
     assert len(out) < 2200 and "(output cut to 2000 characters)" in out
-    before = set(os.listdir(tempfile.gettempdir()))
     P.run_python("import subprocess\nsubprocess.Popen(['sleep', '31.4159'], "
                  "start_new_session=True)", timeout=1)  # a process that leaves its group
     assert gone(b"31.4159")  # it died with its PID namespace
-    made = set(os.listdir(tempfile.gettempdir())) - before
-    assert not [f for f in made if f.startswith("minrl-python-")]
+    assert not [f for f in os.listdir(tmp_path) if f.startswith("minrl-python-")]
 
 
 # what the code inside tries -> what it must get; each a line of docs/tool_use.md's table
