@@ -364,7 +364,7 @@ def main():
     tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
     # a flag since DAPO (GSPO, CISPO, SAPO, DPPO, VESPO, V3.2, sampler penalty): its loss in place
     # of per_token_loss, objectives.py's, with the same arguments (None: GRPO's own)
-    objective = O.per_token_loss if O.switched_on(args) else None
+    objective = O.loss_for(args)
     G = args.group_size
     # the logged means over the step's tokens (under torchrun weighted by each process's)
     token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")

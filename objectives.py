@@ -29,10 +29,12 @@ import common as C
 LOG_1E8 = math.log(1e-8)  # VESPO: the floor of its log-weights (its code, and TRL's)
 
 
-def switched_on(args):
-    """Whether a flag since DAPO changes GRPO's loss: then per_token_loss here computes it."""
-    return bool(args.policy_loss != "clip" or args.importance_sampling_level == "sequence"
-                or args.off_policy_mask is not None or args.unbiased_kl or args.sampler_kl_coef)
+def loss_for(args):
+    """per_token_loss below when a flag since DAPO changes GRPO's loss, else None: grpo.py's own
+    per_token_loss (grpo.main() calls `loss_for(args) or per_token_loss`)."""
+    on = (args.policy_loss != "clip" or args.importance_sampling_level == "sequence"
+          or args.off_policy_mask is not None or args.unbiased_kl or args.sampler_kl_coef)
+    return per_token_loss if on else None
 
 
 def per_token_loss(logprobs, old_logprobs, advantages, mask, args, ref_logprobs=None,

@@ -43,7 +43,7 @@ OFF = torch.autocast("cpu", enabled=False)
 def grpo_loss(logprobs, old_logprobs, advantages, mask, args, *rest, **kw):
     """The per-token loss grpo.main() computes for these Args: GRPO's own per_token_loss, or
     objectives.per_token_loss when a flag since DAPO is on (the same arguments and returns)."""
-    fn = objectives.per_token_loss if objectives.switched_on(args) else grpo.per_token_loss
+    fn = objectives.loss_for(args) or grpo.per_token_loss
     return fn(logprobs, old_logprobs, advantages, mask, args, *rest, **kw)
 
 

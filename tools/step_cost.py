@@ -31,7 +31,10 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEP_CEILING = 1150  # lines; today 826 to 1,036 (the README), nanochat's chat_rl.py + engine 694
-READER = ("common",)  # the algorithm reader's modules, besides the script (and the engine)
+READER = ("common",)  # the algorithm reader's modules, besides the script (and the extras')
+# a flag -> the function a value bound before the loop reaches, whose module the reader then reads
+EXTRAS = {"--env": ("engine", "generate"),  # the env's generate (--env, --tools)
+          "--objectives": ("objectives", "per_token_loss")}  # grpo's objective (since DAPO)
 
 
 def project_modules(root=ROOT):
@@ -84,10 +87,9 @@ def lines(node):
     return node.end_lineno - first + 1
 
 
-def step_cost(script, root=ROOT, env=False, objectives=False):
-    """(loop lines, {(module, name): lines} of each function the step reaches) for script; env:
-    with what engine.generate reaches (a run with --env or --tools); objectives: with what
-    objectives.per_token_loss reaches (grpo.py with a flag since DAPO: its `objective`)."""
+def step_cost(script, root=ROOT, extras=()):
+    """(loop lines, {(module, name): lines} of each function the step reaches) for script; extras:
+    functions the step also reaches through values bound before the loop (EXTRAS' values)."""
     funcs, imports = project_functions(root)
     me = script[:-3]
     loop = next(n for n in ast.walk(funcs[(me, "main")]) if isinstance(n, ast.For)
@@ -121,8 +123,7 @@ def step_cost(script, root=ROOT, env=False, objectives=False):
                 yield f"{n.value.id}.{n.attr}"
 
     seen, todo = set(), [(me, "main", stmt) for stmt in loop.body]
-    # values bound before the loop: the env's generate (engine.generate), grpo's objective
-    for key in [("engine", "generate")] * env + [("objectives", "per_token_loss")] * objectives:
+    for key in extras:
         seen.add(key)
         todo.append((*key, funcs[key]))
     while todo:
@@ -138,21 +139,21 @@ def step_cost(script, root=ROOT, env=False, objectives=False):
     return loop.end_lineno - loop.lineno + 1, {k: lines(funcs[k]) for k in outer}
 
 
-def reader_cost(script, loop, reached, env=False, objectives=False):
+def reader_cost(script, loop, reached, extras=()):
     """The algorithm reader's lines: the loop and the reached functions of the script, common.py
-    (and engine.py with env, objectives.py with objectives)."""
-    mine = {script[:-3], *READER, *(("engine",) if env else ()),
-            *(("objectives",) if objectives else ())}
+    and the extras' modules (engine.py with --env, objectives.py with --objectives)."""
+    mine = {script[:-3], *READER, *(mod for mod, _ in extras)}
     return loop + sum(n for (mod, _), n in reached.items() if mod in mine)
 
 
 def main():
-    script, env, objectives = sys.argv[1], "--env" in sys.argv, "--objectives" in sys.argv
-    loop, reached = step_cost(os.path.basename(script), env=env, objectives=objectives)
+    script, flags = sys.argv[1], [f for f in EXTRAS if f in sys.argv]
+    extras = [EXTRAS[f] for f in flags]
+    loop, reached = step_cost(os.path.basename(script), extras=extras)
     files = {script} | {m.replace(".", "/") + ".py" for m, _ in reached}
-    reader = reader_cost(os.path.basename(script), loop, reached, env, objectives)
-    flags = " --env" * env + " --objectives" * objectives
-    extra = ", engine.py" * env + ", objectives.py" * objectives
+    reader = reader_cost(os.path.basename(script), loop, reached, extras)
+    flags = "".join(" " + f for f in flags)
+    extra = "".join(f", {mod}.py" for mod, _ in extras)
     print(f"{script}{flags}: {loop + sum(reached.values())} lines (loop {loop}, "
           f"{len(reached)} functions) in {len(files)} files; ceiling {STEP_CEILING}; the "
           f"algorithm reader's {reader} lines ({script}, common.py{extra})")
