@@ -146,6 +146,8 @@ def check_masked_mean(fn):
              ("per column, dim=0", (x, mask, 0)), ("one row has no token, dim=-1", (x, empty, -1)),
              ("no padding at all", (x, torch.ones_like(x)))]
     diagnoses = [
+        ("the mask is not used: average x only where mask = 1, sum(x * mask) / sum(mask)",
+         lambda x, m, d=None: x.mean(d)),
         ("the padding is counted: average x * mask over the mask's 1s (sum(x * mask) / sum(mask)),"
          " not over every entry", lambda x, m, d=None: (x * m).mean(d)),
         ("the padding's values are in the mean: multiply x by the mask before summing",
@@ -208,9 +210,10 @@ def check_group_advantages(fn):
              ("Dr. GRPO, an all-equal group", (equal, 8, "none"))]
     G = lambda r, g: r.view(-1, g)  # noqa: E731
 
-    def with_std(std, center=lambda r, g: G(r, g) - G(r, g).mean(1, keepdim=True)):
-        return lambda r, g, scale="group", eps=1e-4: (
-            center(r, g) / (std(r, g) + eps) if scale == "group" else center(r, g)).reshape(-1)
+    def with_std(std, center=lambda r, g: G(r, g) - G(r, g).mean(1, keepdim=True), eps=None):
+        return lambda r, g, scale="group", e=1e-4: (center(r, g) / (
+            std(r, g) + (e if eps is None else eps)) if scale == "group" else center(r, g)
+        ).reshape(-1)
     diagnoses = [
         ("the std is biased (divides by G): GRPO's is the unbiased std (G - 1), torch.std's "
          "default", with_std(lambda r, g: G(r, g).std(1, keepdim=True, correction=0))),
@@ -228,6 +231,8 @@ def check_group_advantages(fn):
          lambda r, g, scale="group", eps=1e-4: grpo.group_advantages(r, g, "group", eps)),
         ("no mean subtracted: A = (r - mean) / std", with_std(
             lambda r, g: G(r, g).std(1, keepdim=True), lambda r, g: G(r, g))),
+        ("the eps is missing: divide by std + eps, else an all-equal group gives nan (0 / 0)",
+         with_std(lambda r, g: G(r, g).std(1, keepdim=True), eps=0.0)),
         ("nan an all-equal group gives nan (std 0): divide by std + eps",
          lambda *a: None),
     ]
@@ -264,11 +269,11 @@ def loss_args(clip=0.2, clip_high=0.28, beta=0.04):
 
 
 def check_per_token_loss(fn):
-    old = -randn(4, 6).abs()
-    lp = old + 0.4 * randn(4, 6, seed=1)  # ratios from about 0.4 to 2.5: both clips act
-    adv = randn(4, seed=2)
-    ref = old + 0.1 * randn(4, 6, seed=3)
-    mask = right_padded(4, 6, [6, 2, 1, 5])
+    old = -randn(8, 6).abs()
+    lp = old + 0.4 * randn(8, 6, seed=1)  # ratios from about 0.4 to 2.5: both clips act
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.3, -0.3])
+    ref = old + 0.1 * randn(8, 6, seed=3)
+    mask = right_padded(8, 6, [6, 2, 1, 5, 6, 6, 3, 4])
     args = loss_args()
     cases = [("ratios far from 1, beta = 0.04", (lp, old, adv, mask, args, ref)),
              ("no reference (beta's term 0)", (lp, old, adv, mask, args)),
@@ -294,14 +299,14 @@ def check_per_token_loss(fn):
         ("the upper clip is 1 + clip_eps; it must be 1 + clip_eps_high (DAPO's clip-higher)",
          grpo_with(lambda rho, a, s: -torch.min(rho * a, clamp(rho, a, s.clip_eps,
                                                                 s.clip_eps)))),
+        ("the advantage is clipped, not the ratio: clip(rho, 1 - eps_low, 1 + eps_high) * A",
+         grpo_with(lambda rho, a, s: -torch.min(rho * a, rho * a.clamp(1 - s.clip_eps,
+                                                                      1 + s.clip_eps_high)))),
         ("no clip: -rho A alone; the clipped branch is missing",
          grpo_with(lambda rho, a, s: -rho * a)),
         ("the KL term has the wrong sign: + beta * k (a penalty)",
          grpo_with(right, kl_sign=-1.0)),
         ("the KL term is missing: loss + beta * k", grpo_with(right, use_kl=False)),
-        ("the advantage is clipped, not the ratio: clip(rho, 1 - eps_low, 1 + eps_high) * A",
-         grpo_with(lambda rho, a, s: -torch.min(rho * a, rho * a.clamp(1 - s.clip_eps,
-                                                                      1 + s.clip_eps_high)))),
     ]
     problem = compare("per_token_loss", fn, grpo.per_token_loss, cases, diagnoses)
     if problem is None and compare("per_token_loss", fn, grpo.per_token_loss, cases[:1],
@@ -367,19 +372,15 @@ def check_value_loss(fn):
              ("values equal to old", (old, old, returns, 0.2)),
              ("a wide clip (nothing clipped)", (values, old, returns, 10.0))]
 
-    def mistaken(combine, center=lambda v, old: old, half=0.5):
+    def mistaken(combine, half=0.5):
         def loss(v, old, ret, eps):
-            c = center(v, old)
-            c = ret if c is None else c
-            clipped = c + (v - c).clamp(-eps, eps)
+            clipped = old + (v - old).clamp(-eps, eps)
             return half * combine((v - ret) ** 2, (clipped - ret) ** 2)
         return loss
     diagnoses = [
         ("min of the two losses; the clipped value loss takes the max (pessimistic)",
          mistaken(torch.min)),
         ("the 0.5 in front of the squared error is missing", mistaken(torch.max, half=1.0)),
-        ("the clip is around the returns; V_clipped = old_values + clip(V - old_values, -eps, eps)",
-         mistaken(torch.max, center=lambda v, old: None)),
         ("no clipping: 0.5 (V - R)^2 alone; the clipped branch is missing",
          lambda v, old, ret, eps: 0.5 * (v - ret) ** 2),
         ("sign flipped: the loss is +0.5 max(...), which the critic minimises",

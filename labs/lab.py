@@ -146,3 +146,13 @@ def plot(folder, keys, extra=None):
         plt.show()  # inline in Jupyter and VS Code
     plt.close(fig)
     return path
+
+
+def load(path):
+    """A lab file as a module (its check and run cells stay idle: they run under __main__)."""
+    import importlib.util
+    name = "lab" + os.path.basename(path).split("_")[0].lstrip("0")  # labs/02_grpo.py: lab2
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
