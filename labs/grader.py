@@ -287,8 +287,12 @@ def check_per_token_loss(fn):
             kl = 0 if ref is None or not use_kl else C.kl_estimate(lp, ref, args.kl_estimator)
             return surrogate(ratio, a, args) * w + kl_sign * args.beta * kl
         return loss
-    clamp = lambda rho, a, lo, hi: torch.clamp(rho, 1 - lo, 1 + hi) * a  # noqa: E731
-    right = lambda rho, a, s: -torch.min(rho * a, clamp(rho, a, s.clip_eps, s.clip_eps_high))  # noqa: E731,E501
+
+    def clamp(rho, a, lo, hi):
+        return torch.clamp(rho, 1 - lo, 1 + hi) * a
+
+    def right(rho, a, s):
+        return -torch.min(rho * a, clamp(rho, a, s.clip_eps, s.clip_eps_high))
     diagnoses = [
         ("sign flipped: the loss is -min(rho A, clip(rho) A), minus the objective",
          grpo_with(lambda rho, a, s: torch.min(rho * a, clamp(rho, a, s.clip_eps,
@@ -397,7 +401,9 @@ def check_dpo_loss(fn):
              ("beta 0.5, chosen far above rejected", (lc + 3, lr - 3, rc, rr,
                                                       SimpleNamespace(**{**vars(args),
                                                                          "beta": 0.5}))),
-             ("policy = reference: loss log 2", (rc, rr, rc, rr, args))]
+             ("policy = reference: loss log 2", (rc, rr, rc, rr, args)),
+             ("label_smoothing 0.1 (cDPO)", (lc, lr, rc, rr, SimpleNamespace(
+                 **{**vars(args), "label_smoothing": 0.1})))]
     F = torch.nn.functional
 
     def with_h(h_of, beta=True, sign=1.0):
@@ -414,6 +420,8 @@ def check_dpo_loss(fn):
          lambda *a: -dpo.dpo_loss(*a)[0]),
         ("the loss is -sigmoid(beta h); it is -log sigmoid(beta h)",
          lambda c, r, c0, r0, a: -torch.sigmoid(a.beta * right_h(c, r, c0, r0))),
+        ("label_smoothing is ignored: L = -(1 - eps) log sigmoid(beta h) - eps log sigmoid("
+         "-beta h)", with_h(right_h)),
     ]
     return compare("dpo_loss", fn, dpo.dpo_loss, cases, diagnoses)
 

@@ -13,7 +13,7 @@ figure. A student reads a lab file, not this one; an instructor reads this docst
 
 Environment (for CI and the instructor): MINRL_LAB_SOLUTIONS=1 fills the holes;
 MINRL_LAB_RUNS=DIR puts the runs under DIR (default runs/ in the repository);
-MINRL_LAB_STEPS=N trains N steps instead of the lab's own number (CI: fewer).
+MINRL_LAB_FLAGS="..." adds flags to every run (the last of a flag wins; CI: fewer steps).
 """
 import functools
 import json
@@ -73,8 +73,7 @@ def train(script, flags, swaps):
     parent = os.environ.get("MINRL_LAB_RUNS") or os.path.join(ROOT, "runs")
     folder = os.path.join(parent, f"lab-{name}-{time.strftime('%Y%m%d-%H%M%S')}")
     argv = [f"{name}.py", *flags.split(), "--output_dir", folder]
-    if os.environ.get("MINRL_LAB_STEPS"):  # the last --max_steps wins
-        argv += ["--max_steps", os.environ["MINRL_LAB_STEPS"]]
+    argv += os.environ.get("MINRL_LAB_FLAGS", "").split()  # after the lab's: they win
     saved = {}
     before = sys.argv, signal.getsignal(signal.SIGINT)
     try:

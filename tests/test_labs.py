@@ -1,6 +1,6 @@
 """labs/: the grader names each planted mistake; the stubs say what to write; the holes filled
 with the project's functions pass; lab.train puts the project's functions back; every lab runs
-end to end with the solutions and learns (CI: MINRL_LAB_STEPS=20, not the lab's 40-60 steps)."""
+end to end with the solutions and learns (CI: fewer steps and held-out prompts than the labs)."""
 import glob
 import json
 import os
@@ -19,6 +19,7 @@ import lab  # noqa: E402  (labs/lab.py)
 
 import grpo  # noqa: E402
 
+CI_FLAGS = "--max_steps 20 --eval_size 100"  # the labs: 40-100 steps, 200 held-out prompts
 LABS = sorted(glob.glob(os.path.join(ROOT, "labs", "[0-9]*.py")))
 
 
@@ -255,7 +256,7 @@ def test_each_lab_runs_with_the_solutions_and_learns(path, tmp_path):
     cell passes, the run in the script's own loop lifts the held-out score by 0.25 or more
     (0.315 before on every lab; the full labs reach 0.9 and more), the figure is written."""
     env = {**os.environ, "MINRL_LAB_SOLUTIONS": "1", "MINRL_LAB_RUNS": str(tmp_path),
-           "MINRL_LAB_STEPS": "20", "HF_HUB_OFFLINE": "1"}
+           "MINRL_LAB_FLAGS": CI_FLAGS, "HF_HUB_OFFLINE": "1"}
     r = subprocess.run([sys.executable, path], capture_output=True, text=True, env=env,
                        cwd=tmp_path, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
