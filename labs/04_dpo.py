@@ -51,8 +51,9 @@ if __name__ == "__main__":
 #
 # Expect the held-out greedy accuracy on the sums (never trained on directly: only pairs of
 # answers ranked by quality) from about 0.3 to about 0.8, the implicit reward margin growing and
-# the pairs it orders right (rewards/accuracy) from about 0.67 to about 0.76. Then try `--beta 1` and `--beta 0.01`: which one stays
-# closer to the reference, and what happens to the margin?
+# the pairs it orders right (rewards/accuracy) from about 0.67 to about 0.76. Then try
+# `--beta 1` and `--beta 0.01`: which one stays closer to the reference, and what happens to
+# the margin?
 
 # %%
 if __name__ == "__main__":

@@ -446,11 +446,43 @@ def check_opd_advantages(fn):
     return None
 
 
+# ------------------------------------------------------------------ lab 7: a tool environment
+def check_calc(fn):
+    """Text, not tensors: each case is one rule of the environment, named in the message."""
+    from plumbing import calc
+    row = {"prompt": "4312+5839=", "answer": "10151"}
+    cases = [
+        (["<calc>4312+5839</calc>"], "a call gives the sum with a space on each side"),
+        (["<calc>4312-5839</calc>"], "a subtraction gives the difference, sign included"),
+        (["<calc>12*30</calc>"], "a product"),
+        (["10151"], "a turn without a call was the answer: None ends the episode"),
+        (["<calc>4312+5839</calc>", "10151"], "only the last turn counts: it has no call"),
+        (["<calc>1+2</calc> 3 ", "<calc>40+2</calc>"], "only the last turn counts: its call"),
+        (["<calc>12+</calc>"], "a call it cannot read gets ' error '"),
+        (["<calc>1234567890123+1</calc>"], "more than 12 digits gets ' error '"),
+        (["<calc>4312+5839</calc> \n"], "whitespace after the call is still a call"),
+        (["<calc>7+8</calc> and more"], "a call that is not at the end of the turn is no call"),
+        (["<calc>1<calc>2+3</calc>"], "only the text inside the last <calc> counts"),
+        (["<calc> 2 + 3 </calc>"], "spaces around the numbers are fine"),
+    ]
+    for turns, rule in cases:
+        expected = calc.calc(dict(row), list(turns))
+        try:
+            got = fn(dict(row), list(turns))
+        except NotImplementedError as e:
+            return f"not written yet ({e})"
+        except Exception as e:  # noqa: BLE001
+            return f"raised {type(e).__name__}: {str(e).splitlines()[0][:100]} (turns {turns!r})"
+        if got != expected:
+            return f"{rule}: turns {turns!r} gave {got!r}, expected {expected!r}"
+    return None
+
+
 CHECKS = {"token_logprobs": check_token_logprobs, "masked_mean": check_masked_mean,
           "rloo_baseline": check_rloo_baseline, "reinforce_loss": check_reinforce_loss,
           "group_advantages": check_group_advantages, "kl_estimate": check_kl_estimate,
           "per_token_loss": check_per_token_loss, "gae": check_gae, "value_loss": check_value_loss,
-          "dpo_loss": check_dpo_loss, "opd_advantages": check_opd_advantages}
+          "dpo_loss": check_dpo_loss, "opd_advantages": check_opd_advantages, "calc": check_calc}
 
 
 def grade(name, fn):

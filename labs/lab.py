@@ -78,7 +78,7 @@ def train(script, flags, swaps):
     before = sys.argv, signal.getsignal(signal.SIGINT)
     try:
         for dotted, fn in swaps.items():
-            module_name, fn_name = dotted.split(".")
+            module_name, fn_name = dotted.rsplit(".", 1)  # "plumbing.calc.calc": calc.py's
             module = sys.modules[module_name]
             saved[module, fn_name] = getattr(module, fn_name)  # AttributeError: a wrong name
             setattr(module, fn_name, fn)

@@ -4,6 +4,7 @@ end to end with the solutions and learns (CI: fewer steps and held-out prompts t
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -163,6 +164,21 @@ def dpo_mutant(swap=False, beta=True, ref=True):
     return dpo_loss
 
 
+def calc_mutant(spaces=True, last_only=True, errors=True, ops="+-*"):
+    def calc(row, turns):
+        text = turns[-1] if last_only else turns[0]
+        call = re.search(r"<calc>(.*)</calc>\s*$", text, re.S)
+        if call is None:
+            return None
+        m = re.fullmatch(r"\s*(-?\d+)\s*([-+*])\s*(-?\d+)\s*", call.group(1).split("<calc>")[-1])
+        if m is None or max(len(m.group(1)), len(m.group(3))) > 12 or m.group(2) not in ops:
+            return " error " if errors else None
+        a, op, b = int(m.group(1)), m.group(2), int(m.group(3))
+        result = a + b if op == "+" else a - b if op == "-" else a * b
+        return f" {result} " if spaces else str(result)
+    return calc
+
+
 MUTANTS = [
     ("token_logprobs", lp_no_shift, "no shift"),
     ("token_logprobs", lp_no_temperature, "not divided by the temperature"),
@@ -210,6 +226,10 @@ MUTANTS = [
     ("dpo_loss", dpo_mutant(ref=False), "reference is not subtracted"),
     ("opd_advantages", lambda lp, t, c=1.0: (c * (lp - t)).detach(), "sign flipped"),
     ("opd_advantages", lambda lp, t, c=1.0: -c * (lp - t), "carries a gradient"),
+    ("calc", calc_mutant(spaces=False), "a space on each side"),
+    ("calc", calc_mutant(last_only=False), "only the last turn counts"),
+    ("calc", calc_mutant(errors=False), "cannot read gets ' error '"),
+    ("calc", calc_mutant(ops="+"), "a subtraction"),
 ]
 
 
