@@ -6,7 +6,7 @@
 # the loss: the model did not write them); the model goes on, until the environment says the
 # episode is over. You write the environment of the bundled calculator task; `grpo.py --env
 # calc` then trains models/tiny-calc (a 1 M-parameter model that cannot add 4-digit numbers in
-# its head, warm-started to call the tool 30% of the time) with it (~1 min).
+# its head, warm-started to call the tool 30% of the time) with it (~70 s of CPU).
 #
 # Run it: `python labs/07_tools.py`. Grade only: `python -m pytest labs -k lab7`.
 
@@ -53,9 +53,9 @@ if __name__ == "__main__":
 #
 # 60 steps (the --env calc preset: 48 new tokens, 4 samples per held-out prompt, the held-out
 # score is their mean). Expect the held-out score from about 0.28 to about 0.9, and frac_tool
-# (the share of completions that call the tool) from about 0.5 to nearly 1: the model learns
-# that calling pays. Read a transcript in the run's samples.jsonl (observations as ⟦ 6912 ⟧).
-# Then make the tool return a wrong sum one time in three: what does the model learn?
+# (the share of completions that call the tool) from about 0.3 at step 1 to nearly 1: the model
+# learns that calling pays. Read a transcript in the run's samples.jsonl (observations show as
+# ⟦ 6912 ⟧). Then make the tool return a wrong sum one time in three: what does the model learn?
 
 # %%
 if __name__ == "__main__":

@@ -153,12 +153,14 @@ def value_mutant(pick=torch.max, half=0.5, clip=True):
     return value_loss
 
 
-def dpo_mutant(swap=False, beta=True, ref=True):
+def dpo_mutant(swap=False, beta=True, ref=True, smoothing=True):
     def dpo_loss(logp_chosen, logp_rejected, ref_chosen, ref_rejected, args):
         c, r = (logp_rejected, logp_chosen) if swap else (logp_chosen, logp_rejected)
         c0, r0 = (ref_rejected, ref_chosen) if swap else (ref_chosen, ref_rejected)
         h = (c - c0 - r + r0) if ref else (c - r)
-        loss = -F.logsigmoid((args.beta if beta else 1) * h)
+        z = (args.beta if beta else 1) * h
+        eps = args.label_smoothing if smoothing else 0.0
+        loss = -(1 - eps) * F.logsigmoid(z) - eps * F.logsigmoid(-z)
         return loss, (args.beta * (logp_chosen - ref_chosen)).detach(), \
             (args.beta * (logp_rejected - ref_rejected)).detach()
     return dpo_loss
@@ -224,6 +226,7 @@ MUTANTS = [
     ("dpo_loss", dpo_mutant(swap=True), "chosen and rejected are swapped"),
     ("dpo_loss", dpo_mutant(beta=False), "beta is missing"),
     ("dpo_loss", dpo_mutant(ref=False), "reference is not subtracted"),
+    ("dpo_loss", dpo_mutant(smoothing=False), "label_smoothing is ignored"),
     ("opd_advantages", lambda lp, t, c=1.0: (c * (lp - t)).detach(), "sign flipped"),
     ("opd_advantages", lambda lp, t, c=1.0: -c * (lp - t), "carries a gradient"),
     ("calc", calc_mutant(spaces=False), "a space on each side"),
@@ -231,6 +234,45 @@ MUTANTS = [
     ("calc", calc_mutant(errors=False), "cannot read gets ' error '"),
     ("calc", calc_mutant(ops="+"), "a subtraction"),
 ]
+
+
+# ---- right answers, written plainly as a student would (not the project's code): they pass
+def lp_plain(model, ids, attention_mask, T, temperature=1.0, entropy=False):
+    logits = lab.logits(model, ids, attention_mask)  # all P + T positions, not the last T + 1
+    logp = torch.log_softmax(logits[:, -T - 1:-1].float() / temperature, dim=-1)
+    lp = torch.gather(logp, 2, ids[:, -T:].unsqueeze(-1)).squeeze(-1)
+    return lp, -(logp.exp() * logp).sum(-1) if entropy else None
+
+
+def mean_plain(x, mask, dim=None, total=None):
+    return (x * mask).sum(dim) / torch.clamp(mask.sum(dim), min=1)
+
+
+def gae_plain(rewards, values, mask, gamma, lam):
+    values, rewards = values * mask, rewards * mask
+    B, T = rewards.shape
+    A = torch.zeros(B, T)
+    for t in range(T - 1, -1, -1):
+        v_next = values[:, t + 1] if t < T - 1 else torch.zeros(B)
+        a_next = A[:, t + 1] if t < T - 1 else torch.zeros(B)
+        delta = rewards[:, t] + gamma * v_next - values[:, t]
+        A[:, t] = (delta + gamma * lam * a_next) * mask[:, t]
+    return A, A + values
+
+
+ANSWERS = [
+    ("token_logprobs", lp_plain), ("masked_mean", mean_plain),
+    ("rloo_baseline", lambda r, k: torch.stack([
+        (g.sum() - g) / (k - 1) for g in r.split(k)]).flatten()),
+    ("group_advantages", adv(lambda r: r.std(1, keepdim=True))),
+    ("kl_estimate", k3()), ("per_token_loss", surrogate()), ("gae", gae_plain),
+    ("value_loss", value_mutant()), ("dpo_loss", dpo_mutant()), ("calc", calc_mutant()),
+]
+
+
+@pytest.mark.parametrize("name, answer", ANSWERS, ids=[n for n, _ in ANSWERS])
+def test_grader_passes_a_right_answer_written_otherwise(name, answer):
+    assert grader.grade(name, answer) is None
 
 
 @pytest.mark.parametrize("name, mutant, words", MUTANTS,
