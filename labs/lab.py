@@ -113,7 +113,7 @@ def plot(folder, keys, extra=None):
     for key in keys:
         ys = [m[key] for m in history if m.get(key) is not None]
         if ys:
-            n = min(10, len(ys))
+            n = max(1, min(10, len(ys) // 2))  # short runs: the first and the last half
             print(f"{key}: {sum(ys[:n]) / n:.4g} (first {n} steps) -> {sum(ys[-n:]) / n:.4g} "
                   f"(last {n})")
     try:
@@ -121,8 +121,7 @@ def plot(folder, keys, extra=None):
     except ImportError:
         print("no figure: pip install matplotlib for it")
         return None
-    if "ipykernel" not in sys.modules:  # a plain python run: no window, only the file
-        matplotlib.use("Agg")
+    matplotlib.use("Agg")  # draw into a file; a notebook shows it below
     import matplotlib.pyplot as plt
     extra = extra or {}
     n = 1 + len(keys) + len(extra)
@@ -141,9 +140,10 @@ def plot(folder, keys, extra=None):
     path = os.path.join(folder, "labs-figure.png")
     fig.savefig(path)
     print(f"figure: {path}")
-    if "ipykernel" in sys.modules:
-        plt.show()  # inline in Jupyter and VS Code
     plt.close(fig)
+    if "ipykernel" in sys.modules:  # a notebook (Jupyter, VS Code): the figure, inline
+        from IPython.display import Image, display
+        display(Image(filename=path))
     return path
 
 
