@@ -52,15 +52,16 @@ def compare(fn, reference, cases, diagnoses=(), nan=None, out=first):
             got = None  # not the project's kind of result
         if not isinstance(got, torch.Tensor):
             return f"returned {type(got).__name__}, not what the project's returns ({what})"
-        if got.shape != expected.shape:
-            return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)} ({what})"
         if same(got, expected):
             continue
-        if torch.isnan(got).any() and not torch.isnan(expected).any():
+        if got.shape == expected.shape and torch.isnan(got).any() \
+                and not torch.isnan(expected).any():
             return nan or f"nan where the project's is finite ({what})"
         for message, wrong in diagnoses:
             if same(got, out(attempt(wrong, args))):
                 return message
+        if got.shape != expected.shape:
+            return f"shape {tuple(got.shape)}, expected {tuple(expected.shape)} ({what})"
         gap = (got.double() - expected.double()).abs().nan_to_num(float("inf"))
         at = tuple(int(i) for i in torch.unravel_index(gap.argmax(), gap.shape))
         return (f"differs from the project's ({what}): at {at} got {float(got[at]):.4g}, "

@@ -191,6 +191,8 @@ MUTANTS = [
      "padding's values are in the mean"),
     ("masked_mean", mean_padding_counted, "the padding is counted"),
     ("masked_mean", mean_no_clamp, "row without any token gives nan"),
+    ("masked_mean", lambda x, m, d=None, total=None: (x * m).sum(0 if d == -1 else d) / m.sum(
+        0 if d == -1 else d).clamp(min=1), "the mean is over the other axis"),
     ("rloo_baseline", rloo_with_own, "includes the sample's own reward"),
     ("rloo_baseline", rloo_over_k, "divides by k, not k - 1"),
     ("rloo_baseline", rloo_strided, "k contiguous rows"),
