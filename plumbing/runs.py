@@ -11,6 +11,8 @@ A run folder holds:
                   replaced atomically, so a kill at any moment leaves the previous one loadable
   summary.json    args, held-out score before and after, wall time, peak memory
   curves.png      when matplotlib is installed
+A new run refuses a folder holding one of these (--resume continues that run); anything else
+there (a log the shell writes into it, notes) is left as it is.
 """
 import atexit
 import contextlib
@@ -55,13 +57,16 @@ from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False, "abandon": None}  # Ctrl-C: the loop saves, then stops (step_start)
-NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
+STARTING = {}  # folder -> made by this process: a run that logs no step leaves it as it was
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
 # what gloo (and NCCL) raise in a collective when another process of the launch has exited
 PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash")
-RUN_FILES = ("run.lock", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
-             "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
+# every name a run (any script) or tools/merge_lora.py writes in its folder, beside run.lock; a
+# folder is a new run's only where none is there: anything else (a log the shell writes into it,
+# notes, a config) is never read, written or removed
+RUN_NAMES = ("metrics.jsonl", "samples.jsonl", "summary.json", "curves.png", "checkpoint",
+             "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
 # warn_if_stuck's levels: nearly every completion cut (chat-sums's seed 0 cuts 0.875 at step 1 by
 # design: its sentences score 0 anyway); KL to pi_ref (nats per token) that means the policy has
 # left its start (documented runs: under 0.5 on SmolLM2, docs/real_model.md, up to 1.5 on the
@@ -86,13 +91,19 @@ def main_guard(main):
             STOP["abandon"] = None
             if dist.is_initialized():  # torchrun: leave the process group before exiting (gloo's
                 dist.destroy_process_group()  # threads otherwise abort the process at exit)
-            # a run that failed (or --sanity) before logging a step leaves no empty folder
-            for folder in NEW_FOLDERS:
-                files = os.listdir(folder) if os.path.isdir(folder) else ["gone"]
-                if all(f in ("run.lock", "metrics.jsonl", "samples.jsonl")
-                       and not (f.endswith(".jsonl") and os.path.getsize(f"{folder}/{f}"))
-                       for f in files):
-                    shutil.rmtree(folder, ignore_errors=True)
+            # a run that failed (or --sanity) before logging a step leaves no empty files, nor
+            # the folder if it made it (os.rmdir: only when empty; a user's files there stay)
+            for folder, made in STARTING.items():
+                if _holds(folder, "metrics.jsonl"):
+                    continue
+                for name in ("metrics.jsonl", "samples.jsonl"):
+                    if os.path.isfile(f"{folder}/{name}") and not _holds(folder, name):
+                        os.remove(f"{folder}/{name}")
+                _release_lock(folder)
+                if made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
+            STARTING.clear()
     except UserError as e:
         say_once(f"error: {e}")
         sys.exit(2)
@@ -188,6 +199,13 @@ def _release_lock(folder):
         pass
 
 
+def _holds(folder, name):
+    """folder/name is there: a folder, or a file with something in it (the empty metrics.jsonl
+    of a run that stopped before its first step holds nothing)."""
+    path = os.path.join(folder, name)
+    return os.path.isdir(path) or os.path.exists(path) and os.path.getsize(path) > 0
+
+
 def read_jsonl_lines(path):
     """A metrics or samples file's lines as dicts. A line cut short by a crash (the last, with no
     newline) is dropped; any other damaged line is dropped with a warning naming it."""
@@ -233,28 +251,23 @@ def start_run(args, algo):
                              samples=None, rank=rank, world=world,
                              saved_step=state["step"] if state else 0)
         return STARTED["run"]
-    others = sorted(set(os.listdir(folder)) - set(RUN_FILES)) if os.path.isdir(folder) else []
-    if others and not args.resume:  # a run writes (and replaces) checkpoint/, summary.json, ...
-        raise UserError(f"--output_dir {folder!r} holds files that are not a run's "
-                        f"({', '.join(others[:3])}), beside which a run would write and replace "
-                        "its own: give a new or empty folder")
+    found = [name for name in RUN_NAMES if _holds(folder, name)]  # a new run would replace them
+    if found and not args.resume:  # (--resume: the folder's own run goes on)
+        if "metrics.jsonl" in found and "checkpoint" not in found:
+            raise UserError(flags.no_checkpoint(folder))  # --resume cannot go on: say what can
+        way = f"continue it with --resume {folder}, or" if "checkpoint" in found else "move them or"
+        raise UserError(f"--output_dir {folder!r} already holds a run ({', '.join(found)}), "
+                        f"which a new run would replace: {way} choose another --output_dir")
     try:
-        if not os.path.exists(folder):
-            NEW_FOLDERS.add(folder)
+        made = not os.path.exists(folder)
         os.makedirs(folder, exist_ok=True)
         _take_lock(folder)
+        STARTING[folder] = made
     except OSError as e:
         raise UserError(f"--output_dir {folder!r}: {e.strerror or e}") from None
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
     state = _load_state(folder, args.max_steps) if args.resume else None
-    held = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
-    if not state and held and not os.path.exists(os.path.join(folder, "checkpoint")):
-        raise UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
-    if not state and (held or os.path.exists(os.path.join(folder, "checkpoint"))):
-        raise UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
-                        f"checkpoint/), which a new run would replace: continue "
-                        f"it with --resume {folder}, or choose another --output_dir")
     for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
         shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)
     history = _trim_jsonl(metrics_path, state["step"]) if state else []
@@ -451,7 +464,7 @@ def skip_update(run, what):
 
 def stop_run(run, why):
     """End the run in one line (exit 2), keeping its folder, metrics.jsonl and last checkpoint."""
-    NEW_FOLDERS.discard(run.dir)  # kept even with no step logged: it is evidence
+    STARTING.pop(run.dir, None)  # kept even with no step logged: it is evidence
     kept = f"the checkpoint of step {run.saved_step}" if run.saved_step else "no checkpoint yet"
     raise UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl and {kept}")
 
