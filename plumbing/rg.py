@@ -12,9 +12,10 @@ go with it.
 
 Held out, never trained on: the training items are the generator's items 0 .. size - 1 at `seed`,
 drawn at random (reasoning-gym makes item i from random.Random(seed + i)); the held-out items are
-items 0 .. n - 1 at EVAL_SEED = 2**40, a seed space no training item reaches while seed + size <
-2**40; and a training item whose question is a held-out question is drawn again (a small
-generator repeats questions). A mixture holds out --eval_size rows shared by weight.
+items 0 .. n - 1 at EVAL_SEED = 2**31, seeds no training item reaches while seed + size <=
+2**31, and every seed stays under 2**32, numpy's limit (pool_matrix seeds numpy with seed + i);
+a training item whose question is a held-out question is drawn again (a small generator repeats
+questions). A mixture holds out --eval_size rows shared by weight.
 
 The reward rg (--rewards rg=1) is the generator's own score_answer on the answer the completion
 states: the last <answer>...</answer>, or without one the last line, after its last '=' (a small
@@ -38,7 +39,8 @@ except ImportError:
     reasoning_gym = None
 
 PREFIX = "rg:"
-EVAL_SEED = 2**40  # the held-out items' seed: above every training item's seed + index
+EVAL_SEED = 2**31  # the held-out items' seed: above every training item's seed + index, and
+# EVAL_SEED + n below numpy's 2**32 (np.random.seed refuses more) for any --eval_size n < 2**31
 SIZE = 100_000  # training items per generator, unless size=N
 ASK = "\n\nWork it out briefly, then give the final answer in <answer></answer> tags."
 # --data rg:... sets these defaults for the RL scripts on a real model (explicit flags still win):
@@ -144,8 +146,8 @@ def load(spec, eval_size, curriculum, make_row):
     eval_rows, level, train = [], {}, []  # train: (name, settings, seed, size), weights
     for name, settings, w in tasks:
         seed, size = settings.pop("seed", 0), settings.pop("size", SIZE)
-        if not (0 <= seed and 0 < size and seed + size < EVAL_SEED):
-            raise UserError(f"--data rg:{name}: seed + size must be < 2**40 (the held-out "
+        if not (0 <= seed and 0 < size and seed + size <= EVAL_SEED):
+            raise UserError(f"--data rg:{name}: seed + size must be <= 2**31 (the held-out "
                             f"seed) and size > 0, not seed {seed}, size {size}")
         held = generator(name, tuple(sorted(settings.items())), EVAL_SEED)  # the given settings
         n = max(1, round(eval_size * w / total))  # a mixture: shared by weight

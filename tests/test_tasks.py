@@ -39,7 +39,7 @@ def test_spec_settings_mixture_weights_and_its_errors():
                           ("rg:chain_sum:0", "the weight of chain_sum must be > 0"),
                           ("rg:chain_sum?min_terms=5&max_terms=2", "refuses the settings"),
                           ("rg:chain_sum?size=0", "size > 0"),
-                          ("rg:chain_sum?seed=1099511627000&size=1000", "must be < 2**40")):
+                          ("rg:chain_sum?seed=2147483000&size=1000", "must be <= 2**31")):
         with pytest.raises(UserError, match=spec.split(":")[1].split("?")[0]) as e:
             tasks.load_data(spec, 10)
         assert message in str(e.value)
@@ -47,12 +47,12 @@ def test_spec_settings_mixture_weights_and_its_errors():
 
 @needs_rg
 def test_held_out_is_another_seed_space_and_never_trained_on():
-    """Held out: the generator's items 0..n-1 at seed 2**40 (as reasoning-gym makes them); the
+    """Held out: the generator's items 0..n-1 at seed 2**31 (as reasoning-gym makes them); the
     training rows come from seed 0 and never ask a held-out question (a small generator repeats
     its questions: 2 one-digit terms make a few hundred)."""
     import reasoning_gym
     data = tasks.load_data(EASY, 100)
-    direct = reasoning_gym.create_dataset("chain_sum", seed=2**40, size=100, max_terms=2,
+    direct = reasoning_gym.create_dataset("chain_sum", seed=2**31, size=100, max_terms=2,
                                           max_digits=1)
     assert [r["rg_entry"]["question"] for r in data.eval_rows] == [e["question"] for e in direct]
     held = {r["rg_entry"]["question"] for r in data.eval_rows}
@@ -63,6 +63,22 @@ def test_held_out_is_another_seed_space_and_never_trained_on():
     assert row["prompt"][0]["role"] == "user" and row["prompt"][0]["content"].endswith(rg.ASK)
     assert row["answer"] == row["rg_entry"]["answer"] and row["rg_task"] == "chain_sum"
     assert data.next_batch(random.Random(3), 5) == data.next_batch(random.Random(3), 5)
+
+
+@needs_rg
+def test_a_generator_that_seeds_numpy_loads_and_trains_at_every_allowed_seed():
+    """pool_matrix seeds numpy's global generator with seed + i (numpy takes < 2**32): its
+    held-out items (seed 2**31 + i) and its training items up to the last seed allowed (seed +
+    size = 2**31) are made; held-out and training seeds never meet."""
+    import reasoning_gym
+    data = tasks.load_data("rg:pool_matrix", 8)
+    direct = reasoning_gym.create_dataset("pool_matrix", seed=2**31, size=8)
+    assert [r["rg_entry"]["question"] for r in data.eval_rows] == [e["question"] for e in direct]
+    last = tasks.load_data(f"rg:pool_matrix?seed={2**31 - 100}&size=100", 8)
+    assert len(last.next_batch(random.Random(0), 50)) == 50
+    assert rg.generator("pool_matrix", (), 2**31 - 100)[99]["question"]  # seed 2**31 - 1
+    with pytest.raises(UserError, match="seed \\+ size must be <= 2\\*\\*31"):
+        tasks.load_data(f"rg:pool_matrix?seed={2**31 - 99}&size=100", 8)
 
 
 @needs_rg
