@@ -152,6 +152,27 @@ def test_curriculum_rises_with_the_training_score_and_falls(monkeypatch):
         tasks.load_data("", 4, curriculum=(0.8, 0.3))
 
 
+@needs_rg
+def test_the_curriculum_rises_at_its_threshold_and_stops_at_its_last_level():
+    """A window whose mean is exactly --curriculum_up (48 of 64 right: 0.75) raises the level
+    (>=, not >). The top is rg.max_level, the last level that changes the generator's settings
+    (naive: the configs of levels 0, 1, 2, ... compared): a perfect window there leaves it."""
+    for name in ("chain_sum", "basic_arithmetic"):
+        configs = [rg.config(name, {}, level) for level in range(rg.max_level(name) + 3)]
+        assert rg.max_level(name) == max(i for i in range(1, len(configs))
+                                          if configs[i] != configs[i - 1])
+    data = tasks.load_data("rg:chain_sum", 4, curriculum=(0.75, 0.25))
+    rows = data.next_batch(random.Random(0), 64)
+    at_threshold = {"rg": torch.tensor([1.0] * 48 + [0.0] * 16)}
+    assert tasks.observe(data.state, rows, at_threshold["rg"], at_threshold, 8) \
+        ["curriculum/chain_sum"] == 1
+    top = rg.max_level("chain_sum")
+    data.state["level"]["chain_sum"] = top
+    perfect = {"rg": torch.ones(64)}
+    assert tasks.observe(data.state, rows, perfect["rg"], perfect, 8)["curriculum/chain_sum"] == top
+    assert data.next_batch(random.Random(0), 2)  # the top level's generator is made
+
+
 def test_skip_uniform_skips_prompts_whose_last_k_groups_scored_alike(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i)}) + "\n"
