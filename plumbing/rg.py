@@ -132,6 +132,25 @@ def max_level(name):
     return max(len(a.levels) for a in factory.create_curriculum(name).attributes.values()) - 1
 
 
+def check_levels(name, settings, seed):
+    """Every level the curriculum can reach (0 .. max_level) makes a generator, checked at load:
+    reasoning-gym's own level values break some (caesar_cipher's rotation at levels 2-3), which
+    would otherwise stop the run when the curriculum got there. One line naming those it takes."""
+    refused, why = [], ""
+    for level in range(max_level(name) + 1):
+        try:
+            generator(name, settings, seed, level)
+        except UserError as e:
+            refused.append(level)
+            why = why or str(e).partition(f"{dict(settings)} (")[2][:-1]  # generator()'s reason
+    if refused:
+        top = max_level(name)
+        taken = ", ".join(str(n) for n in range(top + 1) if n not in refused) or "none"
+        raise UserError(f"--curriculum_up: reasoning-gym refuses {name}'s curriculum at level(s) "
+                        f"{', '.join(map(str, refused))} of 0-{top} ({why}); it takes {taken}: "
+                        f"train {name} without --curriculum_up, at the settings given")
+
+
 def row(name, entry):
     return {"prompt": [{"role": "user", "content": entry["question"] + ASK}],
             "answer": str(entry["answer"]), "rg_task": name, "rg_entry": entry}
@@ -159,6 +178,7 @@ def load(spec, eval_size, curriculum, make_row):
             moved = {getattr(a, f, None) for a in factory.create_curriculum(name).attributes
                      .values() for f in ("lower_field_name", "upper_field_name", "field_name")}
             settings = {k: v for k, v in settings.items() if k not in moved}
+            check_levels(name, tuple(sorted(settings.items())), seed)
         train.append((name, tuple(sorted(settings.items())), seed, size))
     weights = [w for _, _, w in tasks]
     questions = {r["rg_entry"]["question"] for r in eval_rows}

@@ -15,7 +15,7 @@ import ppo
 import reinforce
 from plumbing import loading, rg, runs, tasks
 from plumbing.flags import parse_args
-from tests.helpers import read_metrics, run_main
+from tests.helpers import one_error_line, read_metrics, run_main
 
 needs_rg = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
                               reason="pip install reasoning-gym==0.1.25")
@@ -171,6 +171,30 @@ def test_the_curriculum_rises_at_its_threshold_and_stops_at_its_last_level():
     perfect = {"rg": torch.ones(64)}
     assert tasks.observe(data.state, rows, perfect["rg"], perfect, 8)["curriculum/chain_sum"] == top
     assert data.next_batch(random.Random(0), 2)  # the top level's generator is made
+
+
+@needs_rg
+def test_curriculum_levels_reasoning_gym_refuses_are_one_line_at_load(chat_model, monkeypatch,
+                                                                      tmp_path, capsys):
+    """caesar_cipher's curriculum sets a rotation its own check refuses at levels 2-3 (and
+    knight_swap's, min_nodes 5, at every level): a run would stop when its curriculum got there.
+    At load: one line, exit 2, naming the generator and the levels it takes; the same run
+    without --curriculum_up trains."""
+    flags = ["--model", chat_model, "--data", "rg:caesar_cipher", "--rewards", "random=1",
+             "--max_steps", "1", "--prompts_per_step", "2", "--group_size", "2",
+             "--micro_batch_size", "4", "--max_new_tokens", "3", "--eval_size", "2",
+             "--eval_every", "0", "--chat_template", "none"]
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *flags, "--curriculum_up", "0.8", "--output_dir",
+                 tmp_path / "refused", guard=True)
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "refuses caesar_cipher's curriculum at level(s) 2, 3 of 0-3" \
+        in line and "it takes 0, 1: train caesar_cipher without --curriculum_up" in line
+    assert not (tmp_path / "refused").exists()
+    run_main(monkeypatch, grpo, *flags, "--output_dir", tmp_path / "works", guard=True)
+    assert len(read_metrics(tmp_path / "works")) == 1
+    with pytest.raises(UserError, match="knight_swap's curriculum at level.* it takes none"):
+        tasks.load_data("rg:chain_sum,knight_swap", 4, curriculum=(0.8, 0.3))
 
 
 def test_skip_uniform_skips_prompts_whose_last_k_groups_scored_alike(tmp_path):
