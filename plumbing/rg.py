@@ -19,7 +19,8 @@ questions). A mixture holds out --eval_size rows shared by weight.
 
 The reward rg (--rewards rg=1) is the generator's own score_answer on the answer the completion
 states: the last <answer>...</answer>, or without one the last line, after its last '=' (a small
-model writes "4 + 7 = 11"). Scores are reasoning-gym's, partial credit included (0-1).
+model writes "4 + 7 = 11"). Scores are reasoning-gym's, partial credit included (0-1). rg_strict
+reads the answer as reasoning-gym does (no tags: no answer, 0); docs/tasks.md says why rg is not.
 
 Curriculum (--curriculum_up): a generator with a reasoning-gym curriculum trains at a level (0:
 its easiest settings; each level up raises every attribute one step, e.g. chain_sum's number of
@@ -203,12 +204,14 @@ def load(spec, eval_size, curriculum, make_row):
                            state=state)
 
 
-def stated_answer(completion):
+def stated_answer(completion, strict=False):
     """What the completion gives as its answer: the last <answer>...</answer>, else its last
-    line, after the line's last '='."""
+    line, after the line's last '=' (strict: else None, as reasoning-gym's extract_answer)."""
     tagged = re.findall(r"<answer>(.*?)</answer>", completion, re.S)
     if tagged:
         return tagged[-1].strip()
+    if strict:
+        return None
     lines = completion.strip().splitlines()
     return lines[-1].rpartition("=")[2].strip() if lines else ""
 
@@ -218,15 +221,15 @@ def scorer(name):
     return factory.get_score_answer_fn(name)
 
 
-def score(completion, row):
+def score(completion, row, strict=False):
     try:
-        return float(scorer(row["rg_task"])(stated_answer(completion), row["rg_entry"]))
+        return float(scorer(row["rg_task"])(stated_answer(completion, strict), row["rg_entry"]))
     except Exception:  # a verifier that chokes on the model's text (an expression it cannot
         return 0.0  # parse): a wrong answer, not a crashed run
 
 
-def reward(completions, rows):
+def reward(completions, rows, strict=False):
     """--rewards rg: each row's generator scores the answer its completion states (0-1)."""
     if rows and "rg_task" not in rows[0]:
         raise UserError("--rewards rg scores reasoning-gym's rows: give --data rg:NAME")
-    return [score(c, r) for c, r in zip(completions, rows)]
+    return [score(c, r, strict) for c, r in zip(completions, rows)]

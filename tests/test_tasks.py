@@ -104,6 +104,35 @@ def test_the_rg_reward_scores_the_stated_answer_with_the_generators_scorer(compl
 
 
 @needs_rg
+def test_rg_reads_untagged_answers_and_rg_strict_reads_them_as_reasoning_gym_does(
+        chat_model, monkeypatch, tmp_path):
+    """#66 D10, decided (docs/tasks.md): rg credits an answer without tags (SmolLM2-135M tags none
+    of its 128 greedy held-out answers: read strictly, the preset would have nothing to teach);
+    rg_strict is reasoning-gym's own reading, extract_answer then score_answer: no tags, 0."""
+    import reasoning_gym
+    from reasoning_gym.utils import extract_answer
+    entry = {"question": "State the final answer to the following arithmetic problem: 4 + 3 =",
+             "answer": "7", "metadata": {}}
+    texts = ["<answer>7</answer>", "<answer> 7 </answer>", "<answer>The answer is 7</answer>",
+             "<answer>1</answer>\n<answer>7</answer>", "4 + 3 = 7", "The answer is 7", "7", ""]
+    rows = [rg.row("chain_sum", entry)] * len(texts)
+    theirs = reasoning_gym.create_dataset("chain_sum", size=1).score_answer
+    own = [theirs(extract_answer(t), entry) for t in texts]
+    assert own == [1.0, 1.0, pytest.approx(1 / 15), 1.0, 0.0, 0.0, 0.0, 0.0]
+    fns = {}
+    weights = loading.parse_rewards("rg_strict=1", "", fns)
+    assert C.compute_rewards(rows, texts, weights, fns)[0].tolist() == pytest.approx(own)
+    lenient = rg.reward(texts, rows)
+    assert lenient[:4] == pytest.approx(own[:4])  # tagged: the same reading
+    assert lenient[4:] == pytest.approx([1.0, 1 / 15, 1.0, 0.0])  # untagged: the last line
+    run_main(monkeypatch, grpo, "--model", chat_model, "--data", EASY, "--rewards", "rg_strict=1",
+             "--eval_reward", "rewards", "--max_steps", "1", "--prompts_per_step", "2",
+             "--group_size", "2", "--micro_batch_size", "4", "--max_new_tokens", "3",
+             "--eval_size", "2", "--chat_template", "none", "--output_dir", tmp_path / "strict")
+    assert "reward/rg_strict" in read_metrics(tmp_path / "strict")[0]
+
+
+@needs_rg
 def test_eval_scores_rg_rows_with_the_rg_score_whatever_trains(tmp_path):
     data = tasks.load_data(EASY, 4)
     fns = {}
