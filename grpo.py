@@ -375,12 +375,15 @@ def main():
 
     def score(rows, texts):  # the weighted reward (B,) and each of its parts
         return C.compute_rewards(rows, texts, weights, fns)
+
+    def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
+        R.save_checkpoint(run, model, tok, opt, rng, done,
+                          {"eval_before": eval_before, "data_state": data.state})
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
                disable=run.rank > 0)
     for step in bar:
         # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
-        R.step_start(run, rng, step, lambda: R.save_checkpoint(
-            run, model, tok, opt, rng, step, {"eval_before": eval_before}))
+        R.step_start(run, rng, step, lambda: save(step), data.state)
         t0 = time.time()
         # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample G completions per prompt and score them
@@ -487,8 +490,7 @@ def main():
         R.log_step(run, metrics, bar, samples, opt)
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1,
-                              {"eval_before": eval_before, "data_state": data.state})
+            save(step + 1)
         if stopping:
             break
     R.finish_run(run, metric, eval_before, evaluate)

@@ -14,6 +14,7 @@ A run folder holds:
 """
 import atexit
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -324,20 +325,26 @@ class StepAbandoned(Exception):
     """Ctrl-C before a step's first update: main_guard saves the last completed step, exits."""
 
 
-def step_start(run, rng, step, save):
+def step_start(run, rng, step, save, data_state=None):
     """Called first in each step: until its first update (finite_update), a Ctrl-C abandons the
-    step (a real model's step takes minutes): main_guard puts back the RNG states of now (the data
-    rng's too) and calls save(), the last completed step's checkpoint, so a resume goes on exactly
-    as the uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
-    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states()) if run.world == 1 else None
+    step (a real model's step takes minutes): main_guard puts back what the step has changed so
+    far, the RNG states of now (the data rng's too) and data_state (the data's bookkeeping:
+    curriculum levels, prompts' visits, which the step's draws and tasks.observe move), and calls
+    save(), the loop's own save of the last completed step, so a resume goes on exactly as the
+    uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
+    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states(), data_state,
+                       copy.deepcopy(data_state)) if run.world == 1 else None
 
 
 def _abandon_step():
-    """main_guard, on StepAbandoned: the RNG states step_start kept, then its save()."""
-    step, save, rng, data, states = STOP["abandon"]
+    """main_guard, on StepAbandoned: the RNG states and data state step_start kept, its save()."""
+    step, save, rng, data, states, data_state, kept = STOP["abandon"]
     STOP["abandon"] = None
     rng.setstate(data)
     set_rng_states(*states)
+    if data_state is not None:  # (sft, dpo, reward_model: none)
+        data_state.clear()  # in place: next_batch and observe hold this dict
+        data_state.update(kept)
     run = STARTED["run"]
     if step > run.saved_step:  # steps done since the last checkpoint: save them
         save()
