@@ -256,10 +256,10 @@ def sample_groups(generate, score, data, rng, run, args):
     """G scored completions per prompt: generate(rows) -> (rollout, texts), score(rows, texts) ->
     (rewards (B,), reward parts). dynamic_sampling (DAPO): groups of equal rewards are dropped and
     more are sampled. Returns the kept rollout (with its rows, texts, rewards (B,) and reward
-    parts) and every round's (rewards, reward parts)."""
+    parts) and every round's rows, rewards and reward parts, the dropped groups' too."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
-    # each round's (rollout, the rows it keeps); the rows kept; each round's (rewards, parts)
+    # each round's (rollout, the rows it keeps); the rows kept; each round's (rows, rewards, parts)
     pieces, kept, seen = [], 0, []
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         # this process's share of the step's prompts (torchrun), each G times
@@ -272,7 +272,7 @@ def sample_groups(generate, score, data, rng, run, args):
             length = roll.completion_mask.sum(-1).cpu()
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
-        seen.append((rewards, parts))
+        seen.append((rows, rewards, parts))
         roll.rows, roll.texts, roll.rewards, roll.parts = rows, texts, rewards, parts
         # the groups with a signal (unequal rewards); without dynamic_sampling, every group
         keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)
@@ -284,7 +284,9 @@ def sample_groups(generate, score, data, rng, run, args):
     # no group had a signal, even after resampling: keep the last round (every A = 0)
     if not kept:
         pieces = [(roll, torch.arange(len(rows)))]
-    return cat_rollouts(pieces), seen
+    return cat_rollouts(pieces), ([r for rows, _, _ in seen for r in rows],
+                                  torch.cat([r for _, r, _ in seen]),
+                                  {k: torch.cat([p[k] for _, _, p in seen]) for k in parts})
 
 
 def check_args(args):
@@ -390,8 +392,9 @@ def main():
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
-        # the data's bookkeeping (rg: curriculum levels; prompts to skip)
-        data_logs = data.observe(roll.rows, roll.rewards, roll.parts, G)
+        # the data's bookkeeping (rg: curriculum levels; prompts to skip) sees every group
+        # sampled, those dynamic sampling dropped too (a prompt solved or failed every time)
+        data_logs = data.observe(*seen, G)
         # a NaN/inf reward in any process: no update this step
         if not torch.isfinite(R.global_sum(roll.rewards.sum())):
             R.skip_update(run, "reward")
@@ -459,9 +462,7 @@ def main():
             opt.zero_grad(set_to_none=True)
         # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
-        # every round's rewards and parts (several with dynamic_sampling)
-        all_rewards = torch.cat([r for r, _ in seen])
-        parts = {k: torch.cat([p[k] for _, p in seen]) for k in seen[0][1]}
+        _, all_rewards, parts = seen  # every round's (several with dynamic_sampling)
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),

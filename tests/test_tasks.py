@@ -16,7 +16,7 @@ import ppo
 import reinforce
 from plumbing import loading, rg, runs, tasks
 from plumbing.flags import parse_args
-from tests.helpers import read_metrics, run_main
+from tests.helpers import FAST_GRPO, read_metrics, run_main
 
 needs_rg = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
                               reason="pip install reasoning-gym==0.1.25")
@@ -225,3 +225,28 @@ def test_curriculum_skips_and_random_reward_resume_exactly(script, chat_model, m
     assert [m[k] for m in c for k in keys] == pytest.approx([m[k] for m in a for k in keys])
     assert [m["curriculum/chain_sum"] for m in a] == [0, 1, 1, 2]  # 16 samples a level
     assert max(m["frac_skipped"] for m in a) > 0  # 3 questions a level: some settled, skipped
+
+
+def test_dynamic_sampling_shows_every_sampled_group_to_the_curriculum_and_skips(monkeypatch,
+                                                                              tmp_path):
+    """grpo --dynamic_sampling drops the groups whose rewards are all equal and samples more; the
+    data's bookkeeping (tasks.observe: curriculum levels, --skip_uniform's visits) still sees every
+    group sampled, the dropped ones too: what the logged reward and frac_zero_std are made of,
+    and a prompt solved every time is skipped as it is without dynamic sampling."""
+    real_observe, observed = tasks.observe, []
+
+    def observe(state, rows, rewards, parts, group_size):
+        observed.append(rewards.clone())
+        return real_observe(state, rows, rewards, parts, group_size)
+    monkeypatch.setattr(tasks, "observe", observe)
+    data = tmp_path / "sums.jsonl"  # 6 to train on, each drawn again within a few steps
+    data.write_text("".join(json.dumps(tasks.addition_row(a, a + 1)) + "\n" for a in range(8)))
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--data", data, "--eval_size", "2",
+             "--dynamic_sampling", "--skip_uniform", "1", "--max_steps", "8", "--save_every", "0",
+             "--output_dir", tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
+    assert any(m["frac_zero_std"] > 0 for m in metrics)  # some groups were dropped
+    assert [float(r.mean()) for r in observed] == pytest.approx([m["reward"] for m in metrics])
+    assert [float(grpo.zero_std_groups(r, 4).float().mean()) for r in observed] == \
+        pytest.approx([m["frac_zero_std"] for m in metrics])
+    assert max(m["frac_skipped"] for m in metrics) > 0
