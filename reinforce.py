@@ -304,8 +304,7 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
-        # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
-        R.step_start(run, rng, step, lambda ema=ema: save(step, ema), data.state)
+        R.step_start(run, rng, step, lambda ema=ema: save(step, ema), data.state)  # Ctrl-C: stop
         t0 = time.time()
         # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample k completions per prompt (k contiguous rows each) and score them
