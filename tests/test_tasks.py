@@ -3,6 +3,7 @@ prompt skipping (tasks.observe), the random-reward control (--rewards random).""
 import importlib.util
 import json
 import random
+import signal
 import sys
 
 import pytest
@@ -15,7 +16,7 @@ import ppo
 import reinforce
 from plumbing import loading, rg, runs, tasks
 from plumbing.flags import parse_args
-from tests.helpers import one_error_line, read_metrics, run_main
+from tests.helpers import FAST_GRPO, one_error_line, read_metrics, run_main
 
 needs_rg = pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None,
                               reason="pip install reasoning-gym==0.1.25")
@@ -269,7 +270,9 @@ def test_curriculum_skips_and_random_reward_resume_exactly(script, chat_model, m
                                                            tmp_path):
     """A run stopped after step 2 of 4 and resumed logs what the straight run logged: the
     curriculum's levels, the prompts' visits (what is skipped) and the random rewards' RNG are in
-    the checkpoint. (Random rewards: a level's mean, about 0.5, clears up = 0.01.)"""
+    the checkpoint. So does a run whose Ctrl-C came in step 3 after its scores were observed,
+    before its update (the abandoned step: its checkpoint is step 2's, without step 3's visits).
+    (Random rewards: a level's mean, about 0.5, clears up = 0.01.)"""
     batch = {grpo: ["--prompts_per_step", "4", "--group_size", "2"],
              reinforce: ["--prompts_per_step", "4", "--samples_per_prompt", "2"],
              ppo: ["--batch_size", "8", "--critic_init", "policy", "--ppo_epochs", "1",
@@ -290,9 +293,50 @@ def test_curriculum_skips_and_random_reward_resume_exactly(script, chat_model, m
     with pytest.raises(SystemExit):
         run_main(monkeypatch, script, *flags, "--output_dir", str(tmp_path / "b"))
     run_main(monkeypatch, script, "--resume", str(tmp_path / "b"))
-    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    monkeypatch.setattr(runs, "log_step", real_log)
+    real_observe, observed = tasks.observe, []
+
+    def observe_then_ctrl_c(*a):  # Ctrl-C in step 3, once its scores moved the data's state
+        observed.append(real_observe(*a))
+        if len(observed) == 3:
+            runs._on_sigint(signal.SIGINT, None)  # Python's call on Ctrl-C: the step abandoned
+        return observed[-1]
+    monkeypatch.setattr(tasks, "observe", observe_then_ctrl_c)
+    runs.STOP["requested"] = False
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, script, *flags, "--output_dir", str(tmp_path / "c"), guard=True)
+    assert e.value.code == 130 and len(read_metrics(tmp_path / "c")) == 2
+    runs.STOP["requested"] = False
+    run_main(monkeypatch, script, "--resume", str(tmp_path / "c"))
+    a, b, c = (read_metrics(tmp_path / x) for x in "abc")
     keys = ("reward", "reward/random", "reward/rg/chain_sum", "curriculum/chain_sum",
             "frac_skipped", "loss")
     assert [m[k] for m in b for k in keys] == pytest.approx([m[k] for m in a for k in keys])
+    assert [m[k] for m in c for k in keys] == pytest.approx([m[k] for m in a for k in keys])
     assert [m["curriculum/chain_sum"] for m in a] == [0, 1, 1, 2]  # 16 samples a level
     assert max(m["frac_skipped"] for m in a) > 0  # 3 questions a level: some settled, skipped
+
+
+def test_dynamic_sampling_shows_every_sampled_group_to_the_curriculum_and_skips(monkeypatch,
+                                                                              tmp_path):
+    """grpo --dynamic_sampling drops the groups whose rewards are all equal and samples more; the
+    data's bookkeeping (tasks.observe: curriculum levels, --skip_uniform's visits) still sees every
+    group sampled, the dropped ones too: what the logged reward and frac_zero_std are made of,
+    and a prompt solved every time is skipped as it is without dynamic sampling."""
+    real_observe, observed = tasks.observe, []
+
+    def observe(state, rows, rewards, parts, group_size):
+        observed.append(rewards.clone())
+        return real_observe(state, rows, rewards, parts, group_size)
+    monkeypatch.setattr(tasks, "observe", observe)
+    data = tmp_path / "sums.jsonl"  # 6 to train on, each drawn again within a few steps
+    data.write_text("".join(json.dumps(tasks.addition_row(a, a + 1)) + "\n" for a in range(8)))
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--data", data, "--eval_size", "2",
+             "--dynamic_sampling", "--skip_uniform", "1", "--max_steps", "8", "--save_every", "0",
+             "--output_dir", tmp_path / "run")
+    metrics = read_metrics(tmp_path / "run")
+    assert any(m["frac_zero_std"] > 0 for m in metrics)  # some groups were dropped
+    assert [float(r.mean()) for r in observed] == pytest.approx([m["reward"] for m in metrics])
+    assert [float(grpo.zero_std_groups(r, 4).float().mean()) for r in observed] == \
+        pytest.approx([m["frac_zero_std"] for m in metrics])
+    assert max(m["frac_skipped"] for m in metrics) > 0
