@@ -256,10 +256,10 @@ def sample_groups(generate, score, data, rng, run, args):
     """G scored completions per prompt: generate(rows) -> (rollout, texts), score(rows, texts) ->
     (rewards (B,), reward parts). dynamic_sampling (DAPO): groups of equal rewards are dropped and
     more are sampled. Returns the kept rollout (with its rows, texts, rewards (B,) and reward
-    parts) and every round's (rewards, reward parts)."""
+    parts) and every round's rows, rewards and reward parts, the dropped groups' too."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
-    # each round's (rollout, the rows it keeps); the rows kept; each round's (rewards, parts)
+    # each round's (rollout, the rows it keeps); the rows kept; each round's (rows, rewards, parts)
     pieces, kept, seen = [], 0, []
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         # this process's share of the step's prompts (torchrun), each G times
@@ -272,7 +272,7 @@ def sample_groups(generate, score, data, rng, run, args):
             length = roll.completion_mask.sum(-1).cpu()
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
-        seen.append((rewards, parts))
+        seen.append((rows, rewards, parts))
         roll.rows, roll.texts, roll.rewards, roll.parts = rows, texts, rewards, parts
         # the groups with a signal (unequal rewards); without dynamic_sampling, every group
         keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)
@@ -284,7 +284,9 @@ def sample_groups(generate, score, data, rng, run, args):
     # no group had a signal, even after resampling: keep the last round (every A = 0)
     if not kept:
         pieces = [(roll, torch.arange(len(rows)))]
-    return cat_rollouts(pieces), seen
+    return cat_rollouts(pieces), ([r for rows, _, _ in seen for r in rows],
+                                  torch.cat([r for _, r, _ in seen]),
+                                  {k: torch.cat([p[k] for _, _, p in seen]) for k in parts})
 
 
 def check_args(args):
@@ -375,20 +377,24 @@ def main():
 
     def score(rows, texts):  # the weighted reward (B,) and each of its parts
         return C.compute_rewards(rows, texts, weights, fns)
+
+    def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
+        R.save_checkpoint(run, model, tok, opt, rng, done,
+                          {"eval_before": eval_before, "data_state": data.state})
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
                disable=run.rank > 0)
     for step in bar:
         # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
-        R.step_start(run, rng, step, lambda: R.save_checkpoint(
-            run, model, tok, opt, rng, step, {"eval_before": eval_before}))
+        R.step_start(run, rng, step, lambda: save(step), data.state)
         t0 = time.time()
         # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample G completions per prompt and score them
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
-        # the data's bookkeeping (rg: curriculum levels; prompts to skip)
-        data_logs = data.observe(roll.rows, roll.rewards, roll.parts, G)
+        # the data's bookkeeping (rg: curriculum levels; prompts to skip) sees every group
+        # sampled, those dynamic sampling dropped too (a prompt solved or failed every time)
+        data_logs = data.observe(*seen, G)
         # a NaN/inf reward in any process: no update this step
         if not torch.isfinite(R.global_sum(roll.rewards.sum())):
             R.skip_update(run, "reward")
@@ -456,9 +462,7 @@ def main():
             opt.zero_grad(set_to_none=True)
         # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
-        # every round's rewards and parts (several with dynamic_sampling)
-        all_rewards = torch.cat([r for r, _ in seen])
-        parts = {k: torch.cat([p[k] for _, p in seen]) for k in seen[0][1]}
+        _, all_rewards, parts = seen  # every round's (several with dynamic_sampling)
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),
@@ -487,8 +491,7 @@ def main():
         R.log_step(run, metrics, bar, samples, opt)
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1,
-                              {"eval_before": eval_before, "data_state": data.state})
+            save(step + 1)
         if stopping:
             break
     R.finish_run(run, metric, eval_before, evaluate)

@@ -437,15 +437,18 @@ def main():
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
     data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
+
+    def save(done, kl_coef):  # checkpoint/ after `done` steps: every --save_every, the end, Ctrl-C
+        R.save_checkpoint(run, model, tok, opt, rng, done,
+                          {"eval_before": eval_before, "kl_coef": kl_coef, "score_norm": norm,
+                           "critic": R.full_state_dict(critic), "data_state": data.state},
+                          trained=[model, value_model])
     token_means = ("kl", "returns", "values")  # global means weighted by tokens
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
                disable=run.rank > 0)
     for step in bar:
-        R.step_start(run, rng, step, lambda kl_coef=kl_coef: R.save_checkpoint(  # Ctrl-C before
-            run, model, tok, opt, rng, step, {"eval_before": eval_before, "kl_coef": kl_coef,
-                                              "score_norm": norm,  # the update: save, stop
-                                              "critic": R.full_state_dict(critic)},
-            trained=[model, value_model]))
+        # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
+        R.step_start(run, rng, step, lambda kl_coef=kl_coef: save(step, kl_coef), data.state)
         t0 = time.time()
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):
@@ -520,11 +523,7 @@ def main():
         R.log_step(run, metrics, bar, samples, opt)
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1,
-                              {"eval_before": eval_before, "kl_coef": kl_coef,
-                               "score_norm": norm, "critic": R.full_state_dict(critic),
-                               "data_state": data.state},
-                              trained=[model, value_model])
+            save(step + 1, kl_coef)
         if stopping:
             break
     R.finish_run(run, metric, eval_before, evaluate)

@@ -290,6 +290,10 @@ def main():
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
+
+    def save(done, ema):  # checkpoint/ after `done` steps: every --save_every, at the end, Ctrl-C
+        R.save_checkpoint(run, model, tok, opt, rng, done,
+                          {"eval_before": eval_before, "ema": ema, "data_state": data.state})
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
     needs_old = ref is not None or args.num_iterations > 1  # log pi_old: for the KL, for mu > 1
@@ -300,8 +304,7 @@ def main():
     bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
                desc="reinforce", disable=run.rank > 0)
     for step in bar:
-        R.step_start(run, rng, step, lambda ema=ema: R.save_checkpoint(  # Ctrl-C before the
-            run, model, tok, opt, rng, step, {"eval_before": eval_before, "ema": ema}))  # update
+        R.step_start(run, rng, step, lambda ema=ema: save(step, ema), data.state)  # Ctrl-C: stop
         t0 = time.time()
         # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
         # 1. sample k completions per prompt (k contiguous rows each) and score them
@@ -419,8 +422,7 @@ def main():
         R.log_step(run, metrics, bar, samples, opt)
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1,
-                              {"eval_before": eval_before, "ema": ema, "data_state": data.state})
+            save(step + 1, ema)
         if stopping:
             break
     R.finish_run(run, metric, eval_before, evaluate)

@@ -12,13 +12,15 @@ go with it.
 
 Held out, never trained on: the training items are the generator's items 0 .. size - 1 at `seed`,
 drawn at random (reasoning-gym makes item i from random.Random(seed + i)); the held-out items are
-items 0 .. n - 1 at EVAL_SEED = 2**40, a seed space no training item reaches while seed + size <
-2**40; and a training item whose question is a held-out question is drawn again (a small
-generator repeats questions). A mixture holds out --eval_size rows shared by weight.
+items 0 .. n - 1 at EVAL_SEED = 2**31, seeds no training item reaches while seed + size <=
+2**31, and every seed stays under 2**32, numpy's limit (pool_matrix seeds numpy with seed + i);
+a training item whose question is a held-out question is drawn again (a small generator repeats
+questions). A mixture holds out --eval_size rows shared by weight.
 
 The reward rg (--rewards rg=1) is the generator's own score_answer on the answer the completion
 states: the last <answer>...</answer>, or without one the last line, after its last '=' (a small
-model writes "4 + 7 = 11"). Scores are reasoning-gym's, partial credit included (0-1).
+model writes "4 + 7 = 11"). Scores are reasoning-gym's, partial credit included (0-1). rg_strict
+reads the answer as reasoning-gym does (no tags: no answer, 0); docs/tasks.md says why rg is not.
 
 Curriculum (--curriculum_up): a generator with a reasoning-gym curriculum trains at a level (0:
 its easiest settings; each level up raises every attribute one step, e.g. chain_sum's number of
@@ -38,7 +40,8 @@ except ImportError:
     reasoning_gym = None
 
 PREFIX = "rg:"
-EVAL_SEED = 2**40  # the held-out items' seed: above every training item's seed + index
+EVAL_SEED = 2**31  # the held-out items' seed: above every training item's seed + index, and
+# EVAL_SEED + n below numpy's 2**32 (np.random.seed refuses more) for any --eval_size n < 2**31
 SIZE = 100_000  # training items per generator, unless size=N
 ASK = "\n\nWork it out briefly, then give the final answer in <answer></answer> tags."
 # --data rg:... sets these defaults for the RL scripts on a real model (explicit flags still win):
@@ -130,6 +133,25 @@ def max_level(name):
     return max(len(a.levels) for a in factory.create_curriculum(name).attributes.values()) - 1
 
 
+def check_levels(name, settings, seed):
+    """Every level the curriculum can reach (0 .. max_level) makes a generator, checked at load:
+    reasoning-gym's own level values break some (caesar_cipher's rotation at levels 2-3), which
+    would otherwise stop the run when the curriculum got there. One line naming those it takes."""
+    refused, why = [], ""
+    for level in range(max_level(name) + 1):
+        try:
+            generator(name, settings, seed, level)
+        except UserError as e:
+            refused.append(level)
+            why = why or str(e).partition(f"{dict(settings)} (")[2][:-1]  # generator()'s reason
+    if refused:
+        top = max_level(name)
+        taken = ", ".join(str(n) for n in range(top + 1) if n not in refused) or "none"
+        raise UserError(f"--curriculum_up: reasoning-gym refuses {name}'s curriculum at level(s) "
+                        f"{', '.join(map(str, refused))} of 0-{top} ({why}); it takes {taken}: "
+                        f"train {name} without --curriculum_up, at the settings given")
+
+
 def row(name, entry):
     return {"prompt": [{"role": "user", "content": entry["question"] + ASK}],
             "answer": str(entry["answer"]), "rg_task": name, "rg_entry": entry}
@@ -144,8 +166,8 @@ def load(spec, eval_size, curriculum, make_row):
     eval_rows, level, train = [], {}, []  # train: (name, settings, seed, size), weights
     for name, settings, w in tasks:
         seed, size = settings.pop("seed", 0), settings.pop("size", SIZE)
-        if not (0 <= seed and 0 < size and seed + size < EVAL_SEED):
-            raise UserError(f"--data rg:{name}: seed + size must be < 2**40 (the held-out "
+        if not (0 <= seed and 0 < size and seed + size <= EVAL_SEED):
+            raise UserError(f"--data rg:{name}: seed + size must be <= 2**31 (the held-out "
                             f"seed) and size > 0, not seed {seed}, size {size}")
         held = generator(name, tuple(sorted(settings.items())), EVAL_SEED)  # the given settings
         n = max(1, round(eval_size * w / total))  # a mixture: shared by weight
@@ -157,6 +179,7 @@ def load(spec, eval_size, curriculum, make_row):
             moved = {getattr(a, f, None) for a in factory.create_curriculum(name).attributes
                      .values() for f in ("lower_field_name", "upper_field_name", "field_name")}
             settings = {k: v for k, v in settings.items() if k not in moved}
+            check_levels(name, tuple(sorted(settings.items())), seed)
         train.append((name, tuple(sorted(settings.items())), seed, size))
     weights = [w for _, _, w in tasks]
     questions = {r["rg_entry"]["question"] for r in eval_rows}
@@ -181,12 +204,14 @@ def load(spec, eval_size, curriculum, make_row):
                            state=state)
 
 
-def stated_answer(completion):
+def stated_answer(completion, strict=False):
     """What the completion gives as its answer: the last <answer>...</answer>, else its last
-    line, after the line's last '='."""
+    line, after the line's last '=' (strict: else None, as reasoning-gym's extract_answer)."""
     tagged = re.findall(r"<answer>(.*?)</answer>", completion, re.S)
     if tagged:
         return tagged[-1].strip()
+    if strict:
+        return None
     lines = completion.strip().splitlines()
     return lines[-1].rpartition("=")[2].strip() if lines else ""
 
@@ -196,15 +221,15 @@ def scorer(name):
     return factory.get_score_answer_fn(name)
 
 
-def score(completion, row):
+def score(completion, row, strict=False):
     try:
-        return float(scorer(row["rg_task"])(stated_answer(completion), row["rg_entry"]))
+        return float(scorer(row["rg_task"])(stated_answer(completion, strict), row["rg_entry"]))
     except Exception:  # a verifier that chokes on the model's text (an expression it cannot
         return 0.0  # parse): a wrong answer, not a crashed run
 
 
-def reward(completions, rows):
+def reward(completions, rows, strict=False):
     """--rewards rg: each row's generator scores the answer its completion states (0-1)."""
     if rows and "rg_task" not in rows[0]:
         raise UserError("--rewards rg scores reasoning-gym's rows: give --data rg:NAME")
-    return [score(c, r) for c, r in zip(completions, rows)]
+    return [score(c, r, strict) for c, r in zip(completions, rows)]

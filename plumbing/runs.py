@@ -11,9 +11,12 @@ A run folder holds:
                   replaced atomically, so a kill at any moment leaves the previous one loadable
   summary.json    args, held-out score before and after, wall time, peak memory
   curves.png      when matplotlib is installed
+A new run refuses a folder holding one of these (--resume continues that run); anything else
+there (a log the shell writes into it, notes) is left as it is.
 """
 import atexit
 import contextlib
+import copy
 import dataclasses
 import hashlib
 import json
@@ -55,19 +58,26 @@ from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
 STOP = {"requested": False, "abandon": None}  # Ctrl-C: the loop saves, then stops (step_start)
-NEW_FOLDERS = set()  # folders this process made: removed again if the run fails before step 1
+STARTING = {}  # folder -> made by this process: a run that logs no step leaves it as it was
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
 # what gloo (and NCCL) raise in a collective when another process of the launch has exited
 PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|remote worker crash")
-RUN_FILES = ("run.lock", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
-             "checkpoint", "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
+# every name a run (any script) or tools/merge_lora.py writes in its folder, beside run.lock; a
+# folder is a new run's only where none is there: anything else (a log the shell writes into it,
+# notes, a config) is never read, written or removed
+RUN_NAMES = ("metrics.jsonl", "samples.jsonl", "summary.json", "curves.png", "checkpoint",
+             "checkpoint.tmp", "checkpoint.old", "checkpoint-merged", "tensorboard")
 # warn_if_stuck's levels: nearly every completion cut (chat-sums's seed 0 cuts 0.875 at step 1 by
 # design: its sentences score 0 anyway); KL to pi_ref (nats per token) that means the policy has
 # left its start (documented runs: under 0.5 on SmolLM2, docs/real_model.md, up to 1.5 on the
 # bundled 1 M adder; a reward-hacked SmolLM2 run at the adder's lr was reported at 4.4); clip_frac:
 # most tokens' ratio left the clip range in one step (bundled ppo: under 0.2)
 CUT, KL_BREAKING, CLIP_BREAKING = 0.95, 3.0, 0.5
+# without a reference (beta 0): the entropy moved 10x from the mean of the first WINDOW steps
+# while the reward did not rise (documented: 0.6 -> 0.05 in 16 steps of a SmolLM2 run that
+# learned); a collapse: the reward over WINDOW steps back at its start after a rise (collapsed)
+WINDOW, ENTROPY_MOVE = 10, 10.0
 
 
 # ------------------------------------------------------------------------------ errors, flags
@@ -86,13 +96,19 @@ def main_guard(main):
             STOP["abandon"] = None
             if dist.is_initialized():  # torchrun: leave the process group before exiting (gloo's
                 dist.destroy_process_group()  # threads otherwise abort the process at exit)
-            # a run that failed (or --sanity) before logging a step leaves no empty folder
-            for folder in NEW_FOLDERS:
-                files = os.listdir(folder) if os.path.isdir(folder) else ["gone"]
-                if all(f in ("run.lock", "metrics.jsonl", "samples.jsonl")
-                       and not (f.endswith(".jsonl") and os.path.getsize(f"{folder}/{f}"))
-                       for f in files):
-                    shutil.rmtree(folder, ignore_errors=True)
+            # a run that failed (or --sanity) before logging a step leaves no empty files, nor
+            # the folder if it made it (os.rmdir: only when empty; a user's files there stay)
+            for folder, made in STARTING.items():
+                if _holds(folder, "metrics.jsonl"):
+                    continue
+                for name in ("metrics.jsonl", "samples.jsonl"):
+                    if os.path.isfile(f"{folder}/{name}") and not _holds(folder, name):
+                        os.remove(f"{folder}/{name}")
+                _release_lock(folder)
+                if made:
+                    with contextlib.suppress(OSError):
+                        os.rmdir(folder)
+            STARTING.clear()
     except UserError as e:
         say_once(f"error: {e}")
         sys.exit(2)
@@ -188,6 +204,13 @@ def _release_lock(folder):
         pass
 
 
+def _holds(folder, name):
+    """folder/name is there: a folder, or a file with something in it (the empty metrics.jsonl
+    of a run that stopped before its first step holds nothing)."""
+    path = os.path.join(folder, name)
+    return os.path.isdir(path) or os.path.exists(path) and os.path.getsize(path) > 0
+
+
 def read_jsonl_lines(path):
     """A metrics or samples file's lines as dicts. A line cut short by a crash (the last, with no
     newline) is dropped; any other damaged line is dropped with a warning naming it."""
@@ -233,28 +256,23 @@ def start_run(args, algo):
                              samples=None, rank=rank, world=world,
                              saved_step=state["step"] if state else 0)
         return STARTED["run"]
-    others = sorted(set(os.listdir(folder)) - set(RUN_FILES)) if os.path.isdir(folder) else []
-    if others and not args.resume:  # a run writes (and replaces) checkpoint/, summary.json, ...
-        raise UserError(f"--output_dir {folder!r} holds files that are not a run's "
-                        f"({', '.join(others[:3])}), beside which a run would write and replace "
-                        "its own: give a new or empty folder")
+    found = [name for name in RUN_NAMES if _holds(folder, name)]  # a new run would replace them
+    if found and not args.resume:  # (--resume: the folder's own run goes on)
+        if "metrics.jsonl" in found and "checkpoint" not in found:
+            raise UserError(flags.no_checkpoint(folder))  # --resume cannot go on: say what can
+        way = f"continue it with --resume {folder}, or" if "checkpoint" in found else "move them or"
+        raise UserError(f"--output_dir {folder!r} already holds a run ({', '.join(found)}), "
+                        f"which a new run would replace: {way} choose another --output_dir")
     try:
-        if not os.path.exists(folder):
-            NEW_FOLDERS.add(folder)
+        made = not os.path.exists(folder)
         os.makedirs(folder, exist_ok=True)
         _take_lock(folder)
+        STARTING[folder] = made
     except OSError as e:
         raise UserError(f"--output_dir {folder!r}: {e.strerror or e}") from None
     metrics_path = os.path.join(folder, "metrics.jsonl")
     samples_path = os.path.join(folder, "samples.jsonl")
     state = _load_state(folder, args.max_steps) if args.resume else None
-    held = os.path.exists(metrics_path) and os.path.getsize(metrics_path)
-    if not state and held and not os.path.exists(os.path.join(folder, "checkpoint")):
-        raise UserError(flags.no_checkpoint(folder))  # --resume cannot go on either: say what can
-    if not state and (held or os.path.exists(os.path.join(folder, "checkpoint"))):
-        raise UserError(f"--output_dir {folder!r} already holds a run (metrics.jsonl or "
-                        f"checkpoint/), which a new run would replace: continue "
-                        f"it with --resume {folder}, or choose another --output_dir")
     for leftover in ("checkpoint.tmp", "checkpoint.old"):  # of a save that was killed
         shutil.rmtree(os.path.join(folder, leftover), ignore_errors=True)
     history = _trim_jsonl(metrics_path, state["step"]) if state else []
@@ -324,20 +342,26 @@ class StepAbandoned(Exception):
     """Ctrl-C before a step's first update: main_guard saves the last completed step, exits."""
 
 
-def step_start(run, rng, step, save):
+def step_start(run, rng, step, save, data_state=None):
     """Called first in each step: until its first update (finite_update), a Ctrl-C abandons the
-    step (a real model's step takes minutes): main_guard puts back the RNG states of now (the data
-    rng's too) and calls save(), the last completed step's checkpoint, so a resume goes on exactly
-    as the uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
-    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states()) if run.world == 1 else None
+    step (a real model's step takes minutes): main_guard puts back what the step has changed so
+    far, the RNG states of now (the data rng's too) and data_state (the data's bookkeeping:
+    curriculum levels, prompts' visits, which the step's draws and tasks.observe move), and calls
+    save(), the loop's own save of the last completed step, so a resume goes on exactly as the
+    uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
+    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states(), data_state,
+                       copy.deepcopy(data_state)) if run.world == 1 else None
 
 
 def _abandon_step():
-    """main_guard, on StepAbandoned: the RNG states step_start kept, then its save()."""
-    step, save, rng, data, states = STOP["abandon"]
+    """main_guard, on StepAbandoned: the RNG states and data state step_start kept, its save()."""
+    step, save, rng, data, states, data_state, kept = STOP["abandon"]
     STOP["abandon"] = None
     rng.setstate(data)
     set_rng_states(*states)
+    if data_state is not None:  # (sft, dpo, reward_model: none)
+        data_state.clear()  # in place: next_batch and observe hold this dict
+        data_state.update(kept)
     run = STARTED["run"]
     if step > run.saved_step:  # steps done since the last checkpoint: save them
         save()
@@ -451,7 +475,7 @@ def skip_update(run, what):
 
 def stop_run(run, why):
     """End the run in one line (exit 2), keeping its folder, metrics.jsonl and last checkpoint."""
-    NEW_FOLDERS.discard(run.dir)  # kept even with no step logged: it is evidence
+    STARTING.pop(run.dir, None)  # kept even with no step logged: it is evidence
     kept = f"the checkpoint of step {run.saved_step}" if run.saved_step else "no checkpoint yet"
     raise UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl and {kept}")
 
@@ -505,50 +529,79 @@ def log_step(run, metrics, bar, samples, opt):
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
-def stuck(m, first, risen):
-    """The kinds of warn_if_stuck that hold for the metrics line m (first: step 1's reward;
-    risen: a step since has beaten it, so the run learns and a hard batch is no warning)."""
-    flat = not risen and m["reward"] <= first + 1e-6  # nothing gained since step 1
+def collapsed(rewards, w=WINDOW, k=5):
+    """A reward that rose and fell back: the last w steps' mean at or below the first w steps'
+    after some w steps beat those by k standard errors (sigma / sqrt(w), sigma a step's noise
+    from successive differences, von Neumann's: a trend does not inflate it). Returns (start,
+    best, best's last step, now) or None."""
+    n = len(rewards)
+    means = [sum(rewards[i:i + w]) / w for i in range(n - w + 1)]  # means[i]: steps i+1..i+w
+    sigma = math.sqrt(sum((a - b) ** 2 for a, b in zip(rewards, rewards[1:])) / max(2 * n - 2, 1))
+    if n >= 2 * w and max(means) - means[0] > k * sigma / math.sqrt(w) and means[-1] <= means[0]:
+        return means[0], max(means), means.index(max(means)) + w, means[-1]
+
+
+def stuck(past, args):
+    """The kinds of warn_if_stuck that hold after the metrics lines past (the run's so far, this
+    step's last), each with its line. Cannot learn: a kind that held at each of the last WINDOW
+    steps (each step so far, before step WINDOW) while the reward stayed at its start's."""
+    m, n, start, recent = past[-1], len(past), past[:WINDOW], past[-WINDOW:]
+    r0, r = (sum(x["reward"] for x in ms) / len(ms) for ms in (start, recent))  # mean rewards
+
+    def held(test):
+        return r <= r0 and all(test(x) for x in recent)
     parts = [k for k in m if k.startswith("reward/")]
-    return {"truncated": m.get("frac_truncated", 0) >= CUT,
-            "constant_reward": flat and m.get("reward_std", 1) < 1e-6,
-            "zero_std": flat and m.get("frac_zero_std", 0) == 1 and m.get("reward_std", 1) >= 1e-6,
-            "zero_part": flat and 0 < sum(m[k] == 0 for k in parts) < len(parts),
-            "kl": m.get("kl", 0) > KL_BREAKING, "clip": m.get("clip_frac", 0) > CLIP_BREAKING}
+    zero = [k for k in parts if held(lambda x: x.get(k, 0) == 0)]  # has paid no completion
+    constant = held(lambda x: x.get("reward_std", 1) < 1e-6)  # one reward for every completion
+    kl_flag = "--kl_coef" if hasattr(args, "kl_coef") else "--beta"
+    kinds = {
+        "truncated": m.get("frac_truncated", 0) >= CUT and
+        f"{m.get('frac_truncated', 0):.0%} of completions were cut by --max_new_tokens "
+        f"{args.max_new_tokens} (no EOS) and score as cut: try --max_new_tokens "
+        f"{4 * args.max_new_tokens}, or ask for shorter answers (--system_prompt)",
+        "constant_reward": constant and
+        f"every completion got the same reward, {m['reward']:.3g}: nothing is learned; does "
+        "your reward read fields the rows have, and can this model reach it?",
+        "zero_std": not constant and held(lambda x: x.get("frac_zero_std", 0) == 1) and
+        "every group's rewards were equal, so every advantage is 0 and nothing is learned: the "
+        "task is out of reach or solved already, or the reward cannot tell the completions apart",
+        "zero_part": 0 < len(zero) < len(parts) and
+        f"{', '.join(zero)} gave every completion 0: only "
+        f"{', '.join(k for k in parts if k not in zero)} teach(es), and the model learns what "
+        "they pay for, not this; can it be earned from here (read samples.jsonl; a "
+        "--system_prompt)?",
+        "clip": m.get("clip_frac", 0) > CLIP_BREAKING and
+        f"clip_frac {m['clip_frac']:.2f}: most tokens' ratio left the clip range within one "
+        f"step, the updates are too large: lower --lr {args.lr:g}"}
+    if any(x.get("kl") for x in past):  # the drift from pi_ref: the KL to it, when measured
+        kinds["drift"] = m.get("kl", 0) > KL_BREAKING and (
+            f"kl {m['kl']:.3g} nats per token to the reference: the policy has left its start "
+            f"(reward hacking or collapse; read samples.jsonl): lower --lr {args.lr:g} or raise "
+            f"{kl_flag}")
+    elif n > WINDOW and "entropy" in m:  # none (beta 0): the entropy's move, the reward flat
+        h0, h = sum(x["entropy"] for x in start) / WINDOW, m["entropy"]
+        kinds["drift"] = h0 > 0 and not h0 / ENTROPY_MOVE < h < h0 * ENTROPY_MOVE and r <= r0 and (
+            f"entropy {h:.3g} nats per token, {h / h0:.2g}x its start ({h0:.3g}, steps "
+            f"1-{WINDOW}), while the reward did not rise ({r:.3g} against {r0:.3g}): the policy "
+            "has left its start without learning (collapse; read samples.jsonl) and no KL holds "
+            f"it: lower --lr {args.lr:g} or give {kl_flag} 0.04")
+    fell = collapsed([x["reward"] for x in past])
+    kinds["collapse"] = fell and (
+        f"the reward fell back to {fell[3]:.3g} (mean of steps {n - WINDOW + 1}-{n}) from "
+        f"{fell[1]:.3g} (steps {fell[2] - WINDOW + 1}-{fell[2]}), not above its start "
+        f"({fell[0]:.3g}, steps 1-{WINDOW}): a collapse (read samples.jsonl from step "
+        f"{fell[2]}): lower --lr {args.lr:g}")
+    return {kind: line for kind, line in kinds.items() if line}
 
 
 def warn_if_stuck(run, metrics, args):
-    """A run that cannot learn (the kinds of stuck) says so at once, one line a streak: a kind is
-    said when it holds and did not at the step before (a resumed run's too), in the log and in
-    metrics (warning: the kinds, warnings: how many; a tracker gets the count). Before log_step."""
-    first = run.history[0]["reward"] if run.history else metrics["reward"]
-    risen = any(m["reward"] > first + 1e-6 for m in run.history)
-    now = stuck(metrics, first, risen)
-    before = stuck(run.history[-1], first, risen) if run.history else {}
-    parts = [k for k in metrics if k.startswith("reward/")]
-    zero = [k for k in parts if metrics[k] == 0]  # a reward that pays no completion
-    lines = {
-        "truncated": f"{metrics['frac_truncated']:.0%} of completions were cut by --max_new_tokens "
-                     f"{args.max_new_tokens} (no EOS) and score as cut: try --max_new_tokens "
-                     f"{4 * args.max_new_tokens}, or ask for shorter answers (--system_prompt)",
-        "constant_reward": f"every completion got the same reward, {metrics['reward']:.3g}: "
-                           "nothing is learned; does your reward read fields the rows have, and "
-                           "can this model reach it?",
-        "zero_std": "every group's rewards were equal, so every advantage is 0 and nothing is "
-                    "learned: the task is out of reach or solved already, or the reward cannot "
-                    "tell the completions apart",
-        "zero_part": f"{', '.join(zero)} gave every completion 0: only "
-                     f"{', '.join(k for k in parts if k not in zero)} teach(es), and the model "
-                     "learns what they pay for, not this; can it be earned from here (read "
-                     "samples.jsonl; a --system_prompt)?",
-        "kl": f"kl {metrics.get('kl', 0):.3g} nats per token to the reference: the policy has "
-              "left its start (reward hacking or collapse; read samples.jsonl): lower --lr "
-              f"{args.lr:g} or raise {'--kl_coef' if hasattr(args, 'kl_coef') else '--beta'}",
-        "clip": f"clip_frac {metrics.get('clip_frac', 0):.2f}: most tokens' ratio left the clip "
-                f"range within one step, the updates are too large: lower --lr {args.lr:g}"}
-    said = [kind for kind, bad in now.items() if bad and not before.get(kind)]
+    """A run that cannot learn or breaks says so (stuck), each kind once a run (a resumed run's
+    earlier ones count): in the log and in metrics (warning: the kinds, warnings: how many; a
+    tracker gets the count). Before log_step."""
+    before = {k for m in run.history for k in m.get("warning", "").split(",")}
+    said = {k: line for k, line in stuck(run.history + [metrics], args).items() if k not in before}
     for kind in said if run.rank == 0 else []:
-        tqdm.write(f"warning: step {metrics['step']}: {lines[kind]}")
+        tqdm.write(f"warning: step {metrics['step']}: {said[kind]}")
     if said:  # only then: a run without warnings logs the same keys as before
         metrics.update(warning=",".join(said), warnings=len(said))
 

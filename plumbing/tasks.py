@@ -371,6 +371,7 @@ def random_reward(completions, rows):
 
 
 REWARDS = {"rg": lambda completions, rows: torch.tensor(rg.reward(completions, rows)),
+           "rg_strict": lambda completions, rows: torch.tensor(rg.reward(completions, rows, True)),
            "random": random_reward}  # --rewards names them beside math, format, length, rm
 
 

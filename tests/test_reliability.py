@@ -115,8 +115,11 @@ def test_resume_without_max_steps_continues_to_the_runs_own(monkeypatch, tmp_pat
 def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, capsys):
     """A real Ctrl-C (SIGINT) to `python grpo.py`: exit 130, a checkpoint of the step it stopped
     at; then resumes (in this process: no second start-up), a half-saved checkpoint, and the
-    refusals of another script's resume and of a new run in the same folder."""
+    refusals of another script's resume and of a new run in the same folder. A user's notes in
+    that folder stay byte for byte through all of it."""
     out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_bytes(b"seed 0, lr 1e-4\n")
     p = start_script("grpo.py", "--max_steps", "400", "--save_every", "4", "--eval_every", "0",
                      "--eval_size", "50", "--output_dir", str(out))
     metrics = out / "metrics.jsonl"
@@ -162,6 +165,7 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, c
         run_main(monkeypatch, grpo, "--output_dir", str(out), "--max_steps", "2", guard=True)
     assert e.value.code == 2 and "already holds a run" in one_error_line(capsys)
     assert (out / "metrics.jsonl").read_text() == before
+    assert (out / "notes.txt").read_bytes() == b"seed 0, lr 1e-4\n"
 
 
 def test_a_second_ctrl_c_in_a_save_and_a_backwards_resume_get_one_line(tmp_path, monkeypatch,

@@ -1,6 +1,7 @@
 """Safety: no command deletes what it did not write; no flag combination trains backwards or to
 NaN without a word (MaxRL, GDPO); one-line refusals of flags no float can hold."""
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -8,12 +9,14 @@ import torch
 
 import common as C
 from plumbing.errors import UserError
+from plumbing import runs
 import grpo
 import objectives
 import reinforce
 from tools import smollm2
 
-from tests.helpers import FAST_GRPO, grpo_loss, one_error_line, read_metrics, run_main
+from tests.helpers import (FAST_GRPO, _offline, grpo_loss, one_error_line, read_metrics,
+                           run_main)
 
 
 # ---- no command deletes what it did not write
@@ -104,28 +107,109 @@ def test_merge_lora_out_refuses_a_folder_a_merge_did_not_write(tmp_path):
     assert check_out(str(earlier) + "/") == str(earlier)
 
 
-def test_output_dir_holding_a_users_files_is_refused_and_left_as_it_was(tmp_path, monkeypatch,
-                                                                          capsys):
-    """--output_dir . or a folder of one's own, with a checkpoint/ of one's own in it: a run
-    would replace checkpoint/ and summary.json there; it is refused in one line, nothing
-    written (no run.lock either)."""
-    mine = tmp_path / "project"
-    (mine / "checkpoint").mkdir(parents=True)
-    (mine / "checkpoint" / "weights.bin").write_text("a week of training")
-    (mine / "train.py").write_text("mine")
-    before = sorted(os.listdir(mine))
-    with pytest.raises(SystemExit):
-        run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", mine,
+def users_files(folder):
+    """{path: bytes} of every file under folder that no run writes (the user's)."""
+    out = {}
+    for top, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(top, name)
+            if os.path.relpath(path, folder).split(os.sep)[0] not in runs.RUN_NAMES:
+                with open(path, "rb") as f:
+                    out[path] = f.read()
+    return out
+
+
+def test_a_shell_log_or_tee_in_the_output_dir_is_left_to_the_shell(tmp_path):
+    """`mkdir D; python grpo.py --output_dir D > D/log 2>&1` and `... | tee D/train.log`, through
+    a real shell: the shell makes the log before the script starts; the run goes on beside it
+    and the log holds the run's own report."""
+    import subprocess
+    import sys
+    redirected, teed = tmp_path / "redirected", tmp_path / "teed"
+    redirected.mkdir()
+    teed.mkdir()
+    python = f"{sys.executable} grpo.py {' '.join(FAST_GRPO)} --max_steps 1 --output_dir"
+    for line in (f"{python} {redirected} > {redirected}/log 2>&1",
+                 f"{python} {teed} 2>&1 | tee {teed}/train.log"):  # (tee's exit status)
+        p = subprocess.run(["sh", "-c", line], capture_output=True, timeout=600, **_offline())
+        assert p.returncode == 0, p.stdout[-800:] + p.stderr[-800:]
+    for log in (redirected / "log", teed / "train.log"):
+        assert f"wrote {log.parent}/: metrics.jsonl" in log.read_text()
+        assert len(read_metrics(log.parent)) == 1
+
+
+def test_output_dir_beside_a_users_files_trains_resumes_and_never_touches_them(
+        tmp_path, monkeypatch, capsys):
+    """A folder holding a user's notes, a config and a folder of theirs: a run writes its own
+    names beside them, --resume goes on there, and every byte of theirs stays. A new run in that
+    folder is refused (the run's names are there), naming what still works: --resume, or
+    another folder (both run here)."""
+    out = tmp_path / "mine"
+    (out / "data").mkdir(parents=True)
+    (out / "notes.md").write_bytes(b"lr 1e-4 was too high\n\xff not even utf-8\n")
+    (out / "config.yaml").write_text("lr: 1e-4\n")
+    (out / "data" / "checkpoint").write_text("a file of theirs named like ours, one level down")
+    theirs = users_files(out)
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--save_every", "1",
+             "--save_optimizer", "--output_dir", out, guard=True)
+    assert users_files(out) == theirs and (out / "checkpoint" / "args.json").exists()
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "2", "--output_dir", out,
                  guard=True)
-    assert "holds files that are not a run's (train.py)" in one_error_line(capsys)
-    assert sorted(os.listdir(mine)) == before
-    assert (mine / "checkpoint" / "weights.bin").read_text() == "a week of training"
-    (mine / "train.py").unlink()  # a checkpoint/ alone (of a run, or not): not replaced either
+    line = one_error_line(capsys)
+    assert e.value.code == 2 and "already holds a run (metrics.jsonl, samples.jsonl" in line
+    assert f"continue it with --resume {out}, or choose another --output_dir" in line
+    run_main(monkeypatch, grpo, "--resume", out, "--max_steps", "3", guard=True)  # what works
+    run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir",
+             tmp_path / "another", guard=True)  # ... and another folder
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]
+    assert users_files(out) == theirs
+    assert sorted(os.listdir(out)) == sorted(["notes.md", "config.yaml", "data", "metrics.jsonl",
+                                              "samples.jsonl", "summary.json", "checkpoint",
+                                              *(["curves.png"] if os.path.exists(
+                                                  out / "curves.png") else [])])
+    # a run that fails before its first step leaves the folder as it was: no empty files
+    failed = tmp_path / "failed"
+    failed.mkdir()
+    (failed / "log").write_text("")
     with pytest.raises(SystemExit):
-        run_main(monkeypatch, grpo, *FAST_GRPO, "--max_steps", "1", "--output_dir", mine,
-                 guard=True)
-    assert "already holds a run (metrics.jsonl or checkpoint/)" in one_error_line(capsys)
-    assert (mine / "checkpoint" / "weights.bin").read_text() == "a week of training"
+        run_main(monkeypatch, grpo, *FAST_GRPO, "--model", tmp_path / "no-such-model",
+                 "--output_dir", failed, guard=True)
+    assert "no-such-model" in one_error_line(capsys) and os.listdir(failed) == ["log"]
+
+
+def test_output_dir_holding_any_of_a_runs_names_is_refused_and_left_as_it_was(tmp_path,
+                                                                              monkeypatch):
+    """Each name a run writes (and would replace): refused in one line naming it, nothing written
+    (no run.lock either); a checkpoint/ of the user's own is not replaced. An empty
+    metrics.jsonl (a run that failed before its first step) holds nothing: no refusal."""
+    monkeypatch.chdir(tmp_path)
+    for name in runs.RUN_NAMES:
+        folder = tmp_path / name.replace(".", "_")
+        folder.mkdir()
+        if "." in name:
+            (folder / name).write_text("x")
+        else:
+            (folder / name).mkdir()
+            (folder / name / "weights.bin").write_text("a week of training")
+        (folder / "log").write_text("")
+        before = users_files(folder), sorted(os.listdir(folder))
+        with pytest.raises(UserError, match=rf"\({re.escape(name)}[,)].*another --output_dir"):
+            runs.start_run(grpo.Args(output_dir=str(folder)), "grpo")
+        assert (users_files(folder), sorted(os.listdir(folder))) == before
+    assert (tmp_path / "checkpoint" / "checkpoint" / "weights.bin").read_text() == \
+        "a week of training"
+    with pytest.raises(UserError, match="--resume checkpoint, or choose another --output_dir"):
+        runs.start_run(grpo.Args(output_dir="checkpoint"), "grpo")
+    with pytest.raises(UserError, match="move them or choose another --output_dir"):
+        runs.start_run(grpo.Args(output_dir="summary_json"), "grpo")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "metrics.jsonl").write_text("")
+    run = runs.start_run(grpo.Args(output_dir=str(empty)), "grpo")
+    run.metrics.close()
+    run.samples.close()
+    runs._release_lock(run.dir)
 
 
 def test_a_run_stopped_before_its_first_checkpoint_says_the_way_forward(tmp_path, monkeypatch,
