@@ -25,7 +25,7 @@ is and is not contained, each line tested). Each call runs a fresh interpreter u
 - limits: `timeout` seconds of wall clock (default 5; CPU time too), `memory_mb` (default 512) of
   address space per process and of resident memory for the whole call, `processes` (default 16)
   processes and threads in the whole call (the last two checked every 10 ms: the call is
-  stopped, not the host; for a user other than root the kernel refuses the 17th task too), 16 MB
+  stopped, not the host; for a user other than root the kernel refuses extra tasks too), 16 MB
   a file, 64 open files, output cut to `output_chars` (default 2,000) characters; at most
   MAX_CALLS calls at once (a call waits for a slot; under minrl's envs the wait does not count
   against --env_timeout).
@@ -53,7 +53,8 @@ import threading
 import time
 
 TIMEOUT_S, MEMORY_MB, PROCESSES, OUTPUT_CHARS, FILE_MB, TMPFS_MB = 5.0, 512, 16, 2000, 16, 64
-MAX_CALLS = 8  # sandboxes at once: MAX_CALLS * memory_mb is the most all calls hold together
+MAX_CALLS = 8  # sandboxes at once: all calls hold about MAX_CALLS * memory_mb (docs/tool_use.md:
+# what the limit does not count, about 230 MB a call)
 SLOTS = threading.BoundedSemaphore(MAX_CALLS)
 STOP_AFTER = 8  # calls in a row whose sandbox failed to start: the run stops (not the model's)
 FAILED, FAILED_LOCK = {"in_a_row": 0}, threading.Lock()
@@ -100,7 +101,7 @@ def syscall_filter():
     # an instruction: (code, skip if true, skip if false, constant); seccomp_data holds the
     # call's number at byte 0, the architecture at 4, its first argument from 16
     prog = [(LD, 0, 0, 4), (JEQ, 1, 0, arch), (RET, 0, 0, KILL),
-            (LD, 0, 0, 0), (JGE, 0, 1, 0x40000000), (RET, 0, 0, KILL)]  # x32's numbers
+            (LD, 0, 0, 0), (JGE, 0, 1, 0x40000000), (RET, 0, 0, KILL)]  # x32's (bit 30 set)
     for name in REFUSED:
         prog += [(JEQ, 0, 1, number[name]), (RET, 0, 0, EPERM)]
     prog += [(JEQ, 0, 1, number["clone3"]), (RET, 0, 0, ENOSYS),
