@@ -296,13 +296,14 @@ def run_python(code, timeout=TIMEOUT_S, memory_mb=MEMORY_MB, output_chars=OUTPUT
     A sandbox that did not start raises SandboxError (said on stderr); STOP_AFTER of them in a
     row raise UserError, which stops a minrl run in one line."""
     text, why = run(SANDBOX, code, timeout, memory_mb, output_chars, processes)
-    with FAILED_LOCK:
+    with FAILED_LOCK:  # (said in the order counted; once the run stops, nothing more)
         FAILED["in_a_row"] = FAILED["in_a_row"] + 1 if why else 0
         n = FAILED["in_a_row"]
+        if why and n < STOP_AFTER:
+            print(f"python_tool: a call failed, its sandbox did not start ({n} in a row): {why}",
+                  file=sys.stderr)
     if why is None:
         return text
-    print(f"python_tool: a call failed, its sandbox did not start ({n} in a row): {why}",
-          file=sys.stderr)
     if n >= STOP_AFTER:
         raise UserError(f"python_tool: the sandbox (bubblewrap) failed to start on {n} calls in "
                         f"a row: {why}; the run stops rather than train on failed calls")
