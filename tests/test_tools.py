@@ -945,6 +945,26 @@ def test_python_tool_refuses_without_bubblewrap_unless_told(tmp_path):
         f"python_tool: cannot write {str(tmp_path / 'no' / 'x')!r}: No such file or directory")
 
 
+def as_uid_65534(script):
+    """Run `script` (python -I -c, from a folder holding examples/python_tool.py) as uid 65534 with
+    /usr/bin/python3 (this interpreter may sit under /root, which that user cannot read); skipped
+    where this test is not root or has no setpriv."""
+    system = "/usr/bin/python3"
+    if os.getuid() != 0 or not shutil.which("setpriv") or not os.path.exists(system):
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to run a call as uid 65534")
+    folder = tempfile.mkdtemp(dir="/tmp")  # readable by uid 65534 (tmp_path is root's only)
+    try:
+        os.chmod(folder, 0o755)
+        os.mkdir(os.path.join(folder, "examples"), 0o755)
+        shutil.copy(os.path.join(ROOT, "examples", "python_tool.py"),
+                    os.path.join(folder, "examples"))
+        return subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534",
+                               "--clear-groups", system, "-I", "-c", script],
+                              capture_output=True, text=True, cwd=folder, timeout=120)
+    finally:
+        shutil.rmtree(folder)
+
+
 def test_python_tool_binds_no_folder_where_a_secret_can_sit(tmp_path):
     """Round seven's red team: the sandbox bound the venv's root and every sys.path folder (one a
     .pth names: an editable install's checkout), so a .env or a pip.conf there was read from
@@ -983,7 +1003,8 @@ KEY_CALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}
 def test_python_tool_cannot_read_the_runs_session_keyring(tmp_path):
     """The kernel keyring is not namespaced: a key in the trainer's session keyring (`keyctl add
     user NAME DATA @s`) was read from inside by its number. The sandbox's system-call filter
-    refuses keyctl, add_key and request_key (EPERM); the trainer keeps its key."""
+    refuses keyctl, add_key and request_key (EPERM); the trainer keeps its key. As root and as
+    uid 65534."""
     python_tool()
     if os.uname().machine not in KEY_CALLS:
         pytest.skip("the key system calls' numbers are known here for x86_64 and aarch64")
@@ -1002,6 +1023,8 @@ def test_python_tool_cannot_read_the_runs_session_keyring(tmp_path):
     r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True,
                        cwd=ROOT, timeout=120)
     assert r.stdout == "b'hunter2' -1 1 b''\n", r.stdout + r.stderr  # EPERM inside
+    r = as_uid_65534(script)
+    assert r.stdout == "b'hunter2' -1 1 b''\n", r.stdout + r.stderr
 
 
 PIN = {  # memory that no process holds as resident: 600 MB, each piece left in the kernel
@@ -1021,12 +1044,16 @@ PIN = {  # memory that no process holds as resident: 600 MB, each piece left in 
 def test_python_tool_cannot_pin_memory_its_processes_do_not_hold(kind):
     """600 MB of SysV shared memory or memfds under a 256 MB limit: the resident memory the 10 ms
     check sums never holds them (the red team pinned 2 GB and 640 MB under 512 MB). The system
-    call filter refuses shmget and memfd_create (EPERM); plain memory is still stopped."""
+    call filter refuses shmget and memfd_create (EPERM), as root and as uid 65534; plain memory
+    is still stopped."""
     P = python_tool()
     out = P.run_python(PIN[kind], timeout=10, memory_mb=256)
     assert "pinned" not in out and "PermissionError: [Errno 1]" in out, out
     out = P.run_python("x = bytearray(400 << 20)", timeout=10, memory_mb=256)
     assert "MemoryError" in out, out
+    r = as_uid_65534("import sys\nsys.path.insert(0, 'examples')\nimport python_tool as P\n"
+                     f"print(P.run_python({PIN[kind]!r}, timeout=10, memory_mb=256))")
+    assert "pinned" not in r.stdout and "PermissionError: [Errno 1]" in r.stdout, r
 
 
 THREADS = ("import threading, time\nthreading.stack_size(1 << 16)  # small: not held by RLIMIT_AS\n"
@@ -1046,20 +1073,8 @@ def test_python_tool_counts_threads_as_root_and_as_an_unprivileged_user(tmp_path
     if os.getuid() == 0:
         out = P.run_python(THREADS)
         assert out.endswith("(stopped: more than 16 processes or threads)"), out
-    system = "/usr/bin/python3"  # an interpreter uid 65534 can read (this one may be under /root)
-    if os.getuid() != 0 or not shutil.which("setpriv") or not os.path.exists(system):
-        pytest.skip("needs root, setpriv and /usr/bin/python3 to run a call as uid 65534")
-    folder = tempfile.mkdtemp(dir="/tmp")  # readable by uid 65534 (tmp_path is root's only)
-    try:
-        os.chmod(folder, 0o755)
-        shutil.copy(os.path.join(ROOT, "examples", "python_tool.py"), folder)
-        script = (f"import sys\nsys.path.insert(0, {folder!r})\nimport python_tool as P\n"
-                  f"print(P.run_python('print(6 * 7)'), P.run_python({THREADS!r}), end='')")
-        r = subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
-                            system, "-I", "-c", script], capture_output=True, text=True,
-                           cwd=folder, timeout=120)
-    finally:
-        shutil.rmtree(folder)
+    r = as_uid_65534("import sys\nsys.path.insert(0, 'examples')\nimport python_tool as P\n"
+                     f"print(P.run_python('print(6 * 7)'), P.run_python({THREADS!r}), end='')")
     assert r.stdout == "42\n can't start new thread\nthreads 13\n", r.stdout + r.stderr
 
 
