@@ -230,21 +230,22 @@ def start(sandbox, path, seconds, memory_mb, processes, out, err):
                                 cwd=os.path.dirname(path), stdin=subprocess.DEVNULL,
                                 stdout=out, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)  # its own process group: killed whole
-    fds = []
-    if FILTER is not None:  # the filter, for bwrap to read from a pipe (--seccomp FD)
-        fds = [os.pipe()]
-        os.write(fds[0][1], FILTER)
-        os.close(fds[0][1])
-    cmd = (sandbox + [a for r, _ in fds for a in ("--seccomp", str(r))] +
+    fds = []  # the filter, for bwrap to read from a pipe (--seccomp FD)
+    if FILTER is not None:
+        read, write = os.pipe()
+        os.write(write, FILTER)
+        os.close(write)
+        fds = [read]
+    cmd = (sandbox + [a for fd in fds for a in ("--seccomp", str(fd))] +
            ["--ro-bind", path, "/code.py", "--"] +  # the only file of the call in sight
            limits(seconds, memory_mb, processes) +
            ["sh", "-c", 'exec "$@" 2>&1', "sh", sys.executable, "-I", "/code.py"])
     try:
         return subprocess.Popen(cmd, cwd="/", stdin=subprocess.DEVNULL, stdout=out, stderr=err,
-                                env=env, start_new_session=True, pass_fds=[r for r, _ in fds])
+                                env=env, start_new_session=True, pass_fds=fds)
     finally:
-        for r, _ in fds:
-            os.close(r)
+        for fd in fds:
+            os.close(fd)
 
 
 def run(sandbox, code, timeout, memory_mb, output_chars, processes):

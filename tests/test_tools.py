@@ -838,7 +838,7 @@ ESCAPES = {
     "unmount /tmp": (LIBC + "print(c.umount2(b'/tmp', 2), ctypes.get_errno())",  # MNT_DETACH
                      "-1 1\n"),
     "a new user namespace": ("import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))",
-                             "-1\n"),  # CLONE_NEWUSER refused (bubblewrap 0.8+)
+                             "-1\n"),  # CLONE_NEWUSER: the filter (and bubblewrap 0.8+)
     "write /proc/sys": ("open('/proc/sys/kernel/core_pattern', 'w')", "Read-only file system"),
     "write /usr": ("open('/usr/x', 'w')", "Read-only file system"),
     "see the host's /tmp": ("import os\nprint(sorted(os.listdir('/tmp')))", "[]\n"),
@@ -1140,6 +1140,21 @@ def test_an_old_bubblewrap_without_disable_userns_still_refuses_a_new_user_names
         r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
                            env={**os.environ, "PATH": path})
         assert (r.returncode, r.stdout, r.stderr) == (0, "-1 1\n", ""), r
+
+
+def test_python_tool_on_a_machine_without_its_filter_says_so_once_and_runs(tmp_path):
+    """The filter's system-call numbers are written for x86_64 and aarch64: on another machine
+    (os.uname() says riscv64 here) the tool loads, says once what is open, and runs the code."""
+    python_tool()
+    script = ("import os, sys\nu = os.uname()\n"
+              "os.uname = lambda: os.uname_result((*u[:4], 'riscv64'))\n"
+              "sys.path.insert(0, 'examples')\nimport python_tool as P\n"
+              "print(P.FILTER, P.run_python('print(1)'), P.run_python('print(2)'), end='')")
+    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.stdout == "None 1\n 2\n" and r.stderr == (
+        "python_tool: no system-call filter for riscv64 (x86_64 and aarch64 have one): the "
+        "kernel keyring, SysV shared memory and memfds are open inside\n"), r
 
 
 def test_tool_calls_restart_the_deadline_and_a_paused_wait_does_not_count(tok):
