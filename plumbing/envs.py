@@ -486,7 +486,8 @@ def parse_calls(tok, text, schemas):
 def run_tool(functions, name, arguments):
     """One call -> (its result as text, whether it failed). A call that cannot be read, an unknown
     tool, arguments that are not an object, a tool that raises and a result that cannot be written
-    as JSON become 'error: ...' (the model sees it: a mistake to learn from, never a crash)."""
+    as JSON become 'error: ...' (the model sees it: a mistake to learn from, never a crash); a
+    UserError from the tool stops the run in one line."""
     if name is None:
         return f"error: {arguments}", True
     if not isinstance(name, str) or name not in functions:
@@ -496,6 +497,8 @@ def run_tool(functions, name, arguments):
     restart_clock()  # each call has its own --env_timeout
     try:
         result = functions[name](**arguments)
+    except UserError:  # the tool's setup, not the model's mistake (a sandbox that cannot start)
+        raise
     except (Exception, SystemExit) as e:  # SystemExit: argparse on the model's arguments
         return f"error: {type(e).__name__}: {first_line(e)[:200]}", True
     try:

@@ -16,7 +16,6 @@ there (a log the shell writes into it, notes) is left as it is.
 """
 import atexit
 import contextlib
-import copy
 import dataclasses
 import hashlib
 import json
@@ -74,9 +73,8 @@ RUN_NAMES = ("metrics.jsonl", "samples.jsonl", "summary.json", "curves.png", "ch
 # bundled 1 M adder; a reward-hacked SmolLM2 run at the adder's lr was reported at 4.4); clip_frac:
 # most tokens' ratio left the clip range in one step (bundled ppo: under 0.2)
 CUT, KL_BREAKING, CLIP_BREAKING = 0.95, 3.0, 0.5
-# without a reference (beta 0): the entropy moved 10x from the mean of the first WINDOW steps
-# while the reward did not rise (documented: 0.6 -> 0.05 in 16 steps of a SmolLM2 run that
-# learned); a collapse: the reward over WINDOW steps back at its start after a rise (collapsed)
+# beta 0 (no reference): the entropy 10x off the first WINDOW steps' mean, the reward flat (a
+# SmolLM2 run that learned went 0.6 -> 0.05 in 16 steps, docs/real_model.md); see collapsed
 WINDOW, ENTROPY_MOVE = 10, 10.0
 
 
@@ -344,13 +342,12 @@ class StepAbandoned(Exception):
 
 def step_start(run, rng, step, save, data_state=None):
     """Called first in each step: until its first update (finite_update), a Ctrl-C abandons the
-    step (a real model's step takes minutes): main_guard puts back what the step has changed so
-    far, the RNG states of now (the data rng's too) and data_state (the data's bookkeeping:
-    curriculum levels, prompts' visits, which the step's draws and tasks.observe move), and calls
-    save(), the loop's own save of the last completed step, so a resume goes on exactly as the
-    uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
-    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states(), data_state,
-                       copy.deepcopy(data_state)) if run.world == 1 else None
+    step (a real model's step takes minutes): main_guard puts back the RNG states of now (the data
+    rng's too) and data_state (curriculum levels, prompts' visits: the step's draws and observe
+    move them) and calls save(), the loop's save of the last completed step, so a resume goes on
+    exactly as the uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
+    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states(), data_state,  # its copy:
+                       pickle.dumps(data_state)) if run.world == 1 else None  # 6x deepcopy's pace
 
 
 def _abandon_step():
@@ -361,7 +358,7 @@ def _abandon_step():
     set_rng_states(*states)
     if data_state is not None:  # (sft, dpo, reward_model: none)
         data_state.clear()  # in place: next_batch and observe hold this dict
-        data_state.update(kept)
+        data_state.update(pickle.loads(kept))  # our own bytes of a moment ago
     run = STARTED["run"]
     if step > run.saved_step:  # steps done since the last checkpoint: save them
         save()
@@ -529,15 +526,15 @@ def log_step(run, metrics, bar, samples, opt):
         tqdm.write(f"memory: peak {peak_mem_mb(device):,.0f} MB in step 1, before AdamW's moments")
 
 
-def collapsed(rewards, w=WINDOW, k=5):
-    """A reward that rose and fell back: the last w steps' mean at or below the first w steps'
-    after some w steps beat those by k standard errors (sigma / sqrt(w), sigma a step's noise
-    from successive differences, von Neumann's: a trend does not inflate it). Returns (start,
-    best, best's last step, now) or None."""
+def collapsed(rewards, w=WINDOW, k=7):
+    """A reward that fell: the last w steps' mean at or below the first w steps' and k standard
+    errors below the best w steps' (the first's included: a run that only got worse). A standard
+    error is sigma / sqrt(w), sigma a step's noise from successive differences (von Neumann's:
+    a trend does not inflate it). Returns (start, best, best's last step, now) or None."""
     n = len(rewards)
     means = [sum(rewards[i:i + w]) / w for i in range(n - w + 1)]  # means[i]: steps i+1..i+w
     sigma = math.sqrt(sum((a - b) ** 2 for a, b in zip(rewards, rewards[1:])) / max(2 * n - 2, 1))
-    if n >= 2 * w and max(means) - means[0] > k * sigma / math.sqrt(w) and means[-1] <= means[0]:
+    if n >= 2 * w and max(means) - means[-1] > k * sigma / math.sqrt(w) and means[-1] <= means[0]:
         return means[0], max(means), means.index(max(means)) + w, means[-1]
 
 
@@ -586,11 +583,13 @@ def stuck(past, args):
             "has left its start without learning (collapse; read samples.jsonl) and no KL holds "
             f"it: lower --lr {args.lr:g} or give {kl_flag} 0.04")
     fell = collapsed([x["reward"] for x in past])
-    kinds["collapse"] = fell and (
-        f"the reward fell back to {fell[3]:.3g} (mean of steps {n - WINDOW + 1}-{n}) from "
-        f"{fell[1]:.3g} (steps {fell[2] - WINDOW + 1}-{fell[2]}), not above its start "
-        f"({fell[0]:.3g}, steps 1-{WINDOW}): a collapse (read samples.jsonl from step "
-        f"{fell[2]}): lower --lr {args.lr:g}")
+    if fell:
+        first, best, end, now = fell
+        since = ", its start" if end == WINDOW else f"; its start, steps 1-{WINDOW}: {first:.3g}"
+        kinds["collapse"] = (
+            f"the reward fell to {now:.3g} (mean of steps {n - WINDOW + 1}-{n}) from {best:.3g} "
+            f"(steps {end - WINDOW + 1}-{end}{since}): a collapse (read samples.jsonl from step "
+            f"{end}): lower --lr {args.lr:g}")
     return {kind: line for kind, line in kinds.items() if line}
 
 

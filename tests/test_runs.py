@@ -136,17 +136,22 @@ def test_a_run_that_breaks_after_a_good_start_is_stuck_at_the_last_ten_steps(cap
 
 def test_a_collapse_after_an_early_rise_is_said_once_with_its_numbers(capsys):
     """The reward rises from 0.3 to 0.9 in 20 steps, holds, then falls to 0.1: runs.collapsed
-    finds the last 10 steps' mean back at the start's after a rise of more than 5 standard
-    errors, and says so once, naming the steps; the rise alone says nothing."""
+    finds the last 10 steps' mean back at the start's and more than 7 standard errors below the
+    best 10 steps', and says so once, naming the steps; the rise alone says nothing; a reward
+    that only fell from its start (0.3 -> 0.02 in 30 steps, as `grpo.py --beta 0 --lr 1e-3`
+    did) is a collapse too."""
     _, step = stuck_steps(capsys, types.SimpleNamespace(max_new_tokens=6, lr=1e-4, beta=0.0))
     rewards = [0.3 + 0.03 * t for t in range(20)] + [0.9] * 10 + [0.1] * 20
     said = [(n, step(n, reward=r, kl=0.0)[1]) for n, r in enumerate(rewards, 1)]
     assert [(n, lines) for n, lines in said if lines] == [(36, [
-        "warning: step 36: the reward fell back to 0.42 (mean of steps 27-36) from 0.9 (steps "
-        "21-30), not above its start (0.435, steps 1-10): a collapse (read samples.jsonl from "
-        "step 30): lower --lr 0.0001"])]
+        "warning: step 36: the reward fell to 0.42 (mean of steps 27-36) from 0.9 (steps 21-30; "
+        "its start, steps 1-10: 0.435): a collapse (read samples.jsonl from step 30): lower --lr "
+        "0.0001"])]
     rise = [0.3 + 0.03 * t for t in range(20)] + [0.9] * 30
     assert not any(runs.collapsed(rise[:n]) for n in range(1, 51))
+    fall = [max(0.02, 0.3 - 0.01 * t) for t in range(40)]
+    assert [n for n in range(1, 41) if runs.collapsed(fall[:n])][:1] == [20]
+    assert runs.collapsed(fall[:20]) == pytest.approx((0.255, 0.255, 10, 0.155))
 
 
 def test_a_run_that_learns_in_small_noisy_steps_gets_a_warning_or_two(capsys):
@@ -154,7 +159,8 @@ def test_a_run_that_learns_in_small_noisy_steps_gets_a_warning_or_two(capsys):
     0.29 -> 0.88) in noisy steps of 4 samples: step 1 scored 1.0 by luck, and a dip to 0.38 for 10
     steps comes near step 95. Its recorded rewards (x 4) and frac_zero_std (x 2), replayed: the
     old rules said 73 warnings (a streak again at each all-equal step); now step 1's constant
-    reward and step 3's all-equal groups, and no collapse."""
+    reward and step 3's all-equal groups, and no collapse (the dip is 5.9 standard errors below
+    the best 10 steps', under 7)."""
     rewards = ("402002224321003122030200011312233444212443131242132444423232242131243430"
                "332223330334144444442330222203022234334432334322144442322444323033124324"
                "42344334334243434441332224041442434144433344413444432434")

@@ -4,6 +4,7 @@ import json
 import os
 import random
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -837,7 +838,7 @@ ESCAPES = {
     "unmount /tmp": (LIBC + "print(c.umount2(b'/tmp', 2), ctypes.get_errno())",  # MNT_DETACH
                      "-1 1\n"),
     "a new user namespace": ("import ctypes\nprint(ctypes.CDLL(None).unshare(0x10000000))",
-                             "-1\n"),  # CLONE_NEWUSER refused (bubblewrap 0.8+)
+                             "-1\n"),  # CLONE_NEWUSER: the filter (and bubblewrap 0.8+)
     "write /proc/sys": ("open('/proc/sys/kernel/core_pattern', 'w')", "Read-only file system"),
     "write /usr": ("open('/usr/x', 'w')", "Read-only file system"),
     "see the host's /tmp": ("import os\nprint(sorted(os.listdir('/tmp')))", "[]\n"),
@@ -845,9 +846,10 @@ ESCAPES = {
     "kill the run": ("import os\nos.kill(os.getppid(), 9)\nprint(os.getppid())", "1\n"),
     "read the run's environment": ("import os\nprint('MINRL_TEST_SECRET' in os.environ, "
                                    "sorted(set(os.environ) - {'LC_CTYPE', 'PWD'}))",
-                                   "False ['HOME', 'PATH']\n"),
+                                   "False ['HOME', 'OMP_NUM_THREADS', 'PATH']\n"),
     "fork 300 processes": ("import os, time\nfor _ in range(300):\n    if os.fork() == 0:\n"
-                           "        time.sleep(30)\n", "(stopped: more than 16 processes)"),
+                           "        time.sleep(30)\n",
+                           "(stopped: more than 16 processes or threads)"),
     "1.6 GB across processes": ("import os, time\nfor _ in range(4):\n    if os.fork() == 0:\n"
                                 "        x = bytearray(400 << 20)\n        time.sleep(30)\n"
                                 "time.sleep(30)", "(stopped: more than 512 MB of memory in all"),
@@ -859,6 +861,12 @@ ESCAPES = {
     "a NUL byte": ("print(1)\x00", "SyntaxError: source code cannot contain null bytes"),
     "128 KB of code": ("x = 1\n" * 22000 + "print('ran')", "ran\n"),
 }
+if os.uname().machine == "x86_64":  # a system call by its 32-bit number (int 0x80: getpid, 20)
+    ESCAPES["a 32-bit system call"] = (
+        "import ctypes, mmap\nm = mmap.mmap(-1, 4096, prot=7)  # read, write, execute\n"
+        "m.write(bytes([0xB8, 20, 0, 0, 0, 0xCD, 0x80, 0xC3]))  # mov eax, 20; int 0x80; ret\n"
+        "print(ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))())",
+        "(exit code 159)")  # killed by the filter: SIGSYS (31), as bwrap reports it
 
 
 @pytest.mark.parametrize("case", ESCAPES)
@@ -935,6 +943,218 @@ def test_python_tool_refuses_without_bubblewrap_unless_told(tmp_path):
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode == 1 and r.stderr.strip() == (
         f"python_tool: cannot write {str(tmp_path / 'no' / 'x')!r}: No such file or directory")
+
+
+def as_uid_65534(script):
+    """Run `script` (python -I -c, from a folder holding examples/python_tool.py) as uid 65534 with
+    /usr/bin/python3 (this interpreter may sit under /root, which that user cannot read); skipped
+    where this test is not root or has no setpriv."""
+    system = "/usr/bin/python3"
+    if os.getuid() != 0 or not shutil.which("setpriv") or not os.path.exists(system):
+        pytest.skip("needs root, setpriv and /usr/bin/python3 to run a call as uid 65534")
+    folder = tempfile.mkdtemp(dir="/tmp")  # readable by uid 65534 (tmp_path is root's only)
+    try:
+        os.chmod(folder, 0o755)
+        os.mkdir(os.path.join(folder, "examples"), 0o755)
+        shutil.copy(os.path.join(ROOT, "examples", "python_tool.py"),
+                    os.path.join(folder, "examples"))
+        return subprocess.run(["setpriv", "--reuid", "65534", "--regid", "65534",
+                               "--clear-groups", system, "-I", "-c", script],
+                              capture_output=True, text=True, cwd=folder, timeout=120)
+    finally:
+        shutil.rmtree(folder)
+
+
+def test_python_tool_binds_no_folder_where_a_secret_can_sit(tmp_path):
+    """Round seven's red team: the sandbox bound the venv's root and every sys.path folder (one a
+    .pth names: an editable install's checkout), so a .env or a pip.conf there was read from
+    inside. Now only the interpreter's own files are bound: the secrets planted in the venv's
+    root, beside its site-packages, in the checkout a .pth names and in that sys.path folder are
+    all out of sight; the stdlib and site-packages still import, the editable package does not
+    (docs/tool_use.md: install it without -e to use it inside)."""
+    python_tool()
+    venv, proj = tmp_path / "venv", tmp_path / "proj"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", "--system-site-packages",
+                    str(venv)], check=True)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (proj / "src" / "mine").mkdir(parents=True)
+    (proj / "src" / "mine" / "__init__.py").write_text("")
+    (site / "mine.pth").write_text(f"{proj / 'src'}\n")  # what pip install -e writes
+    secrets = [venv / ".env", venv / "pip.conf", site.parent / ".env", proj / ".env",
+               proj / "src" / ".env"]
+    for k, path in enumerate(secrets):
+        path.write_text(f"HF_TOKEN=hf_secret{k}\nindex-url = https://me:hunter{k}@example.com\n")
+    code = (f"for p in {list(map(str, secrets))!r}:\n    try:\n        print(open(p).read())\n"
+            "    except OSError as e:\n        print(type(e).__name__)\n"
+            "import json, site, numpy\ntry:\n    import mine\nexcept ImportError as e:\n"
+            "    print(type(e).__name__)\n")
+    script = ("import sys\nsys.path.insert(0, 'examples')\nimport mine, python_tool as P\n"
+              f"print(P.run_python({code!r}), end='')")  # mine imports here, on the host
+    r = subprocess.run([str(venv / "bin" / "python"), "-I", "-c", script], capture_output=True,
+                       text=True, cwd=ROOT, timeout=120)  # -I: no torch (plumbing) to import
+    assert r.returncode == 0 and "hf_secret" not in r.stdout, r.stdout + r.stderr
+    assert r.stdout == "FileNotFoundError\n" * 5 + "ModuleNotFoundError\n", r.stdout
+
+
+# the key system calls' numbers (add_key, keyctl) where the tests know them
+KEY_CALLS = {"x86_64": (248, 250), "aarch64": (217, 219)}
+
+
+def test_python_tool_cannot_read_the_runs_session_keyring(tmp_path):
+    """The kernel keyring is not namespaced: a key in the trainer's session keyring (`keyctl add
+    user NAME DATA @s`) was read from inside by its number. The sandbox's system-call filter
+    refuses keyctl, add_key and request_key (EPERM); the trainer keeps its key. As root and as
+    uid 65534."""
+    python_tool()
+    if os.uname().machine not in KEY_CALLS:
+        pytest.skip("the key system calls' numbers are known here for x86_64 and aarch64")
+    add_key, keyctl = KEY_CALLS[os.uname().machine]
+    inside = ("import ctypes\nc = ctypes.CDLL(None, use_errno=True)\n"
+              "b = ctypes.create_string_buffer(64)\n"
+              f"print(c.syscall({keyctl}, 11, int(open('/code.py').read().split('#')[-1]), b, "
+              "64), ctypes.get_errno(), b.value)\n")  # KEYCTL_READ of the key's number
+    script = (
+        "import ctypes, sys\nsys.path.insert(0, 'examples')\nimport python_tool as P\n"
+        "c = ctypes.CDLL(None, use_errno=True)\n"
+        f"assert c.syscall({keyctl}, 1, None) > 0  # a session keyring of this process's own\n"
+        f"key = c.syscall({add_key}, b'user', b'minrl-test', b'hunter2', 7, -3)  # into it (@s)\n"
+        f"b = ctypes.create_string_buffer(64)\nc.syscall({keyctl}, 11, key, b, 64)\n"
+        f"print(b.value, P.run_python({inside!r} + '#' + str(key)), end='')\n")
+    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.stdout == "b'hunter2' -1 1 b''\n", r.stdout + r.stderr  # EPERM inside
+    r = as_uid_65534(script)
+    assert r.stdout == "b'hunter2' -1 1 b''\n", r.stdout + r.stderr
+
+
+PIN = {  # memory that no process holds as resident: 600 MB, each piece left in the kernel
+    "SysV shared memory": (
+        "import ctypes\nc = ctypes.CDLL(None, use_errno=True)\nc.shmat.restype = ctypes.c_void_p\n"
+        "for _ in range(12):  # 12 segments of 50 MB, each written then detached\n"
+        "    i = c.shmget(0, 50 << 20, 0o1600)\n    if i < 0:\n"
+        "        raise OSError(ctypes.get_errno(), 'shmget')\n    a = c.shmat(i, None, 0)\n"
+        "    ctypes.memset(a, 1, 50 << 20)\n    c.shmdt(ctypes.c_void_p(a))\nprint('pinned')\n"),
+    "memfds": ("import os\nfds = [os.memfd_create(str(k)) for k in range(40)]\n"
+               "for fd in fds:  # 40 of 15 MB (16 MB is a file's limit)\n"
+               "    os.write(fd, bytes(15 << 20))\nprint('pinned')\n"),
+}
+
+
+@pytest.mark.parametrize("kind", PIN)
+def test_python_tool_cannot_pin_memory_its_processes_do_not_hold(kind):
+    """600 MB of SysV shared memory or memfds under a 256 MB limit: the resident memory the 10 ms
+    check sums never holds them (the red team pinned 2 GB and 640 MB under 512 MB). The system
+    call filter refuses shmget and memfd_create (EPERM), as root and as uid 65534; plain memory
+    is still stopped."""
+    P = python_tool()
+    out = P.run_python(PIN[kind], timeout=10, memory_mb=256)
+    assert "pinned" not in out and "PermissionError: [Errno 1]" in out, out
+    out = P.run_python("x = bytearray(400 << 20)", timeout=10, memory_mb=256)
+    assert "MemoryError" in out, out
+    r = as_uid_65534("import sys\nsys.path.insert(0, 'examples')\nimport python_tool as P\n"
+                     f"print(P.run_python({PIN[kind]!r}, timeout=10, memory_mb=256))")
+    assert "pinned" not in r.stdout and "PermissionError: [Errno 1]" in r.stdout, r
+
+
+THREADS = ("import threading, time\nthreading.stack_size(1 << 16)  # small: not held by RLIMIT_AS\n"
+           "n = 0\ntry:\n    for _ in range(200):\n"
+           "        threading.Thread(target=time.sleep, args=(30,), daemon=True).start()\n"
+           "        n += 1\nexcept RuntimeError as e:\n    print(e)\nprint('threads', n)\n"
+           "time.sleep(1)\n")
+
+
+def test_python_tool_counts_threads_as_root_and_as_an_unprivileged_user(tmp_path):
+    """Threads are tasks: 200 threads in one process passed the 16-process limit (8,000 in the
+    red team's run). As root (RLIMIT_NPROC does not bind root) the 10 ms check counts every
+    process's threads and stops the call; as uid 65534 the kernel refuses the 14th thread
+    (RLIMIT_NPROC, set inside the sandbox where only its own tasks count: bwrap's process there,
+    python and 13 threads make 15, bwrap's outer one the 16th)."""
+    P = python_tool()
+    if os.getuid() == 0:
+        out = P.run_python(THREADS)
+        assert out.endswith("(stopped: more than 16 processes or threads)"), out
+    r = as_uid_65534("import sys\nsys.path.insert(0, 'examples')\nimport python_tool as P\n"
+                     f"print(P.run_python('print(6 * 7)'), P.run_python({THREADS!r}), end='')")
+    assert r.stdout == "42\n can't start new thread\nthreads 13\n", r.stdout + r.stderr
+
+
+def test_a_sandbox_that_fails_after_load_is_a_failed_call_and_stops_the_run(tok, tmp_path,
+                                                                            monkeypatch, capsys):
+    """A bubblewrap that fails once the tool has loaded (out of namespaces: "Creating new
+    namespace failed: No space left on device") was a plain tool result, its error text the
+    model's observation. Now the call fails: an error result of --tools and an observation
+    starting 'error' of --env (both counted in tool_errors), a line on stderr; and 8 calls in a
+    row that fail stop the run in one line. The same calls with a bubblewrap that starts work."""
+    P = python_tool()
+    fake = tmp_path / "bwrap"
+    fake.write_text("#!/bin/sh\necho 'bwrap: Creating new namespace failed: No space left on "
+                    "device' >&2\nexit 1\n")
+    fake.chmod(0o755)
+    real = P.SANDBOX
+    monkeypatch.setattr(P, "SANDBOX", [str(fake)] + real[1:])
+    monkeypatch.setattr(P, "FAILED", {"in_a_row": 0}, raising=False)  # none before this test
+    why = "bwrap: Creating new namespace failed: No space left on device"
+    assert E.run_tool({"python": P.python}, "python", {"code": "print(1)"}) == (
+        f"error: SandboxError: the sandbox failed to start, the code did not run: {why}", True)
+    model = tiny_model("llama", seed=4)
+    model.generation_config.eos_token_id = list(range(len(tok)))  # every turn is one token
+    prompts, rows = C.encode_prompts(tok, ["1+2="] * 4), [{"prompt": "1+2="}] * 4
+
+    def env(row, turns):  # each turn as if the model wrote code
+        return P.env(row, [f"<python>print({len(turns)})</python>"])
+    roll = rollout(model, tok, prompts, env, rows, 2, 10)  # a call a row, 4 at once
+    assert E.tool_metrics(roll, SimpleNamespace(tools=None))["tool_errors"] == 1.0
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"python_tool: a call failed, its sandbox did not start (5 in a row): {why}"
+    assert len([line for line in err if line.startswith("python_tool: a call failed")]) == 5
+    stop = (r"^python_tool: the sandbox \(bubblewrap\) failed to start on 8 calls in a row: "
+            r"bwrap: Creating new namespace failed: No space left on device; the run stops")
+    for _ in range(2):  # --tools: calls 6 and 7 are error results, the 8th stops the run
+        assert E.run_tool({"python": P.python}, "python", {"code": "print(1)"})[1]
+    with pytest.raises(UserError, match=stop):
+        E.run_tool({"python": P.python}, "python", {"code": "print(1)"})
+    P.FAILED["in_a_row"] = 7
+    with pytest.raises(UserError, match=stop):  # --env: the 8th call
+        rollout(model, tok, prompts[:1], env, rows[:1], 2, 10)
+    monkeypatch.setattr(P, "SANDBOX", real)
+    assert P.run_python("print(1)") == "1\n" and P.FAILED["in_a_row"] == 0
+
+
+def test_an_old_bubblewrap_without_disable_userns_still_refuses_a_new_user_namespace(tmp_path):
+    """bubblewrap before 0.8 (Ubuntu 22.04 has 0.6) lacks --disable-userns: the code inside could
+    make a user namespace of its own and mount there. The system-call filter refuses unshare and
+    clone with CLONE_NEWUSER on any bubblewrap, so the tool loads with an old one (no refusal,
+    nothing said) and holds: a fake bwrap whose --help lacks the flag, then the real one."""
+    P = python_tool()
+    fake = tmp_path / "bwrap"
+    fake.write_text(f"#!/bin/sh\nif [ \"$1\" = --help ]; then\n  {P.SANDBOX[0]} --help | grep -v "
+                    f"disable-userns\n  exit\nfi\nexec {P.SANDBOX[0]} \"$@\"\n")
+    fake.chmod(0o755)
+    assert "disable-userns" not in subprocess.run([str(fake), "--help"], capture_output=True,
+                                                  text=True).stdout
+    code = ("import ctypes\nc = ctypes.CDLL(None, use_errno=True)\n"
+            "print(c.unshare(0x10000000), ctypes.get_errno())\n")  # CLONE_NEWUSER
+    cmd = [sys.executable, "-I", "-c", "import sys; sys.path.insert(0, 'examples')\n"
+           f"import python_tool as P; print(P.run_python({code!r}), end='')"]
+    for path in (f"{tmp_path}:{os.environ['PATH']}", os.environ["PATH"]):  # old, then real
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=120,
+                           env={**os.environ, "PATH": path})
+        assert (r.returncode, r.stdout, r.stderr) == (0, "-1 1\n", ""), r
+
+
+def test_python_tool_on_a_machine_without_its_filter_says_so_once_and_runs(tmp_path):
+    """The filter's system-call numbers are written for x86_64 and aarch64: on another machine
+    (os.uname() says riscv64 here) the tool loads, says once what is open, and runs the code."""
+    python_tool()
+    script = ("import os, sys\nu = os.uname()\n"
+              "os.uname = lambda: os.uname_result((*u[:4], 'riscv64'))\n"
+              "sys.path.insert(0, 'examples')\nimport python_tool as P\n"
+              "print(P.FILTER, P.run_python('print(1)'), P.run_python('print(2)'), end='')")
+    r = subprocess.run([sys.executable, "-I", "-c", script], capture_output=True, text=True,
+                       cwd=ROOT, timeout=120)
+    assert r.stdout == "None 1\n 2\n" and r.stderr == (
+        "python_tool: no system-call filter for riscv64 (x86_64 and aarch64 have one): the "
+        "kernel keyring, SysV shared memory and memfds are open inside\n"), r
 
 
 def test_tool_calls_restart_the_deadline_and_a_paused_wait_does_not_count(tok):
