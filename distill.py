@@ -150,8 +150,8 @@ def chunk_divergence(xs, xt, targets, heads, args):
     """One chunk of n positions: student and teacher final hidden states xs, xt (n, H) through
     their LM heads (logits / args.temperature, fp32) -> D_t (args.beta), log pi_theta(o_t),
     log pi_T(o_t) and the student's entropy (logged only), (n,) each."""
-    log_ps = (heads[0](xs).float() / args.temperature).log_softmax(-1)  # (n, V)
-    log_pt = (heads[1](xt).float() / args.temperature).log_softmax(-1)
+    log_ps = heads[0](xs, args.temperature).log_softmax(-1)  # (n, V)
+    log_pt = heads[1](xt, args.temperature).log_softmax(-1)
     pick = targets[:, None]
     return (generalized_jsd(log_ps, log_pt, args.beta), log_ps.gather(-1, pick)[:, 0],
             log_pt.gather(-1, pick)[:, 0], -(log_ps.exp() * log_ps).sum(-1).detach())
@@ -180,15 +180,17 @@ def final_hidden(model, ids, attention_mask, T):
 
 
 def lm_head(model):
-    """The model's LM head as a function: final hidden states -> logits, the ids it never samples
-    at probability 0 (common.suppressed). Only a plain linear head (fastpath.exact_head)."""
+    """The model's LM head as a function: final hidden states x, temperature t -> logits / t
+    (fp32), the ids it never samples at probability 0 (common.suppressed), masked after the
+    division (the most negative float / t < 1 is -inf, and p log p then nan). Only a plain
+    linear head (fastpath.exact_head)."""
     base = C._unwrap(model)
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(C._forward, base))
     if head is None:
         raise UserError("--loss jsd needs a plain linear LM head (not a LoRA-wrapped or "
                         "soft-capped one): use --loss opd")
-    return lambda x: C.masked_logits(head(x).float(), C.suppressed(base, head.out_features,
-                                                                    x.device))
+    return lambda x, t: C.masked_logits(head(x).float() / t, C.suppressed(
+        base, head.out_features, x.device))
 
 
 def teacher_prompt(row, context_field="", system_prompt=""):

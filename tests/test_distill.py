@@ -44,7 +44,7 @@ def test_chunked_divergence_equals_the_definition_at_every_position(beta):
     xt = torch.randn(N, H, generator=g, dtype=torch.float64)
     ws, wt = (torch.randn(V, H, generator=g, dtype=torch.float64) for _ in range(2))
     y = torch.randint(V, (N,), generator=g)
-    heads = (lambda x: x @ ws.T, lambda x: x @ wt.T)
+    heads = (lambda x, t: x @ ws.T / t, lambda x, t: x @ wt.T / t)
     args = distill.Args(beta=beta, temperature=temperature)
     div, lp, t_lp, ent = distill.chunked_divergence(xs, xt, y, heads, args, chunk=3)
     ps, pt = ((x @ w.T / temperature).softmax(-1) for x, w in ((xs, ws), (xt, wt)))
@@ -78,14 +78,67 @@ def test_jsd_equals_trls_distillation_loss(beta, temperature):
     g_want = torch.autograd.grad(want, (hs, ws))
     valid = mask.bool()
     y = torch.zeros(int(valid.sum()), dtype=torch.long)
-    div, *_ = distill.chunked_divergence(hs[valid], ht[valid], y, (lambda x: x @ ws.T,
-                                           lambda x: x @ wt.T),
+    div, *_ = distill.chunked_divergence(hs[valid], ht[valid], y, (lambda x, t: x @ ws.T / t,
+                                           lambda x, t: x @ wt.T / t),
                                          distill.Args(beta=beta, temperature=temperature), chunk=4)
     got = div.sum() / mask.sum()
     g_got = torch.autograd.grad(got, (hs, ws))
     assert float(got) == pytest.approx(float(want), abs=1e-6) and float(want) > 1e-3
     for a, b in zip(g_got, g_want):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta,temperature", [(1.0, 0.7), (0.0, 0.5), (0.5, 1.3)])
+def test_jsd_with_spare_embedding_rows_equals_trls_on_the_rows_with_tokens(beta, temperature):
+    """A model with embedding rows past its tokenizer's (Qwen2.5, Qwen3): those ids are never
+    sampled and have probability 0 here (common.suppressed); TRL's loss reads every row. So ours
+    equals TRL 1.16's loss given only the rows with tokens (loss and gradients to 1e-6), and
+    differs from TRL's on the whole head (docs/distill.md)."""
+    trl = pytest.importorskip("trl.trainer.distillation_trainer", reason="TRL is not installed")
+    g = torch.Generator().manual_seed(3)
+    B, K, H, V, spare = 2, 4, 8, 40, 7
+    hs = torch.randn(B, K, H, generator=g, requires_grad=True)
+    ht = torch.randn(B, K, H, generator=g)
+    ws = (torch.randn(V + spare, H, generator=g) * 0.5).requires_grad_()
+    wt = torch.randn(V + spare, H, generator=g) * 0.5
+    mask = (torch.arange(K)[None] < torch.tensor([[4], [3]])).float()
+    never = torch.arange(V + spare) >= V
+    want, _, _ = trl._chunked_divergence_loss(hs, ht, ws[:V], wt[:V], mask, beta,
+                                              temperature=temperature)
+    whole, _, _ = trl._chunked_divergence_loss(hs, ht, ws, wt, mask, beta,
+                                               temperature=temperature)
+    g_want = torch.autograd.grad(want, (hs, ws))
+    valid = mask.bool()
+    heads = (lambda x, t: C.masked_logits(x @ ws.T / t, never),
+             lambda x, t: C.masked_logits(x @ wt.T / t, never))
+    div, *_ = distill.chunked_divergence(hs[valid], ht[valid], torch.zeros(
+        int(valid.sum()), dtype=torch.long), heads, distill.Args(beta=beta,
+                                                                 temperature=temperature), chunk=2)
+    got = div.sum() / mask.sum()
+    g_got = torch.autograd.grad(got, (hs, ws))
+    assert float(got) == pytest.approx(float(want), abs=1e-6)
+    assert abs(float(whole) - float(want)) > 1e-4  # the spare rows do count in TRL's whole head
+    for a, b in zip(g_got, g_want):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_jsd_below_temperature_1_with_spare_embedding_rows_is_finite(chat_model, beta):
+    """lm_head on a model with embedding rows past its tokenizer's (chat_model: 37 of them) at
+    temperature 0.5: the masked logits are divided before they are masked, so the divergence,
+    its gradient and the entropy stay finite (masked first, min / 0.5 = -inf, 0 * -inf = nan)."""
+    model = loading.load_model(chat_model, "lm", torch.device("cpu"))
+    assert C.suppressed(model, model.config.vocab_size, "cpu") is not None
+    head = distill.lm_head(model)
+    g = torch.Generator().manual_seed(4)
+    xs = torch.randn(5, 64, generator=g, requires_grad=True)
+    xt = torch.randn(5, 64, generator=g)
+    div, lp, t_lp, ent = distill.chunked_divergence(
+        xs, xt, torch.arange(5), (head, head), distill.Args(beta=beta, temperature=0.5), chunk=2)
+    (grad,) = torch.autograd.grad(div.sum(), xs)
+    for t in (div, lp, t_lp, ent, grad):
+        assert torch.isfinite(t).all()
+    assert float(div.sum()) > 0
 
 
 def test_opd_loss_is_the_sampled_reverse_kl_as_an_advantage():
