@@ -48,6 +48,7 @@ from typing import Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
+from transformers import AutoConfig
 
 import common as C
 from plumbing.errors import UserError
@@ -247,6 +248,19 @@ def check_args(args, rows):
             raise UserError(f"--teacher {args.teacher}: its chat template differs from the "
                             "student's, so it would read other prompts (--chat_template none "
                             "for plain text)")
+        # the student samples the ids below its LM head's rows that have a token (the rows past
+        # its tokenizer's are never sampled: common.suppressed); a token past the teacher's rows
+        # would have no teacher probability (log 0: an infinite KL), so such a teacher is refused
+        try:
+            s_rows, t_rows = (AutoConfig.from_pretrained(
+                name, trust_remote_code=args.trust_remote_code).get_text_config().vocab_size
+                for name in (args.model, args.teacher))
+        except (OSError, ValueError):
+            return  # no config to read: loading the model says so in one line
+        if t_rows < min(s_rows, len(student)):
+            raise UserError(f"--teacher {args.teacher}: its LM head has {t_rows} rows, fewer "
+                            f"than the {min(s_rows, len(student))} token ids the student can "
+                            "sample: give a teacher whose embedding covers its tokenizer")
 
 
 # -------------------------------------------------------------------------- the training loop

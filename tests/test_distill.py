@@ -189,6 +189,31 @@ def test_a_teacher_with_another_vocabulary_or_template_is_one_line_before_weight
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_a_teacher_with_fewer_embedding_rows_than_the_vocabulary_is_one_line(tmp_path,
+                                                                            monkeypatch, capsys):
+    """A teacher with the student's tokenizer but an LM head of 90 rows for its 99 tokens would
+    have no probability for the ids past its rows: one line (exit 2) before any weights load, no
+    output folder; beside it, the same teacher with rows to spare (128) trains a step."""
+    from transformers import AutoModelForCausalLM
+    tok = loading.load_tokenizer(loading.DEFAULT_POLICY)
+    for rows in (90, 128):
+        model = AutoModelForCausalLM.from_pretrained(loading.DEFAULT_POLICY)
+        model.resize_token_embeddings(rows)
+        model.save_pretrained(tmp_path / f"t{rows}")
+        tok.save_pretrained(tmp_path / f"t{rows}")
+    monkeypatch.setattr(loading, "load_model", pytest.fail)  # the weights: not loaded
+    with pytest.raises(SystemExit) as e:
+        run_main(monkeypatch, distill, "--teacher", tmp_path / "t90", *TINY, "--output_dir",
+                 tmp_path / "a", guard=True)
+    assert e.value.code == 2 and "its LM head has 90 rows, fewer than the 99 token ids the " \
+        "student can sample" in one_error_line(capsys)
+    assert not (tmp_path / "a").exists()
+    monkeypatch.undo()
+    run_main(monkeypatch, distill, "--teacher", tmp_path / "t128", *TINY, "--max_steps", "1",
+             "--output_dir", tmp_path / "b")
+    assert read_metrics(tmp_path / "b")[0]["step"] == 1
+
+
 @pytest.mark.parametrize("argv,message", [
     ([], "no --teacher: the teacher is the student's own starting weights"),
     (["--teacher_context", "demo"], "--teacher_context 'demo': the row"),
