@@ -297,8 +297,9 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
-    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+    # the held-out score: accuracy, a reasoning-gym score or the mean reward; what it scores
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)
+    scored = tasks.scored_by(metric, weights, fns)
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(

@@ -313,6 +313,25 @@ def test_self_distillation_with_lora_on_a_data_file(tmp_path, monkeypatch):
     assert "adapter_model.safetensors" in saved and "model.safetensors" not in saved, saved
 
 
+def test_held_out_rg_rows_are_scored_by_their_own_generator(chat_model, tmp_path, monkeypatch):
+    """--data rg:spell_backward: the held-out answers are scored by reasoning-gym's own scorer
+    (the rg score, as grpo.py's), whatever --rewards trains on: 8 right answers score 8 of 8
+    (the math reward gave them 0: a spelled word holds no number)."""
+    pytest.importorskip("reasoning_gym")
+    real = C.generate
+
+    def generate(model, tok, rows, args, amp, env=None, greedy=False):  # greedy: the eval's
+        roll, texts = real(model, tok, rows, args, amp, env, greedy)
+        return roll, [f"<answer>{r['answer']}</answer>" for r in rows] if greedy else texts
+    monkeypatch.setattr(C, "generate", generate)
+    run_main(monkeypatch, distill, "--model", chat_model, "--teacher", chat_model, "--data",
+             "rg:spell_backward", "--rewards", "math=1", *TINY,
+             "--eval_size", "8", "--max_steps", "1", "--max_new_tokens", "3",
+             "--prompts_per_step", "4", "--output_dir", tmp_path / "o")
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    assert summary["eval_before"] == summary["eval_after"] == 1.0, summary
+
+
 def test_distill_is_listed_with_the_scripts():
     """The README's table of scripts and its budget table name distill.py."""
     readme = open(f"{ROOT}/README.md", encoding="utf-8").read()
