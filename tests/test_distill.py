@@ -3,6 +3,7 @@
 resume."""
 import json
 import shutil
+import sys
 
 import pytest
 import torch
@@ -10,7 +11,7 @@ import torch
 import common as C
 import distill
 import grpo
-from plumbing import chat_sums, loading
+from plumbing import chat_sums, flags, loading
 
 from tests.helpers import ROOT, one_error_line, read_metrics, run_main, write_jsonl
 
@@ -330,6 +331,38 @@ def test_held_out_rg_rows_are_scored_by_their_own_generator(chat_model, tmp_path
              "--prompts_per_step", "4", "--output_dir", tmp_path / "o")
     summary = json.loads((tmp_path / "o" / "summary.json").read_text())
     assert summary["eval_before"] == summary["eval_after"] == 1.0, summary
+
+
+def test_a_pretrained_model_and_rg_take_their_defaults(tmp_path, monkeypatch, capsys):
+    """--model a pretrained model: distill.py takes the RL scripts' REAL_MODEL defaults (lr 1e-5,
+    T 0.7, 128 new tokens, not the 1 M adder's 1e-4 and 6), jsd's beta staying TRL's 1; --data
+    rg:... its preset (one sample of 32 prompts, the rg reward); a flag given wins."""
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "config.json").write_text(json.dumps(
+        {"vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30}))  # SmolLM2-135M
+
+    def parse(*argv):
+        monkeypatch.setattr(sys, "argv", ["distill.py", *map(str, argv)])
+        return flags.parse_args(distill.Args, "distill", distill.__doc__)
+    args = parse("--model", big)
+    assert (args.lr, args.temperature, args.max_new_tokens, args.micro_batch_size,
+            args.eval_size, args.beta) == (1e-5, 0.7, 128, 8, 128, 1.0)
+    assert "--temperature 0.7" in capsys.readouterr().out
+    args = parse("--model", big, "--data", "rg:spell_backward", "--lr", "3e-6")
+    assert (args.samples_per_prompt, args.prompts_per_step, args.beta, args.rewards, args.lr,
+            args.max_new_tokens) == (1, 32, 1.0, "rg=1", 3e-6, 24)
+    args = parse("--model", loading.DEFAULT_POLICY)  # the bundled model: its own defaults
+    assert (args.lr, args.max_new_tokens, args.temperature) == (1e-4, 6, 1.0)
+
+
+def test_a_run_whose_completions_are_cut_says_so_at_step_1(tmp_path, monkeypatch, capsys):
+    """distill.py warns as the RL scripts do (runs.warn_if_stuck): one new token cuts every
+    completion of the bundled task, said at step 1 with the value that fits, and logged."""
+    run_main(monkeypatch, distill, "--teacher", loading.DEFAULT_POLICY, "--max_new_tokens", "1",
+             "--max_steps", "1", "--prompts_per_step", "8", *TINY, "--output_dir", tmp_path / "o")
+    assert "100% of completions were cut by --max_new_tokens 1" in capsys.readouterr().out
+    assert "truncated" in read_metrics(tmp_path / "o")[0]["warning"].split(",")
 
 
 def test_distill_is_listed_with_the_scripts():
