@@ -224,8 +224,8 @@ def teacher_rollout(tok, roll, prompts, chat_template):
 
 # ------------------------------------------------------------- a teacher with another tokenizer
 # The teacher reads the student's completion as text in its own tokens; the two tokenizations
-# are aligned by characters: a span ends where both end a token (GOLD's and ULD's alignment in
-# spirit; docs/distill.md). Over a span c, log pi(c) is the sum of its tokens' log-probs in
+# are aligned by characters: a span ends where both end a token (TRL GOLD's byte-offset groups;
+# docs/distill.md). Over a span c, log pi(c) is the sum of its tokens' log-probs in
 # either model, and every student token of c gets the span's A_c = -kl_coef (log pi_theta(c) -
 # log pi_T(c)): E[sum_t A_c grad log pi_theta(o_t)] = -grad KL(pi_theta || pi_T) over c, exact.
 # One tokenizer presented as another gives one-token spans: the same loss (tested).
