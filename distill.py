@@ -26,8 +26,10 @@ advantage c * A_i, A_i its --rewards' GRPO group advantage (k >= 2 samples per p
 rewards are scored and logged either way; the held-out score is the other scripts'.
 
 Teachers: --teacher PATH_OR_NAME, a causal LM with the student's tokenizer (its vocabulary and
-chat template are compared before any weights load); or none: the student's own starting weights,
-frozen, shown what the student is not (self-distillation; prime-rl's opsd, context distillation):
+chat template are compared before any weights load), or with another one (--loss opd: it reads the
+completions' text in its own tokens, aligned by characters: cross_rollout); or none: the student's
+own starting weights, frozen, shown what the student is not (self-distillation; prime-rl's opsd,
+context distillation):
 --teacher_context FIELD, a row field (text or chat messages) read before the prompt (a worked
 example, a demonstration), or --teacher_system_prompt TEXT. On --data chat-sums the field
 `example` holds the worked example for the half of the prompts that do not show it. The teacher
@@ -39,6 +41,7 @@ Run:  python grpo.py --output_dir runs/teacher     # a teacher for the bundled t
           --teacher_context example   # the model shown a worked example teaches itself
 Expect (bundled, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.99 (docs/distill.md).
 """
+import bisect
 import functools
 import math
 import time
@@ -48,6 +51,7 @@ from typing import Literal
 import torch
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
+from transformers import AutoConfig
 
 import common as C
 from plumbing.errors import UserError
@@ -71,7 +75,7 @@ class Args:
     chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
     trust_remote_code: bool = False  # never run a model repo's own code unless asked
     # --- the teacher
-    teacher: str = ""  # a causal LM with the student's tokenizer; '' = the student's start, frozen
+    teacher: str = ""  # a causal LM (another tokenizer: opd); '' = the student's start, frozen
     teacher_context: str = ""  # a row field the teacher reads before the prompt (prime-rl opsd)
     teacher_system_prompt: str = ""  # a system message the teacher reads instead of the row's
     # --- sampling
@@ -150,8 +154,8 @@ def chunk_divergence(xs, xt, targets, heads, args):
     """One chunk of n positions: student and teacher final hidden states xs, xt (n, H) through
     their LM heads (logits / args.temperature, fp32) -> D_t (args.beta), log pi_theta(o_t),
     log pi_T(o_t) and the student's entropy (logged only), (n,) each."""
-    log_ps = (heads[0](xs).float() / args.temperature).log_softmax(-1)  # (n, V)
-    log_pt = (heads[1](xt).float() / args.temperature).log_softmax(-1)
+    log_ps = heads[0](xs, args.temperature).log_softmax(-1)  # (n, V)
+    log_pt = heads[1](xt, args.temperature).log_softmax(-1)
     pick = targets[:, None]
     return (generalized_jsd(log_ps, log_pt, args.beta), log_ps.gather(-1, pick)[:, 0],
             log_pt.gather(-1, pick)[:, 0], -(log_ps.exp() * log_ps).sum(-1).detach())
@@ -180,15 +184,17 @@ def final_hidden(model, ids, attention_mask, T):
 
 
 def lm_head(model):
-    """The model's LM head as a function: final hidden states -> logits, the ids it never samples
-    at probability 0 (common.suppressed). Only a plain linear head (fastpath.exact_head)."""
+    """The model's LM head as a function: final hidden states x, temperature t -> logits / t
+    (fp32), the ids it never samples at probability 0 (common.suppressed), masked after the
+    division (the most negative float / t < 1 is -inf, and p log p then nan). Only a plain
+    linear head (fastpath.exact_head)."""
     base = C._unwrap(model)
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(C._forward, base))
     if head is None:
         raise UserError("--loss jsd needs a plain linear LM head (not a LoRA-wrapped or "
                         "soft-capped one): use --loss opd")
-    return lambda x: C.masked_logits(head(x).float(), C.suppressed(base, head.out_features,
-                                                                    x.device))
+    return lambda x, t: C.masked_logits(head(x).float() / t, C.suppressed(
+        base, head.out_features, x.device))
 
 
 def teacher_prompt(row, context_field="", system_prompt=""):
@@ -216,9 +222,69 @@ def teacher_rollout(tok, roll, prompts, chat_template):
                              completion_mask=roll.completion_mask)
 
 
+# ------------------------------------------------------------- a teacher with another tokenizer
+# The teacher reads the student's completion as text in its own tokens; the two tokenizations
+# are aligned by characters: a span ends where both end a token (TRL GOLD's byte-offset groups;
+# docs/distill.md). Over a span c, log pi(c) is the sum of its tokens' log-probs in
+# either model, and every student token of c gets the span's A_c = -kl_coef (log pi_theta(c) -
+# log pi_T(c)): E[sum_t A_c grad log pi_theta(o_t)] = -grad KL(pi_theta || pi_T) over c, exact.
+# One tokenizer presented as another gives one-token spans: the same loss (tested).
+def token_ends(tok, ids, text):
+    """Where each token of ids (decoding to text) ends in text: the length of its prefix's
+    decoding, or the next token's end where that is not a prefix of text (a token ending inside a
+    character, byte-level BPE's), the text's length at the last."""
+    pieces = [tok.decode(ids[:i + 1]) for i in range(len(ids))]
+    ends = [len(p) if text.startswith(p) else None for p in pieces]
+    ends[-1:] = [len(text)] * len(ends[-1:])  # the last token ends the text
+    for i in reversed(range(len(ends) - 1)):  # inside a character: the next token's end
+        if ends[i] is None:
+            ends[i] = ends[i + 1]
+    return ends
+
+
+def cross_rollout(tok, t_tok, roll, prompts, chat_template, eos):
+    """The teacher's rollout for another tokenizer: its prompts in its template, then each
+    student completion's text (the EOS token apart, eos: the student's EOS ids) in its tokens and
+    its EOS where the student's row ended with one. And the span of every student (B, T) and
+    teacher (B, T') completion token, numbered across the batch: n spans."""
+    t_ids, spans, t_spans, n = [], [], [], 0
+    for row, m in zip(roll.ids[:, roll.P:].tolist(), roll.completion_mask.tolist()):
+        ids = row[:int(sum(m))]
+        end = ids[-1:] if ids and ids[-1] in eos else []  # the EOS: a span of its own
+        ids = ids[:len(ids) - len(end)]
+        text = tok.decode(ids)
+        ids_t = t_tok(text, add_special_tokens=False)["input_ids"]
+        s_end, t_end = token_ends(tok, ids, text), token_ends(t_tok, ids_t, text)
+        cuts = sorted(set(s_end) & set(t_end) | {len(text)})  # where both tokenizations cut
+        for out, ends in ((spans, s_end), (t_spans, t_end)):  # a token's span: its end's cut
+            out.append([n + bisect.bisect_left(cuts, e) for e in ends] + [n + len(cuts)] * len(end))
+        t_ids.append(ids_t + [t_tok.eos_token_id] * len(end))
+        n += len(cuts) + len(end)
+    T, Tt = roll.completion_mask.shape[1], max(1, max(map(len, t_ids)))
+    ids, mask = C.left_pad(C.encode_prompts(t_tok, prompts, chat_template), t_tok.pad_token_id,
+                           roll.ids.device)
+    pad = lambda rows, width, v: torch.tensor([r + [v] * (width - len(r)) for r in rows],
+                                             device=roll.ids.device)
+    completion_mask = pad([[1.0] * len(r) for r in t_ids], Tt, 0.0)  # (B, T')
+    t_roll = C.SimpleNamespace(ids=torch.cat([ids, pad(t_ids, Tt, t_tok.pad_token_id)], 1),
+                               attention_mask=torch.cat([mask, completion_mask.long()], 1),
+                               completion_mask=completion_mask, P=ids.shape[1])
+    return t_roll, pad(spans, T, 0), pad(t_spans, Tt, 0), n
+
+
+def span_logprobs(logprobs, teacher_span_logprobs, span):
+    """The student's log-probs (N,) summed over their spans (span (N,): each token's index into
+    teacher_span_logprobs (S,)) -> each token's span's log-prob under the student and under the
+    teacher, and 1 / the span's tokens (the logged KL counts a span once), (N,) each."""
+    student = torch.zeros_like(teacher_span_logprobs).index_add(0, span, logprobs)  # (S,)
+    count = torch.zeros_like(student).index_add(0, span, torch.ones_like(logprobs))
+    return student[span], teacher_span_logprobs[span], 1 / count[span]
+
+
 def check_args(args, rows):
     """The flags, and the teacher before any weights load: it reads the student's tokens (the
-    same vocabulary and chat template), and a self-teacher is shown something more."""
+    same vocabulary and chat template) or, returned, its own tokenizer (cross_rollout); a
+    self-teacher is shown something more."""
     flags.check_args(args)
     if args.reward_coef and args.samples_per_prompt < 2:
         raise UserError("--reward_coef needs --samples_per_prompt >= 2: a group of one has no "
@@ -237,14 +303,30 @@ def check_args(args, rows):
     if args.teacher:
         student, teacher = (loading.load_tokenizer(name, args.trust_remote_code)
                             for name in (args.model, args.teacher))
-        if student.get_vocab() != teacher.get_vocab():
-            raise UserError(f"--teacher {args.teacher}: its vocabulary ({len(teacher)} tokens) "
-                            f"is not the student's ({len(student)}): a teacher must score the "
-                            "student's own token ids")
+        if student.get_vocab() != teacher.get_vocab():  # it reads the completions' text
+            if args.loss == "jsd":
+                raise UserError(f"--teacher {args.teacher}: its vocabulary ({len(teacher)} "
+                                f"tokens) is not the student's ({len(student)}), and --loss jsd "
+                                "compares next-token distributions over one vocabulary: use "
+                                "--loss opd, which aligns the two by characters")
+            return teacher
         if args.chat_template == "auto" and student.chat_template != teacher.chat_template:
             raise UserError(f"--teacher {args.teacher}: its chat template differs from the "
                             "student's, so it would read other prompts (--chat_template none "
                             "for plain text)")
+        # the student samples the ids below its LM head's rows that have a token (the rows past
+        # its tokenizer's are never sampled: common.suppressed); a token past the teacher's rows
+        # would have no teacher probability (log 0: an infinite KL), so such a teacher is refused
+        try:
+            s_rows, t_rows = (AutoConfig.from_pretrained(
+                name, trust_remote_code=args.trust_remote_code).get_text_config().vocab_size
+                for name in (args.model, args.teacher))
+        except (OSError, ValueError):
+            return  # no config to read: loading the model says so in one line
+        if t_rows < min(s_rows, len(student)):
+            raise UserError(f"--teacher {args.teacher}: its LM head has {t_rows} rows, fewer "
+                            f"than the {min(s_rows, len(student))} token ids the student can "
+                            "sample: give a teacher whose embedding covers its tokenizer")
 
 
 # -------------------------------------------------------------------------- the training loop
@@ -255,7 +337,8 @@ def main():
     data = tasks.load_data(args.data, args.eval_size, "math" in weights and args.reward_coef > 0,
                            args.data_split, prompt_field=args.prompt_field,
                            answer_field=args.answer_field, system_prompt=args.system_prompt)
-    check_args(args, data.rows)  # the teacher's tokenizer too, before any weights load
+    # the teacher's tokenizer, before any weights load: t_tok, or None for the student's own
+    t_tok = check_args(args, data.rows)
     device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
     run = R.start_run(args, "distill")  # output folder, lock, metrics.jsonl, Ctrl-C handler
     rng = R.seed_everything(args.seed)
@@ -281,8 +364,9 @@ def main():
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
                             fused=True)  # fused: one kernel for all parameters
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, or the mean reward
-    scored = {"math": 1.0} if metric == "accuracy" else weights  # what a held-out answer scores
+    # the held-out score: accuracy, a reasoning-gym score or the mean reward; what it scores
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)
+    scored = tasks.scored_by(metric, weights, fns)
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
@@ -308,11 +392,19 @@ def main():
         # 2. the teacher reads the same completions, after its own prompt when it is shown more
         t_roll = roll if not shown else teacher_rollout(tok, roll, [teacher_prompt(
             r, args.teacher_context, args.teacher_system_prompt) for r in rows], args.chat_template)
-        teacher_logprobs = None
+        teacher_logprobs = spans = None
+        if t_tok is not None:  # another tokenizer: the completions' text in its own tokens
+            t_roll, spans, t_spans, n = cross_rollout(tok, t_tok, roll, [teacher_prompt(
+                r, args.teacher_context, args.teacher_system_prompt) for r in rows],
+                args.chat_template, C.eos_ids(model, tok))
         if args.loss == "opd":  # log pi_T of each sampled token (B, T), no gradient
             with R.adapters_off(teacher):  # LoRA self-distillation: the student, adapters off
                 teacher_logprobs = C.batched_logprobs(teacher, t_roll, args.temperature,
                                                       args.micro_batch_size, amp)
+        if spans is not None:  # log pi_T of each span (n,): the sum of its tokens'
+            on = t_roll.completion_mask.bool()
+            teacher_logprobs = torch.zeros(n, device=device).index_add(
+                0, t_spans[on], teacher_logprobs[on])
         reward_adv = torch.zeros(B, device=device)  # c * A_i, the RL part (0: distillation only)
         if args.reward_coef:
             reward_adv = args.reward_coef * group_advantages(scores, k).to(device)
@@ -330,9 +422,14 @@ def main():
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
                                                              args.temperature, entropy=True)
-                        lp, t_lp = logprobs[valid], teacher_logprobs[mb][valid]  # (N,)
+                        lp, once = logprobs[valid], 1.0  # (N,)
+                        if spans is None:  # the teacher read these very tokens
+                            lp_c, t_lp = lp, teacher_logprobs[mb][valid]
+                        else:  # another tokenizer: each token's span, under both models
+                            lp_c, t_lp, once = span_logprobs(lp, teacher_logprobs,
+                                                             spans[mb][valid])
                         entropy = entropy[valid].detach()  # logged only
-                        loss = pg_loss(lp, lp.detach(), opd_advantages(lp, t_lp, args.kl_coef)
+                        loss = pg_loss(lp, lp.detach(), opd_advantages(lp_c, t_lp, args.kl_coef)
                                        + adv)
                     else:  # jsd: final hidden states, then both LM heads a chunk at a time
                         xs = final_hidden(train_model, roll.ids[mb], roll.attention_mask[mb], T)
@@ -342,12 +439,14 @@ def main():
                         div, lp, t_lp, entropy = chunked_divergence(
                             xs[valid], xt[valid], roll.ids[mb, -T:][valid], heads, args, chunk)
                         loss = div + pg_loss(lp, lp.detach(), adv)  # + the RL part, if any
+                        lp_c, once = lp, 1.0
                         sums["divergence"] += float(div.detach().sum()) / n_local
                 loss = loss.sum() / n_tokens  # token-mean over the whole step
                 # DDP/FSDP2 average the processes' gradients: x world makes them the sum
                 (loss * run.world).backward()  # gradients add up over the micro-batches
             sums["loss"] += loss.item() * run.world  # the global mean below: the sum
-            sums["kl"] += float((lp - t_lp).detach().sum()) / n_local  # KL(pi_theta || pi_T), k1
+            # KL(pi_theta || pi_T), k1, a span once
+            sums["kl"] += float((once * (lp_c - t_lp)).detach().sum()) / n_local
             sums["entropy"] += float(entropy.sum()) / n_local
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
@@ -370,6 +469,7 @@ def main():
                                                                mask.sum()))
         if R.every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(evaluate())
+        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
         R.log_step(run, metrics, bar, samples, opt)
         stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
         if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:

@@ -139,6 +139,9 @@ REAL_MODEL_ALGO = {
     # sft, dpo: the lr (TRL 1.16 SFTConfig's and DPOConfig's learning_rate; the DPO paper 5e-7),
     # and from above the micro-batch, the held-out size and the greedy answers' length
     "sft": {"lr": 2e-5}, "dpo": {"lr": 1e-6},
+    # distill samples as the RL scripts do: their lr and temperature (its beta is jsd's, not a KL
+    # weight: TRL's 1 stays)
+    "distill": {"lr": REAL_MODEL["lr"], "temperature": REAL_MODEL["temperature"]},
 }
 RL = ("grpo", "reinforce", "ppo")  # REAL_MODEL's sampling and KL defaults: the RL scripts only
 MODEL_DEFAULTS = {}  # the REAL_MODEL values this run took (summary.json: model_defaults)

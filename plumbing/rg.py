@@ -54,7 +54,9 @@ PRESET = {"rewards": "rg=1", "max_new_tokens": 24, "temperature": 0.7, "lr": 2e-
 PRESET_ALGO = {"grpo": {"group_size": 8},
                "reinforce": {"samples_per_prompt": 8, "baseline": "rloo"},
                "ppo": {"batch_size": 32, "micro_batch_size": 16, "critic_init": "policy",
-                       "critic_lr": 1e-5, "ppo_epochs": 1, "num_minibatches": 2}}
+                       "critic_lr": 1e-5, "ppo_epochs": 1, "num_minibatches": 2},
+               # one sample of 32 prompts, jsd's beta TRL's 1 (chat-sums's distill preset)
+               "distill": {"samples_per_prompt": 1, "prompts_per_step": 32, "beta": 1.0}}
 
 
 def preset(data, algo, names):
