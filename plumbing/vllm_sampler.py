@@ -54,6 +54,15 @@ class Sampler:
         # in this process, so that its model is ours to load weights into (and no spawn)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
+        if device.type == "cpu":  # vLLM's CPU attention kernels take a few head sizes only
+            from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+            sizes = CPUAttentionBackend.get_supported_head_sizes()
+            cfg = C._unwrap(model).config.get_text_config()
+            head = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+            if head not in sizes:
+                raise UserError(f"--vllm on a CPU: model {args.model!r} has head_dim {head}, "
+                                f"which vLLM's CPU attention does not support (it takes "
+                                f"{', '.join(map(str, sizes))}); leave --vllm out")
         dtype = getattr(args, "sample_dtype", "same")  # as the sampling forward's autocast
         dtype = args.dtype if dtype == "same" else dtype
         bf16 = dtype == "bf16" or dtype == "auto" and device.type == "cuda"  # loading.autocast
@@ -76,7 +85,8 @@ class Sampler:
     def load_weights(self, model):
         """The policy's current weights into the engine (vLLM's loader), its prefix cache reset."""
         # in place, kernel layouts redone (on a CPU, oneDNN's packed weights): vLLM's own path
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": merged_weights(model)})
+        weights = merged_weights(model)
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()  # cached prompts' keys and values were the old weights'
 
     def generate(self, rows, args, greedy=False):
