@@ -262,7 +262,8 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
     # fastpath.py: no padding columns, shared prompts once (not where a KV cache cannot be reused:
     # DDP runs one forward per backward, checkpointing drops it), the head in chunks: no (B, T, V)
-    share = not torch.distributed.is_initialized() and not any(
+    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    share = not ddp and not any(
         getattr(m, "gradient_checkpointing", False) for m in model.modules())
     x, targets = fastpath.final_hidden(functools.partial(_forward, model), ids, attention_mask, T,
                                        share)
