@@ -226,8 +226,8 @@ def decode_completions(tok, roll):
 def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
-    (engine.generate). Under the autocast amp; greedy (held-out eval): argmax, temperature 1.
-    sampler (--vllm, plumbing/vllm_sampler.py): its engine samples instead, the same Rollout."""
+    (engine.generate); with sampler (--vllm: plumbing/vllm_sampler.py) by vLLM's engine. Under
+    the autocast amp; greedy (held-out eval): argmax, temperature 1."""
     if sampler is not None:
         return sampler.generate(rows, args, greedy)
     with amp:
@@ -262,7 +262,7 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
     # fastpath.py: no padding columns, shared prompts once (not where a KV cache cannot be reused:
     # DDP runs one forward per backward, checkpointing drops it), the head in chunks: no (B, T, V)
-    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # --vllm: 1
     share = not ddp and not any(
         getattr(m, "gradient_checkpointing", False) for m in model.modules())
     x, targets = fastpath.final_hidden(functools.partial(_forward, model), ids, attention_mask, T,
@@ -448,8 +448,7 @@ def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_siz
              sampler=None):
     """Held-out scores under these reward weights ({"math": 1}: accuracy; the scripts choose by
     eval_metric): "eval", the mean score of greedy completions; args.eval_samples = k > 0: also
-    eval_mean@k and eval_pass@k (a prompt's best of k) of k samples at the training temperature.
-    sampler: --vllm's (common.generate)."""
+    eval_mean@k and eval_pass@k (a prompt's best of k) of k samples at the training temperature."""
     if not rows:  # e.g. a data file too small to hold rows out: no score, not a made-up 0
         return {"eval": float("nan")}
     k = getattr(args, "eval_samples", 0)

