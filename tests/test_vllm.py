@@ -217,7 +217,7 @@ def test_vllm_every_rl_script_trains_a_step_with_it(smollm2_dir, tmp_path, scrip
     extra = {"grpo.py": ["--group_size", "2", "--prompts_per_step", "2",
                          "--micro_batch_size", "4"],
              "reinforce.py": ["--samples_per_prompt", "2", "--prompts_per_step", "2"],
-             "ppo.py": ["--batch_size", "4", "--num_minibatches", "1"],
+             "ppo.py": ["--batch_size", "8", "--num_minibatches", "1"],
              "distill.py": ["--teacher_context", "example", "--prompts_per_step", "4",
                             "--micro_batch_size", "4", "--lora_r", "8"]}[script]  # LoRA merged
     r = run_script(script, "--model", smollm2_dir, "--data", "chat-sums", "--vllm",
