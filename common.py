@@ -223,10 +223,13 @@ def decode_completions(tok, roll):
     return [tok.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths)]
 
 
-def generate(model, tok, rows, args, amp, env=None, greedy=False):
+def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
-    (engine.generate). Under the autocast amp; greedy (held-out eval): argmax, temperature 1."""
+    (engine.generate); with sampler (--vllm: plumbing/vllm_sampler.py) by vLLM's engine. Under
+    the autocast amp; greedy (held-out eval): argmax, temperature 1."""
+    if sampler is not None:
+        return sampler.generate(rows, args, greedy)
     with amp:
         if env is not None:
             return env.generate(model, tok, rows, args, greedy)
@@ -259,7 +262,8 @@ def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
     # fastpath.py: no padding columns, shared prompts once (not where a KV cache cannot be reused:
     # DDP runs one forward per backward, checkpointing drops it), the head in chunks: no (B, T, V)
-    share = not torch.distributed.is_initialized() and not any(
+    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # --vllm: 1
+    share = not ddp and not any(
         getattr(m, "gradient_checkpointing", False) for m in model.modules())
     x, targets = fastpath.final_hidden(functools.partial(_forward, model), ids, attention_mask, T,
                                        share)
@@ -440,7 +444,8 @@ def gold(completions, rows):
 
 
 @torch.no_grad()
-def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_size=128):
+def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_size=128,
+             sampler=None):
     """Held-out scores under these reward weights ({"math": 1}: accuracy; the scripts choose by
     eval_metric): "eval", the mean score of greedy completions; args.eval_samples = k > 0: also
     eval_mean@k and eval_pass@k (a prompt's best of k) of k samples at the training temperature."""
@@ -452,7 +457,7 @@ def evaluate(model, tok, rows, args, amp, weights, fns=None, env=None, batch_siz
         for key, reps in (("eval", 1), ("sampled", k)):
             batch = [r for r in rows[i:i + batch_size] for _ in range(reps)]  # reps rows a prompt
             if batch:
-                _, texts = generate(model, tok, batch, args, amp, env, greedy=key == "eval")
+                _, texts = generate(model, tok, batch, args, amp, env, key == "eval", sampler)
                 scores[key] += compute_rewards(batch, texts, weights, fns)[0].tolist()
     greedy = sum(scores["eval"]) / len(rows)
     if not k:

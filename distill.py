@@ -61,6 +61,7 @@ from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
 from plumbing import runs as R
 from plumbing import tasks
+from plumbing import vllm_sampler as V
 
 
 @dataclass
@@ -85,6 +86,9 @@ class Args:
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; both models' log-probs too
     top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
+    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
+    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- the distillation objective
     loss: Literal["opd", "jsd"] = "opd"  # opd: sampled reverse KL as advantage; jsd: TRL's
     beta: float = arg(1.0, "[0, 1]")  # jsd: 0 forward KL, 1 reverse KL, between: JSD (TRL: 1)
@@ -359,6 +363,7 @@ def main():
                         f"{teacher.config.vocab_size} rows, the student's "
                         f"{model.config.vocab_size}; use --loss opd")
     chunk = max(1, fastpath.CHUNK_ELEMS // model.config.vocab_size)  # positions per chunk
+    sampler = V.Sampler(args, model, tok, device) if args.vllm else None  # --vllm: vLLM samples
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
@@ -370,7 +375,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, scored, fns))
+            model, tok, rows, args, amp, scored, fns, sampler=sampler))
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     k = args.samples_per_prompt
     shown = args.teacher_context or args.teacher_system_prompt  # the teacher reads its own prompt
@@ -382,7 +387,7 @@ def main():
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(k)]
         with R.gathered(model), R.stop_on_divergence(run, step):  # --fsdp: the whole model
-            roll, completions = C.generate(model, tok, rows, args, amp)
+            roll, completions = C.generate(model, tok, rows, args, amp, sampler=sampler)
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
         if args.reward_coef and not torch.isfinite(R.global_sum(scores.sum())):
             R.skip_update(run, "reward")  # NaN/inf in a reward that trains: skip the update
@@ -452,6 +457,8 @@ def main():
         if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
         opt.zero_grad(set_to_none=True)
+        if sampler:  # --vllm: the updated weights into its engine, for the next samples
+            sampler.load_weights(model)
         # 4. log, eval, checkpoint
         elapsed = time.time() - t0
         metrics = {"step": step + 1, "reward": float(scores.mean()),

@@ -53,6 +53,7 @@ from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
 from plumbing import runs as R
 from plumbing import tasks
+from plumbing import vllm_sampler as V
 
 Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --rewards: TRL's
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"]  # aggregate()
@@ -83,6 +84,9 @@ class Args:
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
     top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
+    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
+    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
@@ -346,6 +350,7 @@ def main():
     if args.sanity:
         failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
+    sampler = V.Sampler(args, model, tok, device) if args.vllm else None  # --vllm: vLLM samples
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
@@ -357,7 +362,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, scored, fns, env=env))
+            model, tok, rows, args, amp, scored, fns, env=env, sampler=sampler))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
     if args.num_iterations == 1 and run.rank == 0:
@@ -373,7 +378,7 @@ def main():
 
     # one completion per row (with an env: a multi-turn episode), and the texts rewards read
     def generate(rows):
-        return C.generate(model, tok, rows, args, sample_amp, env)
+        return C.generate(model, tok, rows, args, sample_amp, env, sampler=sampler)
 
     def score(rows, texts):  # the weighted reward (B,) and each of its parts
         return C.compute_rewards(rows, texts, weights, fns)
@@ -460,6 +465,8 @@ def main():
             if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        if sampler:  # --vllm: the updated weights into its engine, for the next samples
+            sampler.load_weights(model)
         # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
         _, all_rewards, parts = seen  # every round's (several with dynamic_sampling)

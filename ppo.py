@@ -63,6 +63,7 @@ from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
 from plumbing import runs as R
 from plumbing import tasks
+from plumbing import vllm_sampler as V
 
 
 @dataclass
@@ -91,6 +92,9 @@ class Args:
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
     top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
+    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
+    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
@@ -406,11 +410,13 @@ def main():
         raise SystemExit(2 if failed else 0)
     if "rm" in weights:  # the reward model's score, as a reward function (common.rm_scores)
         fns["rm"] = loading.load_reward_model(args, device)
+    sampler = V.Sampler(args, model, tok, device) if args.vllm else None  # --vllm: vLLM samples
     norm = (0.0, 1.0)  # the score's (mu, sigma): from the checkpoint on resume, else measured
     if run.state:
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
-        norm = score_stats(lambda rows: C.generate(model, tok, rows, args, amp, env),
+        norm = score_stats(lambda rows: C.generate(model, tok, rows, args, amp, env,
+                                                   sampler=sampler),
                            lambda rows, texts: C.compute_rewards(rows, texts, weights, fns), data,
                            args)
         if run.rank == 0:
@@ -432,7 +438,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, scored, fns, env=env))
+            model, tok, rows, args, amp, scored, fns, env=env, sampler=sampler))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
@@ -458,7 +464,7 @@ def main():
         rows = data.next_batch(rng, args.batch_size)[run.rank::run.world]  # torchrun: a share
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
-            roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
+            roll, completions = C.generate(model, tok, rows, args, amp, env, sampler=sampler)
         raw_scores, parts = C.compute_rewards(rows, completions, weights, fns)
         data_logs = data.observe(rows, raw_scores, parts, 1)  # curriculum, skips (tasks.observe)
         if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
@@ -490,6 +496,8 @@ def main():
                  "advantages": C.whiten(advantages, mask, total=R.global_sum)}
         # 4. ppo_epochs x num_minibatches optimizer steps on the clipped losses
         stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
+        if sampler:  # --vllm: the updated weights into its engine, for the next samples
+            sampler.load_weights(model)
         # nats per sequence: what Ziegler's controller targets (the mean over all processes)
         kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
         # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)

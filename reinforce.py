@@ -64,6 +64,7 @@ from plumbing.flags import arg  # an Args field with its valid range
 from plumbing import loading
 from plumbing import runs as R
 from plumbing import tasks
+from plumbing import vllm_sampler as V
 
 
 Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --rewards: TRL's
@@ -94,6 +95,9 @@ class Args:
     temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
     top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
     stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
+    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
+    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
@@ -276,6 +280,7 @@ def main():
     if args.sanity:
         failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
+    sampler = V.Sampler(args, model, tok, device) if args.vllm else None  # --vllm: vLLM samples
     train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
     trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
     opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
@@ -286,7 +291,7 @@ def main():
 
     def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
-            model, tok, rows, args, amp, scored, fns, env=env))
+            model, tok, rows, args, amp, scored, fns, env=env, sampler=sampler))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
@@ -312,7 +317,7 @@ def main():
         rows = [r for r in prompts for _ in range(k)]
         # --fsdp: the whole model in every process while it samples; a diverged policy: one line
         with R.gathered(model), R.stop_on_divergence(run, step):
-            roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
+            roll, completions = C.generate(model, tok, rows, args, amp, env, sampler=sampler)
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
         data_logs = data.observe(rows, scores, parts, k)  # curriculum, skips (tasks.observe)
         signal = scores  # what the returns are made of: the weighted sum of the rewards, or
@@ -385,6 +390,8 @@ def main():
             if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
                 opt.step()
             opt.zero_grad(set_to_none=True)
+        if sampler:  # --vllm: the updated weights into its engine, for the next samples
+            sampler.load_weights(model)
         # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
         valid = mask.bool()

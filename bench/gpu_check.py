@@ -2,7 +2,7 @@
 
 Run once per lent GPU (the full check's budget is about 10 minutes):
   python bench/gpu_check.py                # Qwen2-0.5B-shaped (494 M parameters), CUDA
-  python bench/gpu_check.py --parts train  # only some parts (sampling,train,scripts,fsdp),
+  python bench/gpu_check.py --parts train  # only some parts (sampling,train,scripts,fsdp,vllm),
                                            # e.g. to rerun a failed one
   python bench/gpu_check.py --tiny         # a 2-layer toy (vocab 1,000) on any device: checks
                                            # the script itself
@@ -18,17 +18,22 @@ decodes all its tokens). Measured:
      excluded; attention FLOPs ignored);
   3. seconds per step and peak memory of grpo.py (beta 0 and 0.04), reinforce.py and ppo.py at
      equal settings, eager, plus grpo.py with --compile;
-  4. with 2 or more GPUs (else skipped): grpo.py on all of them under torchrun, DDP vs --fsdp.
+  4. with 2 or more GPUs (else skipped): grpo.py on all of them under torchrun, DDP vs --fsdp;
+  5. with vLLM installed (pip install vllm; else skipped): --vllm against the native sampler,
+     generated tokens/s, is_ratio, a training step's MFU on its rollout counting only non-padding
+     tokens, and grpo.py's s/step with and without --vllm (bench_vllm).
 Prints a table per part and writes everything as JSON to --out (bench/gpu_check.json, or $OUT/).
 The numbers go into bench/RESULTS.md with the date and the GPU's name.
 """
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -61,7 +66,7 @@ def build_model(path, tiny):
                                   model_max_length=32768)
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2) if tiny else \
         dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24)  # Qwen2-0.5B's
-    cfg = Qwen2Config(vocab_size=vocab_size, num_attention_heads=14 if not tiny else 4,
+    cfg = Qwen2Config(vocab_size=vocab_size, num_attention_heads=14 if not tiny else 2,
                       num_key_value_heads=2, max_position_embeddings=32768, **shape,
                       tie_word_embeddings=True, rope_theta=1e6, pad_token_id=0, bos_token_id=1,
                       eos_token_id=2)
@@ -149,6 +154,72 @@ def bench_train(path, device, n_params, n_embed, seq):
     return out
 
 
+def bench_vllm(path, device, n_params, n_embed, new_tokens, steps):
+    """--vllm against the native sampler (8 prompts x 8, bf16, EOS almost never fires): generated
+    tokens/s; the sampler's log-probs against the training forward's (is_ratio); a training
+    forward+backward on its rollout, MFU counting only the non-padding tokens; grpo.py's s/step
+    with and without --vllm. Skipped without the package (pip install vllm)."""
+    if importlib.util.find_spec("vllm") is None:
+        print("vllm     skipped: pip install vllm")
+        return {"skipped": "vllm is not installed"}
+    from plumbing import vllm_sampler as V
+    tok = loading.load_tokenizer(path)
+    model = loading.load_model(path, "lm", device)
+    amp = loading.autocast(device, "bf16")
+    args = SimpleNamespace(model=path, seed=0, trust_remote_code=False, dtype="bf16",
+                           sample_dtype="same", vllm_kv_cache_gb=0.0,
+                           vllm_gpu_memory_utilization=0.3, chat_template="auto",
+                           max_new_tokens=new_tokens, temperature=1.0, top_p=1.0, stop=[])
+    t = time.perf_counter()
+    sampler = V.Sampler(args, model, tok, device)
+    out = {"vllm_start_s": time.perf_counter() - t}
+    rows = [r for r in tasks.load_data("").eval_rows[:8] for _ in range(8)]
+    for name, fn in (("native", lambda: C.generate(model, tok, rows, args, amp)[0]),
+                     ("vllm", lambda: sampler.generate(rows, args)[0])):
+        n, t = B.timed(lambda: int(fn().completion_mask.sum()), 3)
+        out[f"{name}_tok_s"] = n / t
+    print(f"vllm     8x8, {new_tokens} new tokens: common.sample {out['native_tok_s']:8.0f} tok/s"
+          f"   vLLM {out['vllm_tok_s']:8.0f} tok/s   ratio "
+          f"{out['vllm_tok_s'] / out['native_tok_s']:.2f}x")
+    roll = sampler.generate(rows, args)[0]
+    T, mask = roll.completion_mask.shape[1], roll.completion_mask.bool()
+    log_ratio = C.batched_logprobs(model, roll, 1.0, 64, amp) - roll.sample_logprobs
+    out["is_ratio"] = {"mean": float(log_ratio[mask].exp().mean()),
+                       "max_abs_log": float(log_ratio[mask].abs().max())}
+
+    def step():
+        with amp:
+            lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T)
+        (lp * roll.completion_mask).sum().backward()
+        model.zero_grad(set_to_none=True)
+    _, t = B.timed(step, 3)
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    real = int(roll.attention_mask.sum())  # the non-padding tokens: prompts and completions
+    # the tied LM head runs on the completions (and each row's last prompt token) only
+    flops = 6 * (n_params - n_embed) * real + 6 * n_embed * (int(mask.sum()) + len(rows))
+    out["train"] = {"s": t, "real_tokens": real, "tflops": flops / t / 1e12,
+                    "mfu": flops / t / 1e12 / peak if peak else None}
+    print(f"vllm     is_ratio {out['is_ratio']}; train fwd+bwd on its rollout ({real} real "
+          f"tokens): {t * 1e3:.0f} ms, {out['train']['tflops']:.1f} TFLOP/s"
+          + (f", MFU {out['train']['mfu']:.1%}" if peak else ""))
+    sampler = model = None  # the engine's memory back before the scripts run
+    common = ["--model", path, "--max_steps", str(steps), "--max_new_tokens", str(new_tokens),
+              "--dtype", "bf16", "--eval_size", "16", "--eval_every", "0",
+              "--save_every", str(10**6)]
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("grpo", []), ("grpo --vllm", ["--vllm"])):
+            try:
+                out[name] = r = B.run_script("grpo.py", common + extra, tmp)
+            except RuntimeError as e:  # one failing run must not lose the other's numbers
+                out[name] = {"error": str(e)}
+                print(f"vllm     {name:12s} FAILED: {e}")
+                continue
+            print(f"vllm     {name:12s} {r['s_per_step']:7.3f} s/step (first "
+                  f"{r['first_step_s']:.1f} s)   peak memory {r['peak_mem_mb']:8.0f} MB")
+    return out
+
+
 def bench_scripts(path, steps, new_tokens):
     common = ["--model", path, "--max_steps", str(steps), "--max_new_tokens", str(new_tokens),
               "--dtype", "bf16", "--eval_size", "16", "--eval_every", "0",
@@ -213,7 +284,7 @@ def main():
                    help="sampling benchmark completion length")
     p.add_argument("--steps", type=int, default=5,
                    help="training steps per script (the first 2 are not timed)")
-    p.add_argument("--parts", default="sampling,train,scripts,fsdp",
+    p.add_argument("--parts", default="sampling,train,scripts,fsdp,vllm",
                    help="which parts to run, comma-separated")
     out_dir = os.environ.get("OUT") or os.path.join(ROOT, "bench")
     p.add_argument("--out", default=os.path.join(out_dir, "gpu_check.json"),
@@ -236,7 +307,9 @@ def main():
         for part, fn in (("sampling", lambda: bench_sampling(path, device, a.new_tokens)),
                          ("train", lambda: bench_train(path, device, n_params, n_embed, 512)),
                          ("scripts", lambda: bench_scripts(path, a.steps, min(a.new_tokens, 64))),
-                         ("fsdp", lambda: bench_fsdp(path, a.steps, min(a.new_tokens, 64)))):
+                         ("fsdp", lambda: bench_fsdp(path, a.steps, min(a.new_tokens, 64))),
+                         ("vllm", lambda: bench_vllm(path, device, n_params, n_embed,
+                                                     a.new_tokens, a.steps))):
             if part not in a.parts.split(","):
                 continue
             try:

@@ -20,7 +20,7 @@ from dataclasses import field
 from transformers import HfArgumentParser
 
 from plumbing.errors import UserError, first_line
-from plumbing import calc, chat_sums, rg
+from plumbing import calc, chat_sums, rg, vllm_sampler
 
 SAFE_TO_CHANGE_ON_RESUME = ("max_steps", "eval_every", "save_every", "resume", "output_dir",
                             "threads", "report_to", "save_optimizer")
@@ -337,6 +337,7 @@ def check_args(args):
     if world > 1 and getattr(args, "dynamic_sampling", False):
         raise UserError("--dynamic_sampling under torchrun is not supported yet: processes "
                         "would keep different numbers of rows")
+    vllm_sampler.check(args)  # --vllm: installed, and single-turn (one line, before any load)
     if "" in getattr(args, "stop", []):
         raise UserError("--stop: an empty stop string would end every completion at once")
     lr = max(("lr", "critic_lr"), key=lambda name: getattr(args, name, 0))  # ppo: two models

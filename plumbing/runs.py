@@ -92,8 +92,10 @@ def main_guard(main):
             _abandon_step()
         finally:
             STOP["abandon"] = None
-            if dist.is_initialized():  # torchrun: leave the process group before exiting (gloo's
-                dist.destroy_process_group()  # threads otherwise abort the process at exit)
+            # torchrun: leave the process group before exiting (gloo's threads otherwise abort
+            # the process at exit); one process's group is --vllm's engine's, which leaves it
+            if dist.is_initialized() and dist.get_world_size() > 1:
+                dist.destroy_process_group()
             # a run that failed (or --sanity) before logging a step leaves no empty files, nor
             # the folder if it made it (os.rmdir: only when empty; a user's files there stay)
             for folder, made in STARTING.items():
