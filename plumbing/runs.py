@@ -572,7 +572,9 @@ def stuck(past, args):
         "clip": m.get("clip_frac", 0) > CLIP_BREAKING and
         f"clip_frac {m['clip_frac']:.2f}: most tokens' ratio left the clip range within one "
         f"step, the updates are too large: lower --lr {args.lr:g}"}
-    if any(x.get("kl") for x in past):  # the drift from pi_ref: the KL to it, when measured
+    if hasattr(args, "teacher"):  # distill.py: its kl is the distance to the teacher, its loss
+        pass
+    elif any(x.get("kl") for x in past):  # the drift from pi_ref: the KL to it, when measured
         kinds["drift"] = m.get("kl", 0) > KL_BREAKING and (
             f"kl {m['kl']:.3g} nats per token to the reference: the policy has left its start "
             f"(reward hacking or collapse; read samples.jsonl): lower --lr {args.lr:g} or raise "

@@ -332,3 +332,16 @@ def test_report_to_wandb_offline_records_the_run(monkeypatch, tmp_path):
     samples = json.loads((out / "samples.jsonl").read_text())["samples"]
     assert history[0]["samples/_type"] == "table-file"
     assert history[0]["samples/nrows"] == len(samples) and "samples/nrows" not in history[1]
+
+
+def test_distills_kl_to_its_teacher_is_no_drift_warning(capsys):
+    """distill.py logs kl, the distance to its teacher (its loss, high at the start: ~23 nats per
+    token for a random student); warn_if_stuck reads no drift from the reference in it. The same
+    kl in grpo (a reference model, --beta) is warned of, once."""
+    for args, said in ((types.SimpleNamespace(max_new_tokens=6, lr=1e-5, kl_coef=1.0,
+                                              teacher="runs/teacher/checkpoint"), []),
+                       (types.SimpleNamespace(max_new_tokens=6, lr=1e-5, beta=0.04), [1])):
+        _, step = stuck_steps(capsys, args)
+        lines = [step(n, reward=0.3 + 0.02 * n, reward_std=0.3, kl=23.0 - n, entropy=0.5)[1]
+                 for n in range(1, 13)]
+        assert [n for n, x in enumerate(lines, 1) if any("kl " in line for line in x)] == said
