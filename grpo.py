@@ -36,13 +36,11 @@ Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to abou
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import common as C
 from plumbing.errors import UserError
@@ -381,23 +379,16 @@ def main():
     def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
         R.save_checkpoint(run, model, tok, opt, rng, done,
                           {"eval_before": eval_before, "data_state": data.state})
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
-               disable=run.rank > 0)
-    for step in bar:
-        # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
-        R.step_start(run, rng, step, lambda: save(step), data.state)
-        t0 = time.time()
-        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
+    # the run-keeping (Ctrl-C, NaN guards, logs, eval, warnings, checkpoints): keep.* calls
+    keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
+    for step in keep.steps(start):
         # 1. sample G completions per prompt and score them
-        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, step):
+        with keep.sampling(model, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
         # the data's bookkeeping (rg: curriculum levels; prompts to skip) sees every group
         # sampled, those dynamic sampling dropped too (a prompt solved or failed every time)
         data_logs = data.observe(*seen, G)
-        # a NaN/inf reward in any process: no update this step
-        if not torch.isfinite(R.global_sum(roll.rewards.sum())):
-            R.skip_update(run, "reward")
+        if keep.skip("reward", roll.rewards.sum()):  # NaN/inf in any process: no update
             continue
         # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO
@@ -457,14 +448,12 @@ def main():
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+            if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip the update
                 opt.step()
             opt.zero_grad(set_to_none=True)
-        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 4. log, eval, checkpoint
         _, all_rewards, parts = seen  # every round's (several with dynamic_sampling)
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
+        metrics = {"reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
                    **C.gold(roll.texts, roll.rows),
@@ -473,8 +462,6 @@ def main():
                    "is_ratio_max": is_max, "grad_norm": float(grad_norm),
                    "completion_len": float(roll.completion_mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   "step_time": elapsed,
-                   "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
                    **(env.metrics(roll) if env else {})}
         # samples.jsonl: a completion of each of the first 4 groups (observations as ⟦...⟧)
         shown = roll.transcript if env else roll.texts
@@ -484,17 +471,9 @@ def main():
                    for i in range(0, len(roll.rows), G)[:4]]
         # under torchrun: the mean over the processes, token means weighted by their tokens
         token_keys = [k for k in sums if k != "loss"]  # token_means and a switch's own
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_keys, mask.sum()))
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
-        R.log_step(run, metrics, bar, samples, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            save(step + 1)
-        if stopping:
-            break
-    R.finish_run(run, metric, eval_before, evaluate)
+        keep.end_step(step, metrics, samples, roll.completion_mask.sum(),
+                      dict.fromkeys(token_keys, mask.sum()))
+    keep.finish(metric, eval_before)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,10 @@ Expect (bundled default): held-out greedy accuracy 0.292 -> 0.954, the RM score 
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
@@ -438,31 +436,25 @@ def main():
     kl_coef = saved.get("kl_coef", args.kl_coef)
     data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
 
-    def save(done, kl_coef):  # checkpoint/ after `done` steps: every --save_every, the end, Ctrl-C
+    def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
         R.save_checkpoint(run, model, tok, opt, rng, done,
                           {"eval_before": eval_before, "kl_coef": kl_coef, "score_norm": norm,
                            "critic": R.full_state_dict(critic), "data_state": data.state},
                           trained=[model, value_model])
     token_means = ("kl", "returns", "values")  # global means weighted by tokens
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
-               disable=run.rank > 0)
-    for step in bar:
-        # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
-        R.step_start(run, rng, step, lambda kl_coef=kl_coef: save(step, kl_coef), data.state)
-        t0 = time.time()
+    # the run-keeping (Ctrl-C, NaN guards, logs, eval, warnings, checkpoints): keep.* calls
+    keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
+    for step in keep.steps(start):
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):
                 group["lr"] = lr * (1 - step / args.max_steps)
-        # ALGO LOGIC (steps 1-4); its R.* calls guard or pass through in one process: skip them
         # 1. sample one completion per prompt and score it
         rows = data.next_batch(rng, args.batch_size)[run.rank::run.world]  # torchrun: a share
-        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, step):
+        with keep.sampling(model, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         raw_scores, parts = C.compute_rewards(rows, completions, weights, fns)
         data_logs = data.observe(rows, raw_scores, parts, 1)  # curriculum, skips (tasks.observe)
-        if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
-            R.skip_update(run, "reward")
+        if keep.skip("reward", raw_scores.sum()):  # NaN/inf in any process: no update
             continue
         # the "EOS trick" (TL;DR details): a completion that never ended pays a fixed penalty
         scores = (raw_scores.to(device) - norm[0]) / norm[1] \
@@ -492,10 +484,8 @@ def main():
         stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
         # nats per sequence: what Ziegler's controller targets (the mean over all processes)
         kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
-        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 5. log, eval, checkpoint
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "reward": float(raw_scores.mean()),
+        metrics = {"reward": float(raw_scores.mean()),
                    "reward_std": float(R.global_std(raw_scores)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
                    **C.gold(completions, rows),
@@ -506,9 +496,7 @@ def main():
                    "values": float(C.masked_mean(old_values, mask)),
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()),
-                   "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
-                   "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(env.metrics(roll) if env else {})}
+                   "lr": opt.param_groups[0]["lr"], **(env.metrics(roll) if env else {})}
         if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
@@ -516,17 +504,8 @@ def main():
                     "completion": shown[i], "score": float(scores[i])}
                    for i in range(len(rows))[:4]]
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
-        R.log_step(run, metrics, bar, samples, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            save(step + 1, kl_coef)
-        if stopping:
-            break
-    R.finish_run(run, metric, eval_before, evaluate)
+        keep.end_step(step, metrics, samples, mask.sum(), dict.fromkeys(token_means, mask.sum()))
+    keep.finish(metric, eval_before)
 
 
 if __name__ == "__main__":

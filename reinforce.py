@@ -48,12 +48,10 @@ Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.9
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 
 import common as C
 from plumbing.errors import UserError
@@ -291,7 +289,7 @@ def main():
     ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
     data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
 
-    def save(done, ema):  # checkpoint/ after `done` steps: every --save_every, at the end, Ctrl-C
+    def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
         R.save_checkpoint(run, model, tok, opt, rng, done,
                           {"eval_before": eval_before, "ema": ema, "data_state": data.state})
     grad_norms = sample_grad_probe(model)
@@ -301,25 +299,20 @@ def main():
     tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
     logged = ("ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # summed over the step
     token_means = ("kl", "adv_mean") + logged  # means over every process, weighted by tokens
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
-               desc="reinforce", disable=run.rank > 0)
-    for step in bar:
-        R.step_start(run, rng, step, lambda ema=ema: save(step, ema), data.state)  # Ctrl-C: stop
-        t0 = time.time()
-        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
+    # the run-keeping (Ctrl-C, NaN guards, logs, eval, warnings, checkpoints): keep.* calls
+    keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
+    for step in keep.steps(start):
         # 1. sample k completions per prompt (k contiguous rows each) and score them
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(k)]
-        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, step):
+        with keep.sampling(model, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env)  # env: multi-turn
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
         data_logs = data.observe(rows, scores, parts, k)  # curriculum, skips (tasks.observe)
         signal = scores  # what the returns are made of: the weighted sum of the rewards, or
         if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO's, each one first
             signal = O.normalize_then_sum(parts, weights, k, std=R.global_std)
-        if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
-            R.skip_update(run, "reward")
+        if keep.skip("reward", scores.sum()):  # NaN/inf in any process: no update
             continue
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         B, T = mask.shape
@@ -340,9 +333,6 @@ def main():
             b_ema = mean_return if ema is None else ema  # the first step: this step's, once
         adv = advantages(returns, mask, args, b_ema, signal if per_token_kl else None,
                          total=R.global_sum)
-        if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
-            ema = b_ema if ema is None else (args.ema_decay * ema
-                                             + (1 - args.ema_decay) * mean_return)
         # 3. mu optimizer steps; the losses' normalisers count the whole step, every process's
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
@@ -382,16 +372,19 @@ def main():
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
                 sums["loss"] += loss.item() * run.world  # the global mean below: the sum
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+            if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip the update
                 opt.step()
             opt.zero_grad(set_to_none=True)
-        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
+        # the ema baseline, updated after use (b never depends on this batch's samples) and
+        # after the update (a Ctrl-C before it saves the ema the last step left)
+        if args.baseline == "ema":
+            ema = b_ema if ema is None else (args.ema_decay * ema
+                                             + (1 - args.ema_decay) * mean_return)
         # 4. log, eval, checkpoint
         valid = mask.bool()
         # g_i: each sample's term of the first update's gradient (times N, the step's sequences)
         g = torch.cat(grad_norms)[:B] * n_seqs / run.world if grad_norms else torch.tensor(math.nan)
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "reward": float(scores.mean()),
+        metrics = {"reward": float(scores.mean()),
                    "reward_std": float(R.global_std(scores)),
                    **{f"reward/{key}": float(v.mean()) for key, v in parts.items()}, **data_logs,
                    **C.gold(completions, rows),
@@ -407,25 +400,14 @@ def main():
                    **({"baseline_ema": ema} if args.baseline == "ema" else {}),
                    "completion_len": float(mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   "step_time": elapsed,
-                   "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
                    **(env.metrics(roll) if env else {})}
         shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(scores[i])}
                    for i in range(0, len(rows), k)[:4]]  # one sample of each of 4 prompts
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
-        R.log_step(run, metrics, bar, samples, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            save(step + 1, ema)
-        if stopping:
-            break
-    R.finish_run(run, metric, eval_before, evaluate)
+        keep.end_step(step, metrics, samples, mask.sum(), dict.fromkeys(token_means, mask.sum()))
+    keep.finish(metric, eval_before)
 
 
 if __name__ == "__main__":
