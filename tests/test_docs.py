@@ -340,6 +340,27 @@ def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
     assert step_cost.reader_cost("lib.py", loop, reached) == 3 + 10  # as if lib were the script
 
 
+def test_step_cost_follows_the_loops_object(tmp_path):
+    """An object main builds before the loop (keep = lib.Keeper(save)): the loop's keep.steps and
+    keep.end_step reach those two methods, what they call (self.log) and the function main gave
+    the object (save, which end_step calls); not the methods the loop never calls (__init__,
+    finish), nor functions not given to it."""
+    (tmp_path / "lib.py").write_text(
+        "class Keeper:\n    def __init__(self, save):\n        self.save = save\n\n"  # 2
+        "    def steps(self, n):\n        return range(n)\n\n"  # 2
+        "    def end_step(self, step):\n        self.log(step)\n        self.save(step)\n\n"
+        "    def log(self, step):\n        return step\n\n"  # 2
+        "    def finish(self):\n        return 0\n")
+    (tmp_path / "algo.py").write_text(
+        "import lib\n\n\ndef main():\n    def save(done):\n        return done\n\n"
+        "    def unused():\n        return 1\n    keep = lib.Keeper(save)\n"
+        "    for step in keep.steps(3):\n        keep.end_step(step)\n    keep.finish()\n")
+    loop, reached = step_cost.step_cost("algo.py", root=str(tmp_path))
+    assert loop == 2
+    assert reached == {("lib", "Keeper.steps"): 2, ("lib", "Keeper.end_step"): 3,
+                       ("lib", "Keeper.log"): 2, ("algo", "main.save"): 2}
+
+
 def test_readme_links_every_docs_file():
     readme, docs = read_readme(), [p for p in read_docs() if p.startswith("docs/")]
     assert docs and all(f"]({p})" in readme for p in docs), [p for p in docs if p not in readme]

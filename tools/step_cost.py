@@ -94,11 +94,29 @@ def step_cost(script, root=ROOT, extras=()):
     me = script[:-3]
     loop = next(n for n in ast.walk(funcs[(me, "main")]) if isinstance(n, ast.For)
                 and isinstance(n.target, ast.Name) and n.target.id == "step")
+    # main's names for an object of a project class (keep = R.Keeper(run, ..., save, evaluate)):
+    # the loop's keep.end_step reaches that one method, not the class's every method, and the
+    # functions main gave the object (save, evaluate), which its methods call
+    objects = {}
+    for n in ast.walk(funcs[(me, "main")]):
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call) and len(n.targets) == 1 \
+                and isinstance(n.targets[0], ast.Name):
+            call = ast.unparse(n.value.func)
+            head, _, attr = call.partition(".")
+            imported = imports[me].get(head)
+            if attr and isinstance(imported, str) and any(
+                    k[0] == imported and k[1].startswith(attr + ".") for k in funcs):
+                objects[n.targets[0].id] = (imported, attr, n.value)
 
     def targets(mod, name, scope):
         """The functions a name (or `a.b`) used in function `scope` of mod stands for."""
         head, _, attr = name.partition(".")
         imported = imports[mod].get(head)
+        if attr and mod == me and head in objects:  # a method of main's object, and
+            call = objects[head][2]
+            given = [k for a in call.args + [kw.value for kw in call.keywords]
+                     if isinstance(a, ast.Name) for k in targets(mod, a.id, "main")]
+            return [(objects[head][0], f"{objects[head][1]}.{attr.split('.')[0]}")] + given
         if attr and isinstance(imported, str):  # module.function, module.Class
             mod, name, scope = imported, attr.split(".")[0], ""
         elif attr and head == "self":  # a method of the class `scope` is in
@@ -122,7 +140,7 @@ def step_cost(script, root=ROOT, extras=()):
             elif isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name):
                 yield f"{n.value.id}.{n.attr}"
 
-    seen, todo = set(), [(me, "main", stmt) for stmt in loop.body]
+    seen, todo = set(), [(me, "main", stmt) for stmt in [loop.iter] + loop.body]
     for key in extras:
         seen.add(key)
         todo.append((*key, funcs[key]))
