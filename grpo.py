@@ -58,38 +58,9 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"
 
 @dataclass
 class Args:
-    # --- model and data
-    model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
-    data_split: str = "train"  # hf: datasets only: the split to read
-    prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
-    answer_field: str = ""  # the rows' answer field ('' = answer or solution)
-    system_prompt: str = ""  # a system message put before every prompt
-    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
-    trust_remote_code: bool = False  # never run a model repo's own code unless asked
-    # curriculum and prompt skipping (tasks.observe), both off by default
-    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
-    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
-    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
-    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
-    # --- sampling
-    group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
-    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
-    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
-    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
-    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
-    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
-    # --- tool use: multi-turn rollouts (docs/tool_use.md)
-    env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
-    tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
-    max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
-    # --- rewards
-    rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
-    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
-    reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
+    # the objective's own fields first (the docstring's equations), then sampling, then the
+    # objectives since DAPO (one block: skip it on a first read), then model and data, rewards,
+    # optimisation and the run; --help lists them in a user's order (flags.HELP_ORDER)
     # --- the GRPO objective
     beta: float = arg(0.04, ">= 0")  # KL weight in the loss; 0: no reference model (DeepSeekMath)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: DeepSeekMath; k2: reverse KL; k1 refused
@@ -103,6 +74,15 @@ class Args:
     overlong_buffer: int = arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
     max_resample_rounds: int = arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
+    # --- sampling
+    group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
+    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- objectives since DAPO, see objectives.py (TRL's names in brackets)
     # dppo reads clip_eps, clip_eps_high as delta_low, delta_high on pi_theta - pi_sampler (0.2)
     policy_loss: Literal["clip", "cispo", "sapo", "dppo", "vespo"] = "clip"  # [loss_type]
@@ -127,6 +107,29 @@ class Args:
     dppo_ratio_cap: float = arg(0.0, ">= 0")  # dppo: sg(rho_s) capped at C (DPPO authors 3); 0 off
     sampler_kl_coef: float = arg(0.0, ">= 0")  # kappa (log pi_theta/pi_sampler)^2 (prime-rl: 1e-3)
     multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
+    # --- model and data
+    model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
+    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
+    data_split: str = "train"  # hf: datasets only: the split to read
+    prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
+    answer_field: str = ""  # the rows' answer field ('' = answer or solution)
+    system_prompt: str = ""  # a system message put before every prompt
+    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
+    trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    # curriculum and prompt skipping (tasks.observe), both off by default
+    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
+    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
+    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
+    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
+    # --- tool use: multi-turn rollouts (docs/tool_use.md)
+    env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
+    tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
+    max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
+    # --- rewards
+    rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
+    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
+    reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
     weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)

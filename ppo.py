@@ -65,6 +65,38 @@ from plumbing import tasks
 
 @dataclass
 class Args:
+    # the update's own fields first, and the reward's (the docstring's equations), then sampling,
+    # model and data, optimisation and the run; --help lists them in a user's order
+    # (flags.HELP_ORDER)
+    # --- the PPO update
+    gamma: float = arg(1.0, "[0, 1]")  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
+    lam: float = arg(0.95, "[0, 1]")  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
+    clip_eps: float = arg(0.2, "> 0")  # the ratio is clipped to [1 - eps, 1 + eps] (PPO, TRL)
+    clip_eps_value: float = arg(0.2, "> 0")  # values move at most this far (TRL 0.2; verl 0.5)
+    vf_coef: float = arg(0.1, ">= 0")  # weight of the value loss (N, TL;DR, TRL: 0.1)
+    ent_coef: float = arg(0.0, ">= 0")  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
+    ppo_epochs: int = arg(4, "> 0, <= 100")  # passes over each batch (N, TL;DR, TRL: 4)
+    num_minibatches: int = arg(2, "> 0")  # optimizer steps per epoch (TL;DR, TRL 1; N 1-8)
+    target_kl: float = arg(0.0, ">= 0")  # end the epochs at this KL(pi_old || pi) (CleanRL 0.015)
+    # --- rewards
+    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
+    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
+    missing_eos_penalty: float = arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
+    kl_coef: float = arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (N, TRL, OpenRLHF: k1)
+    adaptive_kl: bool = False  # Ziegler et al.'s controller adapts kl_coef (N: on; TL;DR, TRL: off)
+    kl_target: float = arg(6.0, "> 0")  # the controller's target KL per sequence, in nats (N: 6)
+    kl_horizon: int = arg(10000, "> 0")  # the controller's horizon in episodes (N: 10000)
+    normalize_score: bool = True  # score -> (score - mu) / sigma on the starting policy (N details)
+    whiten_rewards: bool = False  # scale per-token rewards to unit variance (N: on; TL;DR: off)
+    # --- sampling
+    batch_size: int = arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     reward_model: str = loading.DEFAULT_REWARD_MODEL  # AutoModelForSequenceClassification, 1 label
@@ -81,40 +113,11 @@ class Args:
     curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
     skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
     skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
-    # --- sampling
-    batch_size: int = arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
-    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
-    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
-    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
-    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
     env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
     max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
-    # --- rewards
-    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
-    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
-    missing_eos_penalty: float = arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
-    kl_coef: float = arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (N, TRL, OpenRLHF: k1)
-    adaptive_kl: bool = False  # Ziegler et al.'s controller adapts kl_coef (N: on; TL;DR, TRL: off)
-    kl_target: float = arg(6.0, "> 0")  # the controller's target KL per sequence, in nats (N: 6)
-    kl_horizon: int = arg(10000, "> 0")  # the controller's horizon in episodes (N: 10000)
-    normalize_score: bool = True  # score -> (score - mu) / sigma on the starting policy (N details)
-    whiten_rewards: bool = False  # scale per-token rewards to unit variance (N: on; TL;DR: off)
-    # --- the PPO update
-    gamma: float = arg(1.0, "[0, 1]")  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
-    lam: float = arg(0.95, "[0, 1]")  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
-    clip_eps: float = arg(0.2, "> 0")  # the ratio is clipped to [1 - eps, 1 + eps] (PPO, TRL)
-    clip_eps_value: float = arg(0.2, "> 0")  # values move at most this far (TRL 0.2; verl 0.5)
-    vf_coef: float = arg(0.1, ">= 0")  # weight of the value loss (N, TL;DR, TRL: 0.1)
-    ent_coef: float = arg(0.0, ">= 0")  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
-    ppo_epochs: int = arg(4, "> 0, <= 100")  # passes over each batch (N, TL;DR, TRL: 4)
-    num_minibatches: int = arg(2, "> 0")  # optimizer steps per epoch (TL;DR, TRL 1; N 1-8)
-    target_kl: float = arg(0.0, ">= 0")  # end the epochs at this KL(pi_old || pi) (CleanRL 0.015)
     # --- optimisation
     lr: float = arg(2e-4, "> 0")  # tiny-model lr; real models ~3e-6 (TL;DR, TRL), 1e-6 (verl)
     critic_lr: float = arg(1e-3, "> 0")  # critic lr (tiny model); real models ~1e-5 (verl)

@@ -69,6 +69,33 @@ Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --r
 
 @dataclass
 class Args:
+    # the objective's own fields first (the docstring's equations), then sampling, then the
+    # mismatch correction (skip it on a first read), then model and data, rewards, optimisation and
+    # the run; --help lists them in a user's order (flags.HELP_ORDER)
+    # --- the REINFORCE objective
+    baseline: Literal["none", "ema", "rloo", "reinforce_pp", "maxrl"] = "none"  # b in A = G - b
+    ema_decay: float = arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
+    whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
+    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
+    beta: float = arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
+    kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
+    loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
+    num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
+    clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
+    # --- sampling
+    samples_per_prompt: int = arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
+    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (k samples each)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (the built-in task needs 4)
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    # --- the sampler/trainer mismatch correction, see objectives.mismatch_weights (grpo's flags)
+    tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
+    tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
@@ -83,15 +110,6 @@ class Args:
     curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
     skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
     skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
-    # --- sampling
-    samples_per_prompt: int = arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
-    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (k samples each)
-    max_new_tokens: int = arg(6, "> 0")  # completion length cap (the built-in task needs 4)
-    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
-    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
-    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
@@ -101,21 +119,6 @@ class Args:
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
-    # --- the REINFORCE objective
-    baseline: Literal["none", "ema", "rloo", "reinforce_pp", "maxrl"] = "none"  # b in A = G - b
-    ema_decay: float = arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
-    whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
-    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
-    beta: float = arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
-    kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
-    loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
-    num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
-    clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
-    # --- the sampler/trainer mismatch correction, see objectives.mismatch_weights (grpo's flags)
-    tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
-    tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
-    tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (TRL, OpenRLHF)
     weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
