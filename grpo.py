@@ -314,114 +314,137 @@ def check_args(args):
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = flags.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
+    # The flags (--resume DIR: that run's own settings), the tool environment (--env, --tools;
+    # None without), your reward functions by name and the --rewards weights. MaxRL divides by
+    # the group's mean reward, so rewards that can be < 0 are refused.
+    args = flags.parse_args(Args, "grpo", __doc__)
     check_args(args)
-    env = E.from_args(args)  # --env / --tools: the tool environment, or None
-    fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    env = E.from_args(args)
+    fns = loading.load_reward_fns(args.reward_fn)
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    if args.scale_rewards == "mean":  # MaxRL: rewards that can be < 0 are refused
+    if args.scale_rewards == "mean":
         flags.check_maxrl(weights, "--scale_rewards mean", args.overlong_penalty)
-    # the prompts: a file, a hub dataset, rg: or the built-in task (--env calc: its own sums)
+    # The prompts: a file, a hub dataset, rg: or the built-in task (--env calc: its own sums);
+    # rg:'s curriculum moves the difficulty, --skip_uniform skips prompts already learned.
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        curriculum=(args.curriculum_up, args.curriculum_down),
         skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
         answer_field=args.answer_field, system_prompt=args.system_prompt))
-    device = R.setup_distributed()  # torchrun: this process's device; else cuda or cpu
-    run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
+    # This process's device (torchrun: its own), the output folder with its lock, metrics files
+    # and Ctrl-C handler, the seeds; bf16 autocast on a GPU, with fp32 weights.
+    device = R.setup_distributed()
+    run = R.start_run(args, "grpo")
     rng = R.seed_everything(args.seed)
-    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    amp = loading.autocast(device, args.dtype)
     sample_amp = amp if args.sample_dtype == "same" else loading.autocast(device, args.sample_dtype)
-    # the policy (a checkpoint when resuming), once the prompts and --tools are checked
+    # The policy (a checkpoint when resuming), once the prompts and --tools are checked; on a
+    # CPU one thread for a small model (runs.set_threads). The reference pi_ref: none at beta = 0;
+    # with LoRA the policy itself, adapters off. --rewards rm: the reward model's score.
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "",
                                      data.rows, env)
-    R.set_threads(args, model)  # CPU: one thread for a small model (runs.set_threads)
-    # the reference pi_ref: none at beta = 0; with LoRA the policy itself, adapters off
+    R.set_threads(args, model)
     ref = None
     if args.beta > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
-    if "rm" in weights:  # the reward model's score, a reward function (common.rm_scores)
+    if "rm" in weights:
         fns["rm"] = loading.load_reward_model(args, device)
     if args.sanity:
         failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
-    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 (--fsdp)
-    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
-    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
-                            fused=True)  # fused: one kernel for all parameters
+    # The training forward's model (torchrun: DDP, or FSDP2 with --fsdp) and AdamW over what is
+    # trained (every weight, or LoRA's adapters), fused: one kernel for all parameters.
+    train_model = R.wrap_model(model, args.fsdp)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=True)
 
-    # the held-out score: accuracy, a reasoning-gym score or the mean reward; what it scores
+    # The held-out score (accuracy, a reasoning-gym score or the mean reward) and what scores
+    # it; under torchrun each process scores a share. A new run evaluates once before training;
+    # a resumed one restores the optimizer, RNGs and the data's state (curriculum, visits).
     metric = tasks.eval_metric(data.eval_rows, args.eval_reward)
     scored = tasks.scored_by(metric, weights, fns)
 
-    def evaluate():  # held-out scores; under torchrun each process scores a share
+    def evaluate():
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
-    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
+    data.state.update(saved.get("data_state", {}))
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
-    tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
-    # a flag since DAPO (GSPO, CISPO, SAPO, DPPO, VESPO, V3.2, sampler penalty): its loss in place
-    # of per_token_loss, objectives.py's, with the same arguments (None: GRPO's own)
+    # The mismatch correction (--tis_cap 0: off). A flag since DAPO (GSPO, CISPO, SAPO, DPPO,
+    # VESPO, V3.2, sampler penalty) puts objectives.py's loss in place of per_token_loss, with
+    # the same arguments (None: GRPO's own). token_means: the logged means over the step's
+    # tokens (under torchrun weighted by each process's tokens).
+    tis = (args.tis_cap, args.tis_mode, args.tis_level)
     objective = O.loss_for(args)
     G = args.group_size
-    # the logged means over the step's tokens (under torchrun weighted by each process's)
     token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")
 
-    # one completion per row (with an env: a multi-turn episode), and the texts rewards read
+    # generate: one completion per row (with an env: a multi-turn episode) and the texts the
+    # rewards read; score: the weighted reward (B,) and each of its parts; save: checkpoint/
+    # after `done` steps (every --save_every, at the end, on Ctrl-C).
     def generate(rows):
         return C.generate(model, tok, rows, args, sample_amp, env)
 
-    def score(rows, texts):  # the weighted reward (B,) and each of its parts
+    def score(rows, texts):
         return C.compute_rewards(rows, texts, weights, fns)
 
-    def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
+    def save(done):
         R.save_checkpoint(run, model, tok, opt, rng, done,
                           {"eval_before": eval_before, "data_state": data.state})
-    # the run-keeping (Ctrl-C, NaN guards, logs, eval, warnings, checkpoints): keep.* calls
+    # The run-keeping (Ctrl-C, the NaN guards, logs, eval, warnings, checkpoints) is keep's:
+    # each keep.* call below is one of its duties (runs.Keeper); what is left is the algorithm.
     keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
     for step in keep.steps(start):
         # 1. sample G completions per prompt and score them
         with keep.sampling(model, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
         # the data's bookkeeping (rg: curriculum levels; prompts to skip) sees every group
-        # sampled, those dynamic sampling dropped too (a prompt solved or failed every time)
+        # sampled, those dynamic sampling dropped too (a prompt solved or failed every time).
+        # A NaN/inf reward in any process: no update this step.
         data_logs = data.observe(*seen, G)
-        if keep.skip("reward", roll.rewards.sum()):  # NaN/inf in any process: no update
+        if keep.skip("reward", roll.rewards.sum()):
             continue
-        # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
-        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO
+        # 2. advantages, one per completion (B,): GRPO's group_advantages, or GDPO's (each
+        # reward normalised first). Under torchrun the std is the whole step's (R.global_std).
+        if args.multi_objective_aggregation == "normalize_then_sum":
             advantages = O.normalize_then_sum(roll.parts, weights, G, std=R.global_std)
         else:
             advantages = group_advantages(roll.rewards, G, args.scale_rewards, std=R.global_std)
         advantages = advantages.to(device)
-        mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
-        if args.mask_truncated:  # DAPO's overlong filtering: no loss without an EOS
+        # mask (B, T): 1 on each completion token, EOS included; DAPO's overlong filtering
+        # (--mask_truncated) leaves no loss on a completion without an EOS
+        mask = roll.completion_mask
+        if args.mask_truncated:
             mask = mask * (~roll.truncated)[:, None].float()
         # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
-        # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio)
+        # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio).
+        # log pi_ref: with LoRA the policy with its adapters off
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size,
                                           amp) if args.num_iterations > 1 else None
         ref_logprobs = None
         if ref is not None:
-            with R.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
+            with R.adapters_off(ref):
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
-        # 3. mu optimizer steps; the losses' normalisers count the whole step, every process's
+        # 3. mu optimizer steps. The losses' normalisers count the whole step, every process's
+        # tokens and sequences (R.global_sum: under torchrun the sum over the processes), so
+        # neither micro-batches nor processes change the gradient. For the logs: n_local, this
+        # process's tokens; sums, the logged means summed; is_max, the largest pi_old / pi_sampler.
         B, T = mask.shape
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
-        n_local = float(mask.sum().clamp(min=1))  # this process's tokens, for the logs
-        sums = dict.fromkeys(("loss",) + token_means, 0.0)  # the logged means, summed
-        is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
+        n_local = float(mask.sum().clamp(min=1))
+        sums = dict.fromkeys(("loss",) + token_means, 0.0)
+        is_max = 0.0
         for it in range(args.num_iterations):
+            # DDP averages the processes' gradients in the last micro-batch's backward only
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
             for i, mb in enumerate(mbs):
-                with R.sync_gradients(train_model, now=i == len(mbs) - 1):  # DDP: at the last
+                with R.sync_gradients(train_model, now=i == len(mbs) - 1):
                     with amp:
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
@@ -440,28 +463,32 @@ def main():
                         roll.sample_logprobs[mb])
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
-                    # DDP/FSDP2 average the processes' gradients: x world makes them the sum
-                    (loss * run.world).backward()  # gradients add up over the micro-batches
-                # logged token means over the step, averaged over the mu updates
-                # is_frac_out: the tokens whose pi_old / pi_sampler is off by more than 2x
+                    # gradients add up over the micro-batches; DDP/FSDP2 average the processes'
+                    # gradients: x world makes them the sum
+                    (loss * run.world).backward()
+                # logged token means over the step (token_means and a switch's own, such as
+                # seq_masked), averaged over the mu updates; is_frac_out: the tokens whose
+                # pi_old / pi_sampler is off by more than 2x; the loss summed over the processes
                 out = ((is_ratio < 0.5) | (is_ratio > 2)).float()
                 logs.update(entropy=entropy, is_ratio=is_ratio, is_frac_out=out)
-                for key, x in logs.items():  # token_means and a switch's own (seq_masked)
+                for key, x in logs.items():
                     sums[key] = sums.get(key, 0.0) + float((x.detach() * mask[mb]).sum()) / n_local
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
-                sums["loss"] += loss.item() * run.world  # the global mean below: the sum
+                sums["loss"] += loss.item() * run.world
+            # a NaN/inf gradient norm would ruin the weights: keep skips that update
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip the update
+            if keep.finite(grad_norm):
                 opt.step()
             opt.zero_grad(set_to_none=True)
-        # 4. log, eval, checkpoint
-        _, all_rewards, parts = seen  # every round's (several with dynamic_sampling)
+        # 4. log, eval, checkpoint. The rewards logged are every round's (several with
+        # dynamic_sampling); the token means are the mean of the mu updates'.
+        _, all_rewards, parts = seen
         metrics = {"reward": float(all_rewards.mean()),
                    "reward_std": float(R.global_std(all_rewards)),
                    **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
                    **C.gold(roll.texts, roll.rows),
                    "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
-                   **{k: v / args.num_iterations for k, v in sums.items()},  # mean of the mu
+                   **{k: v / args.num_iterations for k, v in sums.items()},
                    "is_ratio_max": is_max, "grad_norm": float(grad_norm),
                    "completion_len": float(roll.completion_mask.sum(-1).mean()),
                    "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
@@ -472,8 +499,9 @@ def main():
                     "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": shown[i], "reward": float(roll.rewards[i])}
                    for i in range(0, len(roll.rows), G)[:4]]
-        # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_keys = [k for k in sums if k != "loss"]  # token_means and a switch's own
+        # keep.end_step: under torchrun the mean over the processes, the token means (and a
+        # switch's own) weighted by their tokens; eval, warnings, logs, checkpoint, Ctrl-C
+        token_keys = [k for k in sums if k != "loss"]
         keep.end_step(step, metrics, samples, roll.completion_mask.sum(),
                       dict.fromkeys(token_keys, mask.sum()))
     keep.finish(metric, eval_before)
