@@ -402,8 +402,7 @@ def main():
         # 1. sample G completions per prompt and score them
         with keep.sampling(model, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
-        # the data's bookkeeping (rg: curriculum levels; prompts to skip) sees every group
-        # sampled, those dynamic sampling dropped too (a prompt solved or failed every time).
+        # the data's bookkeeping (curriculum, skips) sees every group sampled, dropped ones too.
         # A NaN/inf reward in any process: no update this step.
         data_logs = data.observe(*seen, G)
         if keep.skip("reward", roll.rewards.sum()):
@@ -432,8 +431,7 @@ def main():
                                                   args.micro_batch_size, amp)
         # 3. mu optimizer steps. The losses' normalisers count the whole step, every process's
         # tokens and sequences (R.global_sum: under torchrun the sum over the processes), so
-        # neither micro-batches nor processes change the gradient. For the logs: n_local, this
-        # process's tokens; sums, the logged means summed; is_max, the largest pi_old / pi_sampler.
+        # neither micro-batches nor processes change the gradient. n_local, sums, is_max: logs.
         B, T = mask.shape
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
@@ -466,9 +464,8 @@ def main():
                     # gradients add up over the micro-batches; DDP/FSDP2 average the processes'
                     # gradients: x world makes them the sum
                     (loss * run.world).backward()
-                # logged token means over the step (token_means and a switch's own, such as
-                # seq_masked), averaged over the mu updates; is_frac_out: the tokens whose
-                # pi_old / pi_sampler is off by more than 2x; the loss summed over the processes
+                # the logged token means (a switch's own too); is_frac_out: the tokens whose
+                # pi_old / pi_sampler is off by more than 2x
                 out = ((is_ratio < 0.5) | (is_ratio > 2)).float()
                 logs.update(entropy=entropy, is_ratio=is_ratio, is_frac_out=out)
                 for key, x in logs.items():
@@ -480,27 +477,17 @@ def main():
             if keep.finite(grad_norm):
                 opt.step()
             opt.zero_grad(set_to_none=True)
-        # 4. log, eval, checkpoint. The rewards logged are every round's (several with
-        # dynamic_sampling); the token means are the mean of the mu updates'.
+        # 4. log (every sampling round's rewards; the mean of the mu updates'), eval, checkpoint
         _, all_rewards, parts = seen
-        metrics = {"reward": float(all_rewards.mean()),
-                   "reward_std": float(R.global_std(all_rewards)),
-                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
-                   **C.gold(roll.texts, roll.rows),
+        metrics = {**keep.rollout_metrics(roll, roll.rows, roll.texts, all_rewards, parts, env),
+                   **data_logs,
                    "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
                    **{k: v / args.num_iterations for k, v in sums.items()},
-                   "is_ratio_max": is_max, "grad_norm": float(grad_norm),
-                   "completion_len": float(roll.completion_mask.sum(-1).mean()),
-                   "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   **(env.metrics(roll) if env else {})}
-        # samples.jsonl: a completion of each of the first 4 groups (observations as ⟦...⟧)
-        shown = roll.transcript if env else roll.texts
-        samples = [{"prompt": roll.rows[i]["prompt"],
-                    "rendered_prompt": R.prompt_text(tok, roll, i),
-                    "completion": shown[i], "reward": float(roll.rewards[i])}
-                   for i in range(0, len(roll.rows), G)[:4]]
-        # keep.end_step: under torchrun the mean over the processes, the token means (and a
-        # switch's own) weighted by their tokens; eval, warnings, logs, checkpoint, Ctrl-C
+                   "is_ratio_max": is_max, "grad_norm": float(grad_norm)}
+        # samples.jsonl: a completion of each of the first 4 groups
+        samples = keep.samples(tok, roll, roll.rows, roll.transcript if env else roll.texts,
+                               roll.rewards, G)
+        # under torchrun: the mean over the processes, token means weighted by their tokens
         token_keys = [k for k in sums if k != "loss"]
         keep.end_step(step, metrics, samples, roll.completion_mask.sum(),
                       dict.fromkeys(token_keys, mask.sum()))

@@ -666,6 +666,24 @@ class Keeper:
         """True when every gradient norm is finite: opt.step() may go ahead (finite_update)."""
         return finite_update(self.run, *grad_norms)
 
+    def rollout_metrics(self, roll, rows, texts, rewards, parts, env=None):
+        """The metrics every RL script logs of its rollout: reward, reward_std (over every
+        process), each reward part, gold (common.gold), completion_len, frac_truncated, lr and
+        an env's own; rewards (B,) and parts {name: (B,)} may hold more rows than roll."""
+        return {"reward": float(rewards.mean()), "reward_std": float(global_std(rewards)),
+                **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+                **C.gold(texts, rows), "completion_len": float(roll.completion_mask.sum(-1).mean()),
+                "frac_truncated": float(roll.truncated.float().mean()),
+                "lr": self.opt.param_groups[0]["lr"], **(env.metrics(roll) if env else {})}
+
+    def samples(self, tok, roll, rows, texts, rewards, stride, key="reward"):
+        """samples.jsonl's lines for this step: rows 0, stride, 2 * stride, ... (the first 4),
+        each prompt as given and as the model read it (prompt_text), its completion (with an
+        env, the transcript: observations marked as ⟦...⟧) and its reward."""
+        return [{"prompt": rows[i]["prompt"], "rendered_prompt": prompt_text(tok, roll, i),
+                 "completion": texts[i], key: float(rewards[i])}
+                for i in range(0, len(rows), stride)[:4]]
+
     def end_step(self, step, metrics, samples, tokens, token_weights=None):
         """After the step's updates: metrics gets step, step_time and tokens_per_s (tokens: this
         process's completion tokens), then under torchrun the mean over the processes (the keys
