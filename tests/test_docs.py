@@ -274,6 +274,20 @@ def test_every_module_keeps_the_line_budget_the_readme_states():
         assert not over_budget(name, n, budget), over_budget(name, n, budget)
 
 
+def test_every_module_has_a_budget_row_and_the_plumbing_guide_names_it():
+    """Every module of the project (the .py files at the top but the tests, and plumbing/'s) has
+    a row in README's budget table, and plumbing/__init__.py's guide names each plumbing module
+    (tools/step_cost.py's list of modules, as the step's count reads them)."""
+    rows = {name for name, _ in readme_budgets()}
+    mods = [m.replace(".", "/") + ".py" for m in step_cost.project_modules()]
+    missing = sorted(m for m in mods + ["plumbing/__init__.py"] if m not in rows)
+    assert not missing, f"README's budget table has no row for {missing}"
+    with open(os.path.join(ROOT, "plumbing", "__init__.py")) as f:
+        guide = f.read()
+    unnamed = [m for m in mods if m.startswith("plumbing/") and m[9:] not in guide]
+    assert not unnamed, f"plumbing/__init__.py does not name {unnamed}"
+
+
 def test_a_students_first_edit_and_a_users_file_at_the_top_pass(tmp_path):
     """A student's first edit: 30 lines more in grpo.py, ppo.py or reinforce.py passes the budget
     check (the step's ceiling has a quarter's headroom, test_each_rl_step_...); a user's
