@@ -414,9 +414,8 @@ def main():
         else:
             advantages = group_advantages(roll.rewards, G, args.scale_rewards, std=R.global_std)
         advantages = advantages.to(device)
-        # mask (B, T): 1 on each completion token, EOS included; DAPO's overlong filtering
-        # (--mask_truncated) leaves no loss on a completion without an EOS
-        mask = roll.completion_mask
+        # DAPO's overlong filtering (--mask_truncated): no loss on a completion without an EOS
+        mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         if args.mask_truncated:
             mask = mask * (~roll.truncated)[:, None].float()
         # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
