@@ -619,10 +619,12 @@ class Keeper:
             ...advantages, losses, backward...
             if keep.finite(grad_norm):        # NaN/inf gradients would ruin the weights
                 opt.step()
+            metrics = {**keep.rollout_metrics(roll, rows, texts, rewards, parts), ...}
+            samples = keep.samples(tok, roll, rows, texts, rewards, group_size)
             keep.end_step(step, metrics, samples, tokens, token_weights)
         keep.finish(metric, eval_before)
 
-    Its fields: run (the Run: folder, files, counters), opt (for step 1's memory line), rng and
+    Its fields: run (the Run: folder, files, counters), opt (its lr is logged), rng and
     data_state (what a Ctrl-C before the update puts back), save(done) (the loop's one
     checkpoint call) and evaluate() (its held-out scores); warns (the cannot-learn warnings, off
     for distill.py, whose KL is to a teacher); bar (tqdm), t0 (this step's start) and stopping
