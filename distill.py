@@ -44,13 +44,11 @@ Expect (bundled, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.99 (docs/
 import bisect
 import functools
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
-from tqdm import tqdm
 from transformers import AutoConfig
 
 import common as C
@@ -379,18 +377,21 @@ def main():
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
     k = args.samples_per_prompt
     shown = args.teacher_context or args.teacher_system_prompt  # the teacher reads its own prompt
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="distill",
-               disable=run.rank > 0)
-    for step in bar:
-        t0 = time.time()
+
+    def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
+        R.save_checkpoint(run, model, tok, opt, rng, done, {"eval_before": eval_before})
+    # the run-keeping (Ctrl-C, NaN guards, logs, eval, checkpoints): keep.* calls (runs.Keeper;
+    # no cannot-learn warnings: their advice is for a reward's RL, not a teacher's KL)
+    keep = R.Keeper(run, opt, rng, save, evaluate, warns=False)
+    for step in keep.steps(start):
         # 1. the student samples k completions per prompt (k contiguous rows); rewards scored
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(k)]
-        with R.gathered(model), R.stop_on_divergence(run, step):  # --fsdp: the whole model
+        with keep.sampling(model, step):
             roll, completions = C.generate(model, tok, rows, args, amp, sampler=sampler)
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
-        if args.reward_coef and not torch.isfinite(R.global_sum(scores.sum())):
-            R.skip_update(run, "reward")  # NaN/inf in a reward that trains: skip the update
+        # a NaN/inf reward that trains (--reward_coef), in any process: no update this step
+        if args.reward_coef and keep.skip("reward", scores.sum()):
             continue
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         B, T = mask.shape
@@ -454,36 +455,25 @@ def main():
             sums["kl"] += float((once * (lp_c - t_lp)).detach().sum()) / n_local
             sums["entropy"] += float(entropy.sum()) / n_local
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+        if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip the update
             opt.step()
         opt.zero_grad(set_to_none=True)
         if sampler:  # --vllm: the updated weights into its engine, for the next samples
             sampler.load_weights(model)
         # 4. log, eval, checkpoint
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "reward": float(scores.mean()),
+        metrics = {"reward": float(scores.mean()),
                    "reward_std": float(R.global_std(scores)),
                    **{f"reward/{key}": float(v.mean()) for key, v in parts.items()},
                    **C.gold(completions, rows), **sums, "grad_norm": float(grad_norm),
                    "completion_len": float(mask.sum(-1).mean()),
-                   "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   "step_time": elapsed, "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed}
+                   "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr}
         samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
                     "completion": completions[i], "reward": float(scores[i])}
                    for i in range(0, len(rows), k)[:4]]  # one sample of each of 4 prompts
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(("kl", "entropy", "divergence"),
-                                                               mask.sum()))
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
-        R.log_step(run, metrics, bar, samples, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
-        if stopping:
-            break
-    R.finish_run(run, metric, eval_before, evaluate)
+        keep.end_step(step, metrics, samples, mask.sum(),
+                      dict.fromkeys(("kl", "entropy", "divergence"), mask.sum()))
+    keep.finish(metric, eval_before)
 
 
 if __name__ == "__main__":

@@ -36,13 +36,11 @@ Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to abou
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import dataclasses
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import common as C
 from plumbing.errors import UserError
@@ -61,41 +59,9 @@ LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-sum-norm", "seq-sum"
 
 @dataclass
 class Args:
-    # --- model and data
-    model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
-    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
-    data_split: str = "train"  # hf: datasets only: the split to read
-    prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
-    answer_field: str = ""  # the rows' answer field ('' = answer or solution)
-    system_prompt: str = ""  # a system message put before every prompt
-    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
-    trust_remote_code: bool = False  # never run a model repo's own code unless asked
-    # curriculum and prompt skipping (tasks.observe), both off by default
-    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
-    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
-    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
-    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
-    # --- sampling
-    group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
-    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
-    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
-    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
-    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
-    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
-    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
-    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
-    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
-    # --- tool use: multi-turn rollouts (docs/tool_use.md)
-    env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
-    tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
-    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
-    max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
-    # --- rewards
-    rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
-    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
-    reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
+    # the objective's own fields first (the docstring's equations), then sampling, then the
+    # objectives since DAPO (one block: skip it on a first read), then model and data, rewards,
+    # optimisation and the run; --help lists them in a user's order (flags.HELP_ORDER)
     # --- the GRPO objective
     beta: float = arg(0.04, ">= 0")  # KL weight in the loss; 0: no reference model (DeepSeekMath)
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"  # k3: DeepSeekMath; k2: reverse KL; k1 refused
@@ -109,6 +75,18 @@ class Args:
     overlong_buffer: int = arg(2, "> 0")  # the overlong penalty grows over these last tokens
     dynamic_sampling: bool = False  # DAPO: drop groups whose rewards are all equal, sample more
     max_resample_rounds: int = arg(4, ">= 0, <= 100")  # dynamic_sampling: extra sampling rounds
+    # --- sampling
+    group_size: int = arg(8, "> 0")  # G samples per prompt (DeepSeekMath 64, TRL 8, DAPO 16)
+    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (G samples each)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TRL 256-512; the task needs 4)
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
+    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
+    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- objectives since DAPO, see objectives.py (TRL's names in brackets)
     # dppo reads clip_eps, clip_eps_high as delta_low, delta_high on pi_theta - pi_sampler (0.2)
     policy_loss: Literal["clip", "cispo", "sapo", "dppo", "vespo"] = "clip"  # [loss_type]
@@ -133,6 +111,29 @@ class Args:
     dppo_ratio_cap: float = arg(0.0, ">= 0")  # dppo: sg(rho_s) capped at C (DPPO authors 3); 0 off
     sampler_kl_coef: float = arg(0.0, ">= 0")  # kappa (log pi_theta/pi_sampler)^2 (prime-rl: 1e-3)
     multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
+    # --- model and data
+    model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
+    data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
+    data_split: str = "train"  # hf: datasets only: the split to read
+    prompt_field: str = ""  # the rows' prompt field ('' = prompt, question or problem)
+    answer_field: str = ""  # the rows' answer field ('' = answer or solution)
+    system_prompt: str = ""  # a system message put before every prompt
+    chat_template: Literal["auto", "none"] = "auto"  # auto: the tokenizer's template, if it has one
+    trust_remote_code: bool = False  # never run a model repo's own code unless asked
+    # curriculum and prompt skipping (tasks.observe), both off by default
+    curriculum_up: float = arg(0.0, "[0, 1]")  # rg: level +1 at this train score (0: off; 0.8)
+    curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
+    skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
+    skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
+    # --- tool use: multi-turn rollouts (docs/tool_use.md)
+    env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
+    tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
+    env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
+    max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
+    # --- rewards
+    rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
+    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
+    reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (DeepSeekMath, TRL)
     weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
@@ -317,122 +318,135 @@ def check_args(args):
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = flags.parse_args(Args, "grpo", __doc__)  # --resume DIR: that run's own settings
+    # The flags (--resume DIR: that run's own settings), the tool environment (--env, --tools;
+    # None without), your reward functions by name and the --rewards weights. MaxRL divides by
+    # the group's mean reward, so rewards that can be < 0 are refused.
+    args = flags.parse_args(Args, "grpo", __doc__)
     check_args(args)
-    env = E.from_args(args)  # --env / --tools: the tool environment, or None
-    fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    env = E.from_args(args)
+    fns = loading.load_reward_fns(args.reward_fn)
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    if args.scale_rewards == "mean":  # MaxRL: rewards that can be < 0 are refused
+    if args.scale_rewards == "mean":
         flags.check_maxrl(weights, "--scale_rewards mean", args.overlong_penalty)
-    # the prompts: a file, a hub dataset, rg: or the built-in task (--env calc: its own sums)
+    # The prompts: a file, a hub dataset, rg: or the built-in task (--env calc: its own sums);
+    # rg:'s curriculum moves the difficulty, --skip_uniform skips prompts already learned.
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        curriculum=(args.curriculum_up, args.curriculum_down),
         skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
         answer_field=args.answer_field, system_prompt=args.system_prompt))
-    device = R.setup_distributed()  # torchrun: this process's device; else cuda or cpu
-    run = R.start_run(args, "grpo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
+    # This process's device (torchrun: its own), the output folder with its lock, metrics files
+    # and Ctrl-C handler, the seeds; bf16 autocast on a GPU, with fp32 weights.
+    device = R.setup_distributed()
+    run = R.start_run(args, "grpo")
     rng = R.seed_everything(args.seed)
-    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    amp = loading.autocast(device, args.dtype)
     sample_amp = amp if args.sample_dtype == "same" else loading.autocast(device, args.sample_dtype)
-    # the policy (a checkpoint when resuming), once the prompts and --tools are checked
+    # The policy (a checkpoint when resuming), once the prompts and --tools are checked; on a
+    # CPU one thread for a small model (runs.set_threads). The reference pi_ref: none at beta = 0;
+    # with LoRA the policy itself, adapters off. --rewards rm: the reward model's score.
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "",
                                      data.rows, env)
-    R.set_threads(args, model)  # CPU: one thread for a small model (runs.set_threads)
-    # the reference pi_ref: none at beta = 0; with LoRA the policy itself, adapters off
+    R.set_threads(args, model)
     ref = None
     if args.beta > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
-    if "rm" in weights:  # the reward model's score, a reward function (common.rm_scores)
+    if "rm" in weights:
         fns["rm"] = loading.load_reward_model(args, device)
     if args.sanity:
         failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
     sampler = V.Sampler(args, model, tok, device) if args.vllm else None  # --vllm: vLLM samples
-    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 (--fsdp)
-    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
-    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
-                            fused=True)  # fused: one kernel for all parameters
+    # The training forward's model (torchrun: DDP, or FSDP2 with --fsdp) and AdamW over what is
+    # trained (every weight, or LoRA's adapters), fused: one kernel for all parameters.
+    train_model = R.wrap_model(model, args.fsdp)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=True)
 
-    # the held-out score: accuracy, a reasoning-gym score or the mean reward; what it scores
+    # The held-out score (accuracy, a reasoning-gym score or the mean reward) and what scores
+    # it; under torchrun each process scores a share. A new run evaluates once before training;
+    # a resumed one restores the optimizer, RNGs and the data's state (curriculum, visits).
     metric = tasks.eval_metric(data.eval_rows, args.eval_reward)
     scored = tasks.scored_by(metric, weights, fns)
 
-    def evaluate():  # held-out scores; under torchrun each process scores a share
+    def evaluate():
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env, sampler=sampler))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
-    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
+    data.state.update(saved.get("data_state", {}))
     if args.num_iterations == 1 and run.rank == 0:
         print("note: num_iterations=1, so pi_old = pi_theta and the ratio is exactly 1: the logged "
               "loss stays near 0 while its gradient does not. Watch reward, kl and clip_frac.")
-    tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
-    # a flag since DAPO (GSPO, CISPO, SAPO, DPPO, VESPO, V3.2, sampler penalty): its loss in place
-    # of per_token_loss, objectives.py's, with the same arguments (None: GRPO's own)
+    # The mismatch correction (--tis_cap 0: off). A flag since DAPO (GSPO, CISPO, SAPO, DPPO,
+    # VESPO, V3.2, sampler penalty) puts objectives.py's loss in place of per_token_loss, with
+    # the same arguments (None: GRPO's own). token_means: the logged means over the step's
+    # tokens (under torchrun weighted by each process's tokens).
+    tis = (args.tis_cap, args.tis_mode, args.tis_level)
     objective = O.loss_for(args)
     G = args.group_size
-    # the logged means over the step's tokens (under torchrun weighted by each process's)
     token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")
 
-    # one completion per row (with an env: a multi-turn episode), and the texts rewards read
+    # generate: one completion per row (with an env: a multi-turn episode) and the texts the
+    # rewards read; score: the weighted reward (B,) and each of its parts; save: checkpoint/
+    # after `done` steps (every --save_every, at the end, on Ctrl-C).
     def generate(rows):
         return C.generate(model, tok, rows, args, sample_amp, env, sampler=sampler)
 
-    def score(rows, texts):  # the weighted reward (B,) and each of its parts
+    def score(rows, texts):
         return C.compute_rewards(rows, texts, weights, fns)
 
-    def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
+    def save(done):
         R.save_checkpoint(run, model, tok, opt, rng, done,
                           {"eval_before": eval_before, "data_state": data.state})
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="grpo",
-               disable=run.rank > 0)
-    for step in bar:
-        # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
-        R.step_start(run, rng, step, lambda: save(step), data.state)
-        t0 = time.time()
-        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
+    # The run-keeping (Ctrl-C, the NaN guards, logs, eval, warnings, checkpoints) is keep's:
+    # each keep.* call below is one of its duties (runs.Keeper); what is left is the algorithm.
+    keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
+    for step in keep.steps(start):
         # 1. sample G completions per prompt and score them
-        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, step):
+        with keep.sampling(model, step):
             roll, seen = sample_groups(generate, score, data, rng, run, args)
-        # the data's bookkeeping (rg: curriculum levels; prompts to skip) sees every group
-        # sampled, those dynamic sampling dropped too (a prompt solved or failed every time)
+        # the data's bookkeeping (curriculum, skips) sees every group sampled, dropped ones too.
+        # A NaN/inf reward in any process: no update this step.
         data_logs = data.observe(*seen, G)
-        # a NaN/inf reward in any process: no update this step
-        if not torch.isfinite(R.global_sum(roll.rewards.sum())):
-            R.skip_update(run, "reward")
+        if keep.skip("reward", roll.rewards.sum()):
             continue
-        # 2. advantages, one per completion (B,); under torchrun the std is the whole step's
-        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO
+        # 2. advantages, one per completion (B,): GRPO's group_advantages, or GDPO's (each
+        # reward normalised first). Under torchrun the std is the whole step's (R.global_std).
+        if args.multi_objective_aggregation == "normalize_then_sum":
             advantages = O.normalize_then_sum(roll.parts, weights, G, std=R.global_std)
         else:
             advantages = group_advantages(roll.rewards, G, args.scale_rewards, std=R.global_std)
         advantages = advantages.to(device)
+        # DAPO's overlong filtering (--mask_truncated): no loss on a completion without an EOS
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
-        if args.mask_truncated:  # DAPO's overlong filtering: no loss without an EOS
+        if args.mask_truncated:
             mask = mask * (~roll.truncated)[:, None].float()
         # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
-        # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio)
+        # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio).
+        # log pi_ref: with LoRA the policy with its adapters off
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size,
                                           amp) if args.num_iterations > 1 else None
         ref_logprobs = None
         if ref is not None:
-            with R.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
+            with R.adapters_off(ref):
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
-        # 3. mu optimizer steps; the losses' normalisers count the whole step, every process's
+        # 3. mu optimizer steps. The losses' normalisers count the whole step, every process's
+        # tokens and sequences (R.global_sum: under torchrun the sum over the processes), so
+        # neither micro-batches nor processes change the gradient. n_local, sums, is_max: logs.
         B, T = mask.shape
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
-        n_local = float(mask.sum().clamp(min=1))  # this process's tokens, for the logs
-        sums = dict.fromkeys(("loss",) + token_means, 0.0)  # the logged means, summed
-        is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
+        n_local = float(mask.sum().clamp(min=1))
+        sums = dict.fromkeys(("loss",) + token_means, 0.0)
+        is_max = 0.0
         for it in range(args.num_iterations):
+            # DDP averages the processes' gradients in the last micro-batch's backward only
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
             for i, mb in enumerate(mbs):
-                with R.sync_gradients(train_model, now=i == len(mbs) - 1):  # DDP: at the last
+                with R.sync_gradients(train_model, now=i == len(mbs) - 1):
                     with amp:
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
@@ -451,57 +465,39 @@ def main():
                         roll.sample_logprobs[mb])
                     loss = aggregate(loss, mask[mb], args.loss_agg, n_tokens, n_seqs,
                                      args.max_new_tokens)
-                    # DDP/FSDP2 average the processes' gradients: x world makes them the sum
-                    (loss * run.world).backward()  # gradients add up over the micro-batches
-                # logged token means over the step, averaged over the mu updates
-                # is_frac_out: the tokens whose pi_old / pi_sampler is off by more than 2x
+                    # gradients add up over the micro-batches; DDP/FSDP2 average the processes'
+                    # gradients: x world makes them the sum
+                    (loss * run.world).backward()
+                # the logged token means (a switch's own too); is_frac_out: the tokens whose
+                # pi_old / pi_sampler is off by more than 2x
                 out = ((is_ratio < 0.5) | (is_ratio > 2)).float()
                 logs.update(entropy=entropy, is_ratio=is_ratio, is_frac_out=out)
-                for key, x in logs.items():  # token_means and a switch's own (seq_masked)
+                for key, x in logs.items():
                     sums[key] = sums.get(key, 0.0) + float((x.detach() * mask[mb]).sum()) / n_local
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
-                sums["loss"] += loss.item() * run.world  # the global mean below: the sum
+                sums["loss"] += loss.item() * run.world
+            # a NaN/inf gradient norm would ruin the weights: keep skips that update
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+            if keep.finite(grad_norm):
                 opt.step()
             opt.zero_grad(set_to_none=True)
         if sampler:  # --vllm: the updated weights into its engine, for the next samples
             sampler.load_weights(model)
-        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
-        # 4. log, eval, checkpoint
-        _, all_rewards, parts = seen  # every round's (several with dynamic_sampling)
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "reward": float(all_rewards.mean()),
-                   "reward_std": float(R.global_std(all_rewards)),
-                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
-                   **C.gold(roll.texts, roll.rows),
+        # 4. log (every sampling round's rewards; the mean of the mu updates'), eval, checkpoint
+        _, all_rewards, parts = seen
+        metrics = {**keep.rollout_metrics(roll, roll.rows, roll.texts, all_rewards, parts, env),
+                   **data_logs,
                    "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
-                   **{k: v / args.num_iterations for k, v in sums.items()},  # mean of the mu
-                   "is_ratio_max": is_max, "grad_norm": float(grad_norm),
-                   "completion_len": float(roll.completion_mask.sum(-1).mean()),
-                   "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   "step_time": elapsed,
-                   "tokens_per_s": float(R.global_sum(roll.completion_mask.sum())) / elapsed,
-                   **(env.metrics(roll) if env else {})}
-        # samples.jsonl: a completion of each of the first 4 groups (observations as ⟦...⟧)
-        shown = roll.transcript if env else roll.texts
-        samples = [{"prompt": roll.rows[i]["prompt"],
-                    "rendered_prompt": R.prompt_text(tok, roll, i),
-                    "completion": shown[i], "reward": float(roll.rewards[i])}
-                   for i in range(0, len(roll.rows), G)[:4]]
+                   **{k: v / args.num_iterations for k, v in sums.items()},
+                   "is_ratio_max": is_max, "grad_norm": float(grad_norm)}
+        # samples.jsonl: a completion of each of the first 4 groups
+        samples = keep.samples(tok, roll, roll.rows, roll.transcript if env else roll.texts,
+                               roll.rewards, G)
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_keys = [k for k in sums if k != "loss"]  # token_means and a switch's own
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_keys, mask.sum()))
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
-        R.log_step(run, metrics, bar, samples, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            save(step + 1)
-        if stopping:
-            break
-    R.finish_run(run, metric, eval_before, evaluate)
+        token_keys = [k for k in sums if k != "loss"]
+        keep.end_step(step, metrics, samples, roll.completion_mask.sum(),
+                      dict.fromkeys(token_keys, mask.sum()))
+    keep.finish(metric, eval_before)
 
 
 if __name__ == "__main__":

@@ -46,12 +46,10 @@ Expect (bundled default): held-out greedy accuracy 0.292 -> 0.954, the RM score 
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
@@ -68,6 +66,41 @@ from plumbing import vllm_sampler as V
 
 @dataclass
 class Args:
+    # the update's own fields first, and the reward's (the docstring's equations), then sampling,
+    # model and data, optimisation and the run; --help lists them in a user's order
+    # (flags.HELP_ORDER)
+    # --- the PPO update
+    gamma: float = arg(1.0, "[0, 1]")  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
+    lam: float = arg(0.95, "[0, 1]")  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
+    clip_eps: float = arg(0.2, "> 0")  # the ratio is clipped to [1 - eps, 1 + eps] (PPO, TRL)
+    clip_eps_value: float = arg(0.2, "> 0")  # values move at most this far (TRL 0.2; verl 0.5)
+    vf_coef: float = arg(0.1, ">= 0")  # weight of the value loss (N, TL;DR, TRL: 0.1)
+    ent_coef: float = arg(0.0, ">= 0")  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
+    ppo_epochs: int = arg(4, "> 0, <= 100")  # passes over each batch (N, TL;DR, TRL: 4)
+    num_minibatches: int = arg(2, "> 0")  # optimizer steps per epoch (TL;DR, TRL 1; N 1-8)
+    target_kl: float = arg(0.0, ">= 0")  # end the epochs at this KL(pi_old || pi) (CleanRL 0.015)
+    # --- rewards
+    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
+    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
+    missing_eos_penalty: float = arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
+    kl_coef: float = arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (N, TRL, OpenRLHF: k1)
+    adaptive_kl: bool = False  # Ziegler et al.'s controller adapts kl_coef (N: on; TL;DR, TRL: off)
+    kl_target: float = arg(6.0, "> 0")  # the controller's target KL per sequence, in nats (N: 6)
+    kl_horizon: int = arg(10000, "> 0")  # the controller's horizon in episodes (N: 10000)
+    normalize_score: bool = True  # score -> (score - mu) / sigma on the starting policy (N details)
+    whiten_rewards: bool = False  # scale per-token rewards to unit variance (N: on; TL;DR: off)
+    # --- sampling
+    batch_size: int = arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
+    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
+    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     reward_model: str = loading.DEFAULT_REWARD_MODEL  # AutoModelForSequenceClassification, 1 label
@@ -84,43 +117,11 @@ class Args:
     curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
     skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
     skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
-    # --- sampling
-    batch_size: int = arg(64, "> 0")  # prompts (one sample each) per step (TRL 64; TL;DR 512)
-    max_new_tokens: int = arg(6, "> 0")  # completion length cap (TL;DR 53; the task needs 4)
-    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
-    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature (N, TRL 0.7; 1 explores)
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (N details: 1.0, all tokens)
-    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
-    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
-    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
-    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
     env_timeout: float = arg(E.ENV_TIMEOUT_S, "> 0, <= 86400")  # seconds an env call may take
     max_turns: int = arg(3, ">= 1")  # model turns per episode (--env; calc: call, answer, spare)
-    # --- rewards
-    rewards: str = ""  # the score: '' = rm (the reward model) or your --reward_fn; or "math"
-    reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
-    missing_eos_penalty: float = arg(1.0, ">= 0")  # taken off scores with no EOS (TL;DR details)
-    kl_coef: float = arg(0.05, ">= 0")  # beta of the per-token KL in the reward (TL;DR, TRL)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (N, TRL, OpenRLHF: k1)
-    adaptive_kl: bool = False  # Ziegler et al.'s controller adapts kl_coef (N: on; TL;DR, TRL: off)
-    kl_target: float = arg(6.0, "> 0")  # the controller's target KL per sequence, in nats (N: 6)
-    kl_horizon: int = arg(10000, "> 0")  # the controller's horizon in episodes (N: 10000)
-    normalize_score: bool = True  # score -> (score - mu) / sigma on the starting policy (N details)
-    whiten_rewards: bool = False  # scale per-token rewards to unit variance (N: on; TL;DR: off)
-    # --- the PPO update
-    gamma: float = arg(1.0, "[0, 1]")  # discount (N, TL;DR, TRL, OpenRLHF, verl: 1)
-    lam: float = arg(0.95, "[0, 1]")  # GAE lambda (N, TL;DR, TRL: 0.95; OpenRLHF, verl: 1.0)
-    clip_eps: float = arg(0.2, "> 0")  # the ratio is clipped to [1 - eps, 1 + eps] (PPO, TRL)
-    clip_eps_value: float = arg(0.2, "> 0")  # values move at most this far (TRL 0.2; verl 0.5)
-    vf_coef: float = arg(0.1, ">= 0")  # weight of the value loss (N, TL;DR, TRL: 0.1)
-    ent_coef: float = arg(0.0, ">= 0")  # weight of the entropy bonus (N, TL;DR, TRL, verl: 0)
-    ppo_epochs: int = arg(4, "> 0, <= 100")  # passes over each batch (N, TL;DR, TRL: 4)
-    num_minibatches: int = arg(2, "> 0")  # optimizer steps per epoch (TL;DR, TRL 1; N 1-8)
-    target_kl: float = arg(0.0, ">= 0")  # end the epochs at this KL(pi_old || pi) (CleanRL 0.015)
     # --- optimisation
     lr: float = arg(2e-4, "> 0")  # tiny-model lr; real models ~3e-6 (TL;DR, TRL), 1e-6 (verl)
     critic_lr: float = arg(1e-3, "> 0")  # critic lr (tiny model); real models ~1e-5 (verl)
@@ -381,26 +382,36 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
 
 
 def main():
-    args = flags.parse_args(Args, "ppo", __doc__)  # --resume DIR: that run's own settings
+    # The flags (--resume DIR: that run's own settings), the tool environment (--env, --tools;
+    # None without), your reward functions by name and the --rewards weights (default: the
+    # reward model). A real policy without --reward_model: one line, not a run scored by the
+    # bundled toy reward model.
+    args = flags.parse_args(Args, "ppo", __doc__)
     check_args(args)
-    env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
-    fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    env = E.from_args(args)
+    fns = loading.load_reward_fns(args.reward_fn)
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="rm")
-    # a real policy without --reward_model: one line, not a run scored by the bundled toy RM
     loading.check_default_reward_model(args, "rm" in weights or args.critic_init == "reward_model")
+    # The prompts: a file, a hub dataset, rg: or the built-in task (--env calc: its own sums);
+    # rg:'s curriculum moves the difficulty, --skip_uniform skips prompts already learned.
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        curriculum=(args.curriculum_up, args.curriculum_down),
         skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
-        answer_field=args.answer_field, system_prompt=args.system_prompt))  # --env calc: its sums
-    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
-    run = R.start_run(args, "ppo")  # output folder, lock, metrics.jsonl, Ctrl-C handler
+        answer_field=args.answer_field, system_prompt=args.system_prompt))
+    # This process's device (torchrun: its own), the output folder with its lock, metrics files
+    # and Ctrl-C handler, the seeds; bf16 autocast on a GPU, with fp32 weights.
+    device = R.setup_distributed()
+    run = R.start_run(args, "ppo")
     rng = R.seed_everything(args.seed)
-    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    amp = loading.autocast(device, args.dtype)
+    # The policy (a checkpoint when resuming), once the prompts and --tools are checked; on a
+    # CPU one thread for a small model (runs.set_threads). The reference pi_ref: none at
+    # kl_coef = 0; with LoRA the policy itself, adapters off. --rewards rm: the reward model.
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "",
-                                     data.rows, env)  # the prompts and --tools checked first
-    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    ref = None  # kl_coef = 0 loads no reference model at all; LoRA: the policy, adapters off
+                                     data.rows, env)
+    R.set_threads(args, model)
+    ref = None
     if args.kl_coef > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
@@ -408,10 +419,13 @@ def main():
     if args.sanity:
         failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
-    if "rm" in weights:  # the reward model's score, as a reward function (common.rm_scores)
+    if "rm" in weights:
         fns["rm"] = loading.load_reward_model(args, device)
     sampler = V.Sampler(args, model, tok, device) if args.vllm else None  # --vllm: vLLM samples
-    norm = (0.0, 1.0)  # the score's (mu, sigma): from the checkpoint on resume, else measured
+    # The score's (mu, sigma): from the checkpoint on resume, else measured under the starting
+    # policy (--normalize_score). The critic (resumed: its weights, which a finished run's last
+    # checkpoint does not keep).
+    norm = (0.0, 1.0)
     if run.state:
         norm = run.state["extra"]["score_norm"]
     elif args.normalize_score:
@@ -423,73 +437,82 @@ def main():
             print(f"score under the starting policy: mean {norm[0]:.3g}, std {norm[1]:.3g}; "
                   "training uses (score - mean) / std, the logged `reward` is the raw score")
     critic = load_critic(args, tok, device, norm)
-    if run.state and "critic" in run.state["extra"]:  # (not in a finished run's last one)
+    if run.state and "critic" in run.state["extra"]:
         critic.load_state_dict(run.state["extra"]["critic"])
-    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
-    value_model = R.wrap_model(ValueModel(critic), args.fsdp)  # the critic's forward, V (B, T)
-    # one optimizer, two parameter groups: the critic has its own lr
-    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
+    # The training forwards' models (torchrun: DDP, or FSDP2 with --fsdp): the policy and the
+    # critic's V (B, T). One optimizer, two parameter groups: what the policy trains (every
+    # weight, or LoRA's adapters) and the critic, with its own lr.
+    train_model = R.wrap_model(model, args.fsdp)
+    value_model = R.wrap_model(ValueModel(critic), args.fsdp)
+    trained = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW([{"params": trained, "lr": args.lr},
                              {"params": list(value_model.parameters()), "lr": args.critic_lr}],
                             eps=args.adam_eps, weight_decay=args.weight_decay, fused=True)
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, rg score, mean reward
-    scored = tasks.scored_by(metric, weights, fns)  # what a held-out answer scores
+    # The held-out score (accuracy, a reasoning-gym score or the mean reward) and what scores
+    # it; under torchrun each process scores a share. A new run evaluates once before training;
+    # a resumed one restores the optimizer, RNGs, kl_coef and the data's state (curriculum
+    # levels, prompts' visits).
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)
+    scored = tasks.scored_by(metric, weights, fns)
 
-    def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
+    def evaluate():
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env, sampler=sampler))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric,
                                                  [model, value_model])
     kl_coef = saved.get("kl_coef", args.kl_coef)
-    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
+    data.state.update(saved.get("data_state", {}))
 
-    def save(done, kl_coef):  # checkpoint/ after `done` steps: every --save_every, the end, Ctrl-C
+    # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
+    def save(done):
         R.save_checkpoint(run, model, tok, opt, rng, done,
                           {"eval_before": eval_before, "kl_coef": kl_coef, "score_norm": norm,
                            "critic": R.full_state_dict(critic), "data_state": data.state},
                           trained=[model, value_model])
-    token_means = ("kl", "returns", "values")  # global means weighted by tokens
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="ppo",
-               disable=run.rank > 0)
-    for step in bar:
-        # Ctrl-C before this step's update: save the last step's checkpoint and stop at once
-        R.step_start(run, rng, step, lambda kl_coef=kl_coef: save(step, kl_coef), data.state)
-        t0 = time.time()
-        if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
+    token_means = ("kl", "returns", "values")  # under torchrun: means weighted by tokens
+    # The run-keeping (Ctrl-C, the NaN guards, logs, eval, warnings, checkpoints) is keep's:
+    # each keep.* call below is one of its duties (runs.Keeper); what is left is the algorithm.
+    keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
+    for step in keep.steps(start):
+        # --anneal_lr: the lr from the step number, so resuming needs no scheduler state
+        if args.anneal_lr:
             for group, lr in zip(opt.param_groups, (args.lr, args.critic_lr)):
                 group["lr"] = lr * (1 - step / args.max_steps)
-        # ALGO LOGIC (steps 1-4); its R.* calls guard or pass through in one process: skip them
-        # 1. sample one completion per prompt and score it
-        rows = data.next_batch(rng, args.batch_size)[run.rank::run.world]  # torchrun: a share
-        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, step):
+        # 1. sample one completion per prompt (under torchrun this process's share; with an
+        # env, a multi-turn episode) and score it. The data's bookkeeping (curriculum, skips:
+        # tasks.observe) sees the scores. A NaN/inf score in any process: no update this step.
+        rows = data.next_batch(rng, args.batch_size)[run.rank::run.world]
+        with keep.sampling(model, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env, sampler=sampler)
         raw_scores, parts = C.compute_rewards(rows, completions, weights, fns)
-        data_logs = data.observe(rows, raw_scores, parts, 1)  # curriculum, skips (tasks.observe)
-        if not torch.isfinite(R.global_sum(raw_scores.sum())):  # NaN/inf in any process: skip
-            R.skip_update(run, "reward")
+        data_logs = data.observe(rows, raw_scores, parts, 1)
+        if keep.skip("reward", raw_scores.sum()):
             continue
-        # the "EOS trick" (TL;DR details): a completion that never ended pays a fixed penalty
+        # the "EOS trick" (TL;DR details): a completion that never ended pays a fixed penalty.
+        # mask (B, T): 1 on each completion token, EOS included
         scores = (raw_scores.to(device) - norm[0]) / norm[1] \
             - args.missing_eos_penalty * roll.truncated.float()
-        mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
+        mask = roll.completion_mask
         T = mask.shape[1]
-        # 2. log pi_old and old values from the training forward (so rho = 1 at the first update)
+        # 2. log pi_old and old values from the training forward (so rho = 1 at the first
+        # update); log pi_ref (none at kl_coef = 0: pi_old, so KL is 0; with LoRA the policy
+        # with its adapters off)
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size, amp)
-        ref_logprobs = old_logprobs  # no reference (kl_coef = 0): KL is 0
+        ref_logprobs = old_logprobs
         if ref is not None:
-            with R.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
+            with R.adapters_off(ref):
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
         old_values = torch.zeros_like(mask)
         with torch.no_grad(), amp:
             for mb in C.micro_batches(mask, args.micro_batch_size):
                 old_values[mb] = value_model(roll.ids[mb], roll.attention_mask[mb], T) * mask[mb]
-        # 3. per-token rewards, GAE advantages and returns, whitened advantages
+        # 3. per-token rewards, GAE advantages and returns, whitened advantages (whitening
+        # takes the statistics of the global batch, under torchrun too: total=R.global_sum)
         rewards, kl = shaped_rewards(scores, old_logprobs, ref_logprobs, mask, kl_coef,
                                      args.kl_estimator)
-        if args.whiten_rewards:  # (statistics of the global batch, under torchrun too)
+        if args.whiten_rewards:
             rewards = C.whiten(rewards, mask, shift_mean=False, total=R.global_sum)
         advantages, returns = gae(rewards, old_values, mask, args.gamma, args.lam)
         batch = {"old_logprobs": old_logprobs, "old_values": old_values, "returns": returns,
@@ -498,43 +521,25 @@ def main():
         stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
         if sampler:  # --vllm: the updated weights into its engine, for the next samples
             sampler.load_weights(model)
-        # nats per sequence: what Ziegler's controller targets (the mean over all processes)
+        # KL in nats per sequence: what Ziegler's controller targets (the mean over all
+        # processes); with --adaptive_kl it sets the next step's kl_coef
         kl_seq = R.global_mean({"kl_seq": float(kl.sum(1).mean())})["kl_seq"]
-        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
         # 5. log, eval, checkpoint
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "reward": float(raw_scores.mean()),
-                   "reward_std": float(R.global_std(raw_scores)),
-                   **{f"reward/{k}": float(v.mean()) for k, v in parts.items()}, **data_logs,
-                   **C.gold(completions, rows),
+        metrics = {**keep.rollout_metrics(roll, rows, completions, raw_scores, parts, env),
+                   **data_logs,
                    "kl": float(C.masked_mean(kl, mask)), "kl_seq": kl_seq, "kl_coef": kl_coef,
                    **stats, "explained_var": explained_variance(old_values, returns, mask,
                                                                  total=R.global_sum),
                    "returns": float(C.masked_mean(returns, mask)),
-                   "values": float(C.masked_mean(old_values, mask)),
-                   "completion_len": float(mask.sum(-1).mean()),
-                   "frac_truncated": float(roll.truncated.float().mean()),
-                   "lr": opt.param_groups[0]["lr"], "step_time": elapsed,
-                   "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(env.metrics(roll) if env else {})}
-        if args.adaptive_kl:  # Ziegler's controller sets the next step's kl_coef from this KL
+                   "values": float(C.masked_mean(old_values, mask))}
+        if args.adaptive_kl:
             kl_coef = adaptive_kl(kl_coef, kl_seq, args.kl_target, args.kl_horizon, len(rows))
-        shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
-                    "completion": shown[i], "score": float(scores[i])}
-                   for i in range(len(rows))[:4]]
-        # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
-        R.log_step(run, metrics, bar, samples, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            save(step + 1, kl_coef)
-        if stopping:
-            break
-    R.finish_run(run, metric, eval_before, evaluate)
+        # samples.jsonl: the first 4 completions; under torchrun: the mean over the processes,
+        # token means weighted by their tokens
+        samples = keep.samples(tok, roll, rows, roll.transcript if env else completions, scores,
+                               1, key="score")
+        keep.end_step(step, metrics, samples, mask.sum(), dict.fromkeys(token_means, mask.sum()))
+    keep.finish(metric, eval_before)
 
 
 if __name__ == "__main__":

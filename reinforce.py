@@ -48,12 +48,10 @@ Expect (bundled default, 2-core CPU): held-out greedy accuracy 0.29 -> about 0.9
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import math
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 
 import common as C
 from plumbing.errors import UserError
@@ -72,6 +70,36 @@ Aggregation = Literal["sum_then_normalize", "normalize_then_sum"]  # several --r
 
 @dataclass
 class Args:
+    # the objective's own fields first (the docstring's equations), then sampling, then the
+    # mismatch correction (skip it on a first read), then model and data, rewards, optimisation and
+    # the run; --help lists them in a user's order (flags.HELP_ORDER)
+    # --- the REINFORCE objective
+    baseline: Literal["none", "ema", "rloo", "reinforce_pp", "maxrl"] = "none"  # b in A = G - b
+    ema_decay: float = arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
+    whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
+    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
+    beta: float = arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
+    kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
+    loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
+    num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
+    clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
+    # --- sampling
+    samples_per_prompt: int = arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
+    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (k samples each)
+    max_new_tokens: int = arg(6, "> 0")  # completion length cap (the built-in task needs 4)
+    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
+    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
+    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
+    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
+    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
+    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
+    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
+    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
+    # --- the sampler/trainer mismatch correction, see objectives.mismatch_weights (grpo's flags)
+    tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
+    tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
+    tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- model and data
     model: str = loading.DEFAULT_POLICY  # hub id or local folder of any AutoModelForCausalLM
     data: str = ""  # '' = built-in task; JSONL {"prompt", "answer"}; hf:NAME[:CONFIG]; rg:NAME
@@ -86,18 +114,6 @@ class Args:
     curriculum_down: float = arg(0.0, "[0, 1]")  # rg: level -1 below this train score (0.3)
     skip_uniform: int = arg(0, ">= 0")  # skip prompts whose last K groups all scored alike (0: off)
     skip_keep: float = arg(0.0, "[0, 1]")  # the chance such a prompt is kept (> 0: reweighted)
-    # --- sampling
-    samples_per_prompt: int = arg(8, "> 0")  # k per prompt (RLOO paper 2-4, TRL 2); rloo: >= 2
-    prompts_per_step: int = arg(8, "> 0")  # prompts per optimizer step (k samples each)
-    max_new_tokens: int = arg(6, "> 0")  # completion length cap (the built-in task needs 4)
-    # fp32 maths: logits / temperature stays finite at >= 1e-30 (for logits up to 3e8), and top_p
-    # does not round to 0 at >= 1.2e-38 (fp32's smallest normal; at 0 no token would be kept)
-    temperature: float = arg(1.0, ">= 1e-30")  # sampling temperature; the log-probs use it too
-    top_p: float = arg(1.0, "[1.2e-38, 1]")  # nucleus sampling (TRL 1.0); < 1: O.mismatch_weights
-    stop: list[str] = field(default_factory=list)  # stop strings, e.g. "</answer>", end a row too
-    vllm: bool = False  # vLLM samples, in this process: TRL's use_vllm colocate (docs/speed.md)
-    vllm_gpu_memory_utilization: float = arg(0.3, "(0, 1]")  # its share of GPU memory (TRL 0.3)
-    vllm_kv_cache_gb: float = arg(0.0, ">= 0")  # its KV cache; 0: from the share (GPU), 1 (CPU)
     # --- tool use: multi-turn rollouts (docs/tool_use.md)
     env: str = ""  # FILE.py:FUNCTION or module:function, env(row, turns) -> str | None; calc
     tools: str = ""  # FILE.py:NAME[,NAME]: Python functions a chat model calls (its template's)
@@ -107,21 +123,6 @@ class Args:
     rewards: str = ""  # weighted, e.g. "math=1,format=0.1,rm=0.5"; '' = math, or your --reward_fn
     reward_fn: list[str] = field(default_factory=list)  # your rewards, file.py:function (README)
     reward_model: str = ""  # an AutoModelForSequenceClassification (num_labels=1), used as 'rm'
-    # --- the REINFORCE objective
-    baseline: Literal["none", "ema", "rloo", "reinforce_pp", "maxrl"] = "none"  # b in A = G - b
-    ema_decay: float = arg(0.9, "[0, 1)")  # ema baseline: b <- decay * b + (1 - decay) * mean
-    whiten: bool = False  # whiten advantages after the baseline (TRL RLOO normalize_advantages)
-    multi_objective_aggregation: Aggregation = "sum_then_normalize"  # normalize_then_sum: GDPO
-    beta: float = arg(0.0, ">= 0")  # KL-in-reward weight (TRL 0.05, OpenRLHF 0.01)
-    kl_estimator: Literal["k1", "k2", "k3"] = "k1"  # KL value in the reward (TRL, OpenRLHF: k1)
-    kl_in_reward: Literal["token", "sequence"] = "token"  # per token (REINFORCE++), summed (TRL)
-    loss_agg: Literal["seq-sum", "token-mean"] = "seq-sum"  # / sequences (REINFORCE) or / tokens
-    num_iterations: int = arg(1, "> 0, <= 100")  # mu: updates per batch (RLOO: 1); > 1 clips
-    clip_eps: float = arg(0.2, "> 0")  # mu > 1: the ratio is clipped to 1 +- eps (PPO, TRL)
-    # --- the sampler/trainer mismatch correction, see objectives.mismatch_weights (grpo's flags)
-    tis_cap: float = arg(0.0, ">= 0")  # loss * min(pi_old / pi_sampler, C); 0: off (TRL: 3)
-    tis_mode: Literal["truncate", "mask"] = "truncate"  # truncate: min(w, C); mask: w, 0 past C
-    tis_level: Literal["token", "sequence"] = "token"  # sequence: one weight, the product over o_i
     # --- optimisation
     lr: float = arg(1e-4, "> 0")  # tiny-model lr; real models ~1e-6 (TRL, OpenRLHF)
     weight_decay: float = arg(0.0, ">= 0")  # AdamW weight decay (TRL 0, verl 0.01)
@@ -251,115 +252,139 @@ def check_args(args):
 
 # -------------------------------------------------------------------------- the training loop
 def main():
-    args = flags.parse_args(Args, "reinforce", __doc__)  # --resume DIR: that run's own settings
+    # The flags (--resume DIR: that run's own settings), the tool environment (--env, --tools;
+    # None without), your reward functions by name and the --rewards weights. MaxRL divides by
+    # the mean reward, so rewards that can be < 0 are refused.
+    args = flags.parse_args(Args, "reinforce", __doc__)
     check_args(args)
-    env = E.from_args(args)  # --env / --tools: the tool environment (envs.py), or None
-    fns = loading.load_reward_fns(args.reward_fn)  # your own reward functions, by name
+    env = E.from_args(args)
+    fns = loading.load_reward_fns(args.reward_fn)
     weights = loading.parse_rewards(args.rewards, args.reward_model, fns, default="math")
-    if args.baseline == "maxrl":  # rewards that can be < 0 are refused
+    if args.baseline == "maxrl":
         flags.check_maxrl(weights, "--baseline maxrl")
+    # The prompts: a file, a hub dataset, rg: or the built-in task (--env calc: its own sums);
+    # rg:'s curriculum moves the difficulty, --skip_uniform skips prompts already learned.
     data = E.task_data(args, tasks.load_data(
         args.data, args.eval_size, "math" in weights, args.data_split,
-        curriculum=(args.curriculum_up, args.curriculum_down),  # rg: difficulty moves
+        curriculum=(args.curriculum_up, args.curriculum_down),
         skip=(args.skip_uniform, args.skip_keep), prompt_field=args.prompt_field,
-        answer_field=args.answer_field, system_prompt=args.system_prompt))  # --env calc: its sums
-    device = R.setup_distributed()  # under torchrun: this process's device; else cuda or cpu
-    run = R.start_run(args, "reinforce")  # output folder, lock, metrics.jsonl, Ctrl-C handler
+        answer_field=args.answer_field, system_prompt=args.system_prompt))
+    # This process's device (torchrun: its own), the output folder with its lock, metrics files
+    # and Ctrl-C handler, the seeds; bf16 autocast on a GPU, with fp32 weights.
+    device = R.setup_distributed()
+    run = R.start_run(args, "reinforce")
     rng = R.seed_everything(args.seed)
-    amp = loading.autocast(device, args.dtype)  # bf16 forwards on a GPU; weights stay fp32
+    amp = loading.autocast(device, args.dtype)
+    # The policy (a checkpoint when resuming), once the prompts and --tools are checked; on a
+    # CPU one thread for a small model (runs.set_threads). The reference pi_ref: none at beta = 0;
+    # with LoRA the policy itself, adapters off. --rewards rm: the reward model's score.
     model, tok = loading.load_policy(args, device, f"{run.dir}/checkpoint" if args.resume else "",
-                                     data.rows, env)  # the prompts and --tools checked first
-    R.set_threads(args, model)  # CPU: one thread for a small model (see runs.set_threads)
-    ref = None  # beta = 0 loads no reference model at all; LoRA: the policy, adapters off
+                                     data.rows, env)
+    R.set_threads(args, model)
+    ref = None
     if args.beta > 0 or args.sanity:
         ref = model if args.lora_r else loading.load_model(
             args.model, "lm", device, frozen=True, trust_remote_code=args.trust_remote_code,
             compile=args.compile)
-    if "rm" in weights:  # the reward model's score, as a reward function (common.rm_scores)
+    if "rm" in weights:
         fns["rm"] = loading.load_reward_model(args, device)
     if args.sanity:
         failed = R.sanity_check(model, ref, tok, data.eval_rows, args, env)
         raise SystemExit(2 if failed else 0)
     sampler = V.Sampler(args, model, tok, device) if args.vllm else None  # --vllm: vLLM samples
-    train_model = R.wrap_model(model, args.fsdp)  # torchrun: DDP, or FSDP2 in place (--fsdp)
-    trained = [p for p in model.parameters() if p.requires_grad]  # all, or LoRA's adapters
-    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay,
-                            fused=True)  # fused: one kernel for all parameters
+    # The training forward's model (torchrun: DDP, or FSDP2 with --fsdp) and AdamW over what is
+    # trained (every weight, or LoRA's adapters), fused: one kernel for all parameters.
+    train_model = R.wrap_model(model, args.fsdp)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trained, lr=args.lr, weight_decay=args.weight_decay, fused=True)
 
-    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)  # accuracy, rg score, mean reward
-    scored = tasks.scored_by(metric, weights, fns)  # what a held-out answer scores
+    # The held-out score (accuracy, a reasoning-gym score or the mean reward) and what scores
+    # it; under torchrun each process scores a share. A new run evaluates once before training;
+    # a resumed one restores the optimizer, RNGs, the ema baseline's running value (None until
+    # the first step) and the data's state (curriculum levels, prompts' visits).
+    metric = tasks.eval_metric(data.eval_rows, args.eval_reward)
+    scored = tasks.scored_by(metric, weights, fns)
 
-    def evaluate():  # held-out scores; under torchrun each process scores a share of the rows
+    def evaluate():
         return R.split_eval(run, model, data.eval_rows, lambda rows: C.evaluate(
             model, tok, rows, args, amp, scored, fns, env=env, sampler=sampler))
     start, eval_before, saved = R.resume_or_eval(run, opt, rng, evaluate, metric, [model])
-    ema = saved.get("ema")  # the ema baseline's running value (None until the first step)
-    data.state.update(saved.get("data_state", {}))  # curriculum levels, prompts' visits
+    ema = saved.get("ema")
+    data.state.update(saved.get("data_state", {}))
 
-    def save(done, ema):  # checkpoint/ after `done` steps: every --save_every, at the end, Ctrl-C
+    # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
+    def save(done):
         R.save_checkpoint(run, model, tok, opt, rng, done,
                           {"eval_before": eval_before, "ema": ema, "data_state": data.state})
+    # log pi_old is needed for the KL and for mu > 1; rloo compares the scores, the KL apart
+    # (per_token_kl); tis: the mismatch correction (0: off). logged: the token means summed over
+    # the step; token_means: those averaged over every process, weighted by tokens.
     grad_norms = sample_grad_probe(model)
     k = args.samples_per_prompt
-    needs_old = ref is not None or args.num_iterations > 1  # log pi_old: for the KL, for mu > 1
-    per_token_kl = ref is not None and args.kl_in_reward == "token"  # rloo compares the scores
-    tis = (args.tis_cap, args.tis_mode, args.tis_level)  # the mismatch correction (0: off)
-    logged = ("ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")  # summed over the step
-    token_means = ("kl", "adv_mean") + logged  # means over every process, weighted by tokens
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
-               desc="reinforce", disable=run.rank > 0)
-    for step in bar:
-        R.step_start(run, rng, step, lambda ema=ema: save(step, ema), data.state)  # Ctrl-C: stop
-        t0 = time.time()
-        # ALGO LOGIC (steps 1-3); its R.* calls guard or pass through in one process: skip them
-        # 1. sample k completions per prompt (k contiguous rows each) and score them
-        prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
+    needs_old = ref is not None or args.num_iterations > 1
+    per_token_kl = ref is not None and args.kl_in_reward == "token"
+    tis = (args.tis_cap, args.tis_mode, args.tis_level)
+    logged = ("ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")
+    token_means = ("kl", "adv_mean") + logged
+    # The run-keeping (Ctrl-C, the NaN guards, logs, eval, warnings, checkpoints) is keep's:
+    # each keep.* call below is one of its duties (runs.Keeper); what is left is the algorithm.
+    keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
+    for step in keep.steps(start):
+        # 1. sample k completions per prompt (k contiguous rows each; under torchrun this
+        # process's share of the prompts; with an env, multi-turn episodes) and score them. The
+        # data's bookkeeping (curriculum, skips: tasks.observe) sees the scores.
+        prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]
         rows = [r for r in prompts for _ in range(k)]
-        # --fsdp: the whole model in every process while it samples; a diverged policy: one line
-        with R.gathered(model), R.stop_on_divergence(run, step):
+        with keep.sampling(model, step):
             roll, completions = C.generate(model, tok, rows, args, amp, env, sampler=sampler)
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
-        data_logs = data.observe(rows, scores, parts, k)  # curriculum, skips (tasks.observe)
-        signal = scores  # what the returns are made of: the weighted sum of the rewards, or
-        if args.multi_objective_aggregation == "normalize_then_sum":  # GDPO's, each one first
+        data_logs = data.observe(rows, scores, parts, k)
+        # signal, what the returns are made of: the weighted sum of the rewards, or GDPO's (each
+        # reward normalised first). A NaN/inf reward in any process: no update this step.
+        signal = scores
+        if args.multi_objective_aggregation == "normalize_then_sum":
             signal = O.normalize_then_sum(parts, weights, k, std=R.global_std)
-        if not torch.isfinite(R.global_sum(scores.sum())):  # NaN/inf in any process: skip
-            R.skip_update(run, "reward")
+        if keep.skip("reward", scores.sum()):
             continue
-        mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
+        # mask (B, T): 1 on each completion token, EOS included. log pi_old, recomputed with the
+        # training forward: needed for the KL and for mu > 1; log pi_ref: with LoRA the policy
+        # with its adapters off
+        mask = roll.completion_mask
         B, T = mask.shape
-        # log pi_old, recomputed with the training forward: needed for the KL and for mu > 1
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size,
                                           amp) if needs_old else None
         kl = None
         if ref is not None:
-            with R.adapters_off(ref):  # LoRA: the policy, adapters off, is the reference
+            with R.adapters_off(ref):
                 ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
                                                   args.micro_batch_size, amp)
             kl = C.kl_estimate(old_logprobs, ref_logprobs, args.kl_estimator) * mask
-        # 2. returns and advantages, (B, T)
+        # 2. returns and advantages, (B, T). The ema baseline b is the running mean return of
+        # earlier steps (at the first step this step's own, once); mean_return is this step's,
+        # over every process's rows.
         returns = kl_returns(signal.to(device), mask, kl, args.beta, args.kl_in_reward)
-        b_ema = ema  # the ema baseline b: the running mean return of earlier steps
-        if args.baseline == "ema":  # this step's mean return, over every process's rows
+        b_ema = ema
+        if args.baseline == "ema":
             mean_return = R.global_mean({"R": float(returns[:, 0].mean())})["R"]
-            b_ema = mean_return if ema is None else ema  # the first step: this step's, once
+            b_ema = mean_return if ema is None else ema
         adv = advantages(returns, mask, args, b_ema, signal if per_token_kl else None,
                          total=R.global_sum)
-        if args.baseline == "ema":  # updated after use: b never depends on this batch's samples
-            ema = b_ema if ema is None else (args.ema_decay * ema
-                                             + (1 - args.ema_decay) * mean_return)
-        # 3. mu optimizer steps; the losses' normalisers count the whole step, every process's
+        # 3. mu optimizer steps. The losses' normalisers count the whole step, every process's
+        # tokens and sequences (R.global_sum: under torchrun the sum over the processes), so
+        # neither micro-batches nor processes change the gradient. For the logs: n_local, this
+        # process's tokens; sums, the logged means summed; is_max, the largest pi_old / pi_sampler.
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
-        n_local = mask.sum().clamp(min=1)  # for the logged means: this process's tokens
-        sums = dict.fromkeys(("loss",) + logged, 0.0)  # the logged means, summed
-        is_max = 0.0  # the largest raw pi_old / pi_sampler of the step
+        n_local = mask.sum().clamp(min=1)
+        sums = dict.fromkeys(("loss",) + logged, 0.0)
+        is_max = 0.0
         grad_norms.clear()
         for it in range(args.num_iterations):
-            # micro-batches: row indices, sorted by length; every per-row tensor is indexed by them
+            # micro-batches: row indices, sorted by length; every per-row tensor is indexed by
+            # them. DDP averages the processes' gradients in the last one's backward only.
             mbs = C.micro_batches(mask, args.micro_batch_size)
             for i, mb in enumerate(mbs):
-                with R.sync_gradients(train_model, now=i == len(mbs) - 1):  # DDP: at the last
+                with R.sync_gradients(train_model, now=i == len(mbs) - 1):
                     with amp:
                         logprobs, entropy = C.token_logprobs(train_model, roll.ids[mb],
                                                              roll.attention_mask[mb], T,
@@ -376,63 +401,53 @@ def main():
                     loss, ratio, clipped = reinforce_loss(logprobs, adv[mb], old, args.clip_eps,
                                                           is_weight)
                     # N: the step's sequences (seq-sum) or tokens; micro-batches add up to it
-                    norm = n_seqs if args.loss_agg == "seq-sum" else n_tokens  # (TRL #3021)
+                    # (TRL #3021)
+                    norm = n_seqs if args.loss_agg == "seq-sum" else n_tokens
                     loss = (loss * mask[mb]).sum() / norm
                     # gradients add up over the micro-batches. DDP (FSDP2) averages the
                     # processes' gradients: scaled by their number, that is the whole step's sum
                     (loss * run.world).backward()
-                out = ((is_ratio < 0.5) | (is_ratio > 2)).float()  # off by more than a factor 2
+                # the logged token means; out: pi_old / pi_sampler off by more than a factor 2;
+                # the loss summed over the processes
+                out = ((is_ratio < 0.5) | (is_ratio > 2)).float()
                 for key, x in zip(logged, (ratio, clipped, entropy, is_ratio, out)):
                     sums[key] += float((x.detach() * mask[mb]).sum() / n_local)
                 is_max = max(is_max, float((is_ratio * mask[mb]).max()))
-                sums["loss"] += loss.item() * run.world  # the global mean below: the sum
+                sums["loss"] += loss.item() * run.world
+            # a NaN/inf gradient norm would ruin the weights: keep skips that update
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+            if keep.finite(grad_norm):
                 opt.step()
             opt.zero_grad(set_to_none=True)
         if sampler:  # --vllm: the updated weights into its engine, for the next samples
             sampler.load_weights(model)
-        # RUN-KEEPING: skip on first read (metrics, samples, eval, checkpoint, Ctrl-C)
-        # 4. log, eval, checkpoint
+        # the ema baseline, updated after use (b never depends on this batch's samples) and
+        # after the update (a Ctrl-C before it saves the ema the last step left)
+        if args.baseline == "ema":
+            ema = b_ema if ema is None else (args.ema_decay * ema
+                                             + (1 - args.ema_decay) * mean_return)
+        # 4. log, eval, checkpoint. The token means are the mean of the mu updates'; adv_std
+        # is over every process; g_i: each sample's term of the first update's gradient (times
+        # N, the step's sequences), logged as sample_grad_rms, the root of the mean of
+        # ||g_i||^2 over the step's rows (equal in every process)
         valid = mask.bool()
-        # g_i: each sample's term of the first update's gradient (times N, the step's sequences)
         g = torch.cat(grad_norms)[:B] * n_seqs / run.world if grad_norms else torch.tensor(math.nan)
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "reward": float(scores.mean()),
-                   "reward_std": float(R.global_std(scores)),
-                   **{f"reward/{key}": float(v.mean()) for key, v in parts.items()}, **data_logs,
-                   **C.gold(completions, rows),
+        metrics = {**keep.rollout_metrics(roll, rows, completions, scores, parts, env),
+                   **data_logs,
                    "frac_zero_std": float((scores.view(-1, k).std(1) < 1e-6).float().mean())
                    if k > 1 else 0.0,
                    "kl": float(C.masked_mean(kl, mask)) if kl is not None else 0.0,
-                   **{key: v / args.num_iterations for key, v in sums.items()},  # mean of the mu
+                   **{key: v / args.num_iterations for key, v in sums.items()},
                    "is_ratio_max": is_max, "grad_norm": float(grad_norm),
                    "adv_mean": float(adv[valid].mean()),
-                   "adv_std": float(R.global_std(adv[valid])),  # torchrun: over every process
-                   # sqrt of the mean of ||g_i||^2 over the step's rows (equal in every process)
+                   "adv_std": float(R.global_std(adv[valid])),
                    "sample_grad_rms": float((R.global_sum(g.pow(2).mean()) / run.world).sqrt()),
-                   **({"baseline_ema": ema} if args.baseline == "ema" else {}),
-                   "completion_len": float(mask.sum(-1).mean()),
-                   "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr,
-                   "step_time": elapsed,
-                   "tokens_per_s": float(R.global_sum(mask.sum())) / elapsed,  # every process's
-                   **(env.metrics(roll) if env else {})}
-        shown = roll.transcript if env else completions  # observations marked as ⟦...⟧
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
-                    "completion": shown[i], "reward": float(scores[i])}
-                   for i in range(0, len(rows), k)[:4]]  # one sample of each of 4 prompts
-        # under torchrun: the mean over the processes, token means weighted by their tokens
-        metrics = R.global_mean(metrics, weights=dict.fromkeys(token_means, mask.sum()))
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.warn_if_stuck(run, metrics, args)  # cannot learn? say so at once
-        R.log_step(run, metrics, bar, samples, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            save(step + 1, ema)
-        if stopping:
-            break
-    R.finish_run(run, metric, eval_before, evaluate)
+                   **({"baseline_ema": ema} if args.baseline == "ema" else {})}
+        # samples.jsonl: one sample of each of 4 prompts; under torchrun: the mean over the
+        # processes, token means weighted by their tokens
+        samples = keep.samples(tok, roll, rows, roll.transcript if env else completions, scores, k)
+        keep.end_step(step, metrics, samples, mask.sum(), dict.fromkeys(token_means, mask.sum()))
+    keep.finish(metric, eval_before)
 
 
 if __name__ == "__main__":

@@ -70,21 +70,31 @@ def _saved_args(resume_dir, algo):
     return saved["args"]
 
 
+# --help's order of Args' sections, by the start of their titles, whatever order Args declares
+# them in: a reader of grpo.py, reinforce.py or ppo.py meets the objective first, a user of --help
+# the model and data. A section not named here stays after the one before it (distill's teacher).
+HELP_ORDER = ("model and data", "the teacher", "sampling", "tool use", "rewards",
+              "the GRPO objective", "the REINFORCE objective", "the PPO update",
+              "objectives since DAPO", "the sampler/trainer", "optimisation", "run")
+
+
 def help_text(args_cls, algo, doc):
     """--help: the docstring's first paragraph, then each flag once, under the section comment of
-    Args it sits in (`# --- sampling`), with the comment beside it, its default and valid range;
-    then the docstring's commands (from "Run:")."""
+    Args it sits in (`# --- sampling`; sections in HELP_ORDER), with the comment beside it, its
+    default and valid range; then the docstring's commands (from "Run:")."""
     fields = {f.name: f for f in dataclasses.fields(args_cls)}
     out = [f"usage: python {algo}.py [--flag VALUE ...]", "", doc.split("\n\n")[0]]
     if algo in REAL_MODEL_ALGO:  # the defaults below are the bundled model's
         out += ["", "The defaults shown are the bundled tiny model's; a pretrained --model "
                 "takes plumbing/flags.py's", "REAL_MODEL instead (printed at the start; "
                 "docs/real_model.md)."]
+    sections = [[0, []]]  # [rank in HELP_ORDER, lines], in the order Args declares them
     for line in inspect.getsource(args_cls).splitlines():
         title = re.match(r"    # --- (.+)", line)
         flag = re.match(r"    (\w+): .*?(?:  # (.+))?$", line)
         if title:
-            out += ["", title[1] + ":"]
+            rank = [i for i, t in enumerate(HELP_ORDER) if title[1].startswith(t)]
+            sections.append([rank[0] if rank else sections[-1][0], ["", title[1] + ":"]])
         if not flag or flag[1] not in fields:
             continue
         f = fields[flag[1]]
@@ -106,7 +116,8 @@ def help_text(args_cls, algo, doc):
         lead = f"  {name:28}" if len(name) < 28 else f"  {name}\n" + " " * 30
         text = textwrap.wrap(f"{flag[2] or ''} (default: {shown}{valid})", 70,
                              break_on_hyphens=False)
-        out.append(lead + ("\n" + " " * 30).join(text))
+        sections[-1][1].append(lead + ("\n" + " " * 30).join(text))
+    out += [line for _, lines in sorted(sections, key=lambda s: s[0]) for line in lines]
     return "\n".join(out + (["", doc[doc.find("Run:"):].rstrip()] if "Run:" in doc else []))
 
 

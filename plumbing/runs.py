@@ -609,6 +609,110 @@ def warn_if_stuck(run, metrics, args):
         metrics.update(warning=",".join(said), warnings=len(said))
 
 
+class Keeper:
+    """The run-keeping of an RL loop, one duty a method, so that the loop's lines are the
+    algorithm's. The loop talks to it in these calls:
+
+        keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
+        for step in keep.steps(start):        # the bar; Ctrl-C before the update; the clock
+            with keep.sampling(model, step):  # --fsdp: the whole model; divergence: one line
+                ...sample...
+            if keep.skip("reward", rewards.sum()):  # NaN/inf in any process: no update
+                continue
+            ...advantages, losses, backward...
+            if keep.finite(grad_norm):        # NaN/inf gradients would ruin the weights
+                opt.step()
+            metrics = {**keep.rollout_metrics(roll, rows, texts, rewards, parts), ...}
+            samples = keep.samples(tok, roll, rows, texts, rewards, group_size)
+            keep.end_step(step, metrics, samples, tokens, token_weights)
+        keep.finish(metric, eval_before)
+
+    Its fields: run (the Run: folder, files, counters), opt (its lr is logged), rng and
+    data_state (what a Ctrl-C before the update puts back), save(done) (the loop's one
+    checkpoint call) and evaluate() (its held-out scores); warns (the cannot-learn warnings, off
+    for distill.py, whose KL is to a teacher); bar (tqdm), t0 (this step's start) and stopping
+    (Ctrl-C was pressed: this step is the last) change as the steps go."""
+
+    def __init__(self, run, opt, rng, save, evaluate, data_state=None, warns=True):
+        self.run, self.opt, self.rng, self.save, self.evaluate = run, opt, rng, save, evaluate
+        self.data_state, self.warns = data_state, warns
+        self.bar, self.t0, self.stopping = None, 0.0, False
+
+    def steps(self, start):
+        """The steps from start to --max_steps, under a tqdm bar. At each step's start, until its
+        first update, a Ctrl-C abandons the step and save()s the last one (step_start); after
+        the update it finishes the step, which end_step saves, and the steps stop there."""
+        args = self.run.args
+        self.bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
+                        desc=self.run.algo, disable=self.run.rank > 0)
+        for step in self.bar:
+            step_start(self.run, self.rng, step, lambda: self.save(step), self.data_state)
+            self.t0 = time.time()
+            yield step
+            if self.stopping:
+                return
+
+    @contextlib.contextmanager
+    def sampling(self, model, step):
+        """Where the loop samples: --fsdp gathers the whole model in every process (gathered);
+        a diverged policy's NaN probabilities stop the run in one line (stop_on_divergence)."""
+        with gathered(model), stop_on_divergence(self.run, step):
+            yield
+
+    def skip(self, what, total):
+        """True when total (a sum over this process's rows) is NaN or inf in any process: the
+        step's update is skipped, counted and said once (skip_update)."""
+        if torch.isfinite(global_sum(total)):
+            return False
+        skip_update(self.run, what)
+        return True
+
+    def finite(self, *grad_norms):
+        """True when every gradient norm is finite: opt.step() may go ahead (finite_update)."""
+        return finite_update(self.run, *grad_norms)
+
+    def rollout_metrics(self, roll, rows, texts, rewards, parts, env=None):
+        """The metrics every RL script logs of its rollout: reward, reward_std (over every
+        process), each reward part, gold (common.gold), completion_len, frac_truncated, lr and
+        an env's own; rewards (B,) and parts {name: (B,)} may hold more rows than roll."""
+        return {"reward": float(rewards.mean()), "reward_std": float(global_std(rewards)),
+                **{f"reward/{k}": float(v.mean()) for k, v in parts.items()},
+                **C.gold(texts, rows), "completion_len": float(roll.completion_mask.sum(-1).mean()),
+                "frac_truncated": float(roll.truncated.float().mean()),
+                "lr": self.opt.param_groups[0]["lr"], **(env.metrics(roll) if env else {})}
+
+    def samples(self, tok, roll, rows, texts, rewards, stride, key="reward"):
+        """samples.jsonl's lines for this step: rows 0, stride, 2 * stride, ... (the first 4),
+        each prompt as given and as the model read it (prompt_text), its completion (with an
+        env, the transcript: observations marked as ⟦...⟧) and its reward."""
+        return [{"prompt": rows[i]["prompt"], "rendered_prompt": prompt_text(tok, roll, i),
+                 "completion": texts[i], key: float(rewards[i])}
+                for i in range(0, len(rows), stride)[:4]]
+
+    def end_step(self, step, metrics, samples, tokens, token_weights=None):
+        """After the step's updates: metrics gets step, step_time and tokens_per_s (tokens: this
+        process's completion tokens), then under torchrun the mean over the processes (the keys
+        of token_weights weighted by its values, this process's tokens); the held-out eval every
+        --eval_every; the cannot-learn warnings; metrics.jsonl, samples.jsonl and the bar; a
+        checkpoint every --save_every, at the end, and after a Ctrl-C, which ends the steps."""
+        args, elapsed = self.run.args, time.time() - self.t0
+        metrics = {"step": step + 1, **metrics, "step_time": elapsed,
+                   "tokens_per_s": float(global_sum(tokens)) / elapsed}  # every process's
+        metrics = global_mean(metrics, weights=token_weights)
+        if every(step, args.eval_every) and step + 1 < args.max_steps:
+            metrics.update(self.evaluate())
+        if self.warns:
+            warn_if_stuck(self.run, metrics, args)
+        log_step(self.run, metrics, self.bar, samples, self.opt)
+        self.stopping = stop_requested()  # Ctrl-C in any process: every process saves, stops
+        if every(step, args.save_every) or step + 1 == args.max_steps or self.stopping:
+            self.save(step + 1)
+
+    def finish(self, metric, eval_before):
+        """The final held-out eval, summary.json and the report (finish_run)."""
+        return finish_run(self.run, metric, eval_before, self.evaluate)
+
+
 def adapters_off(model):
     """LoRA: a context in which the policy computes as its frozen base (a free reference)."""
     peft = hasattr(model, "disable_adapter")

@@ -208,6 +208,25 @@ def test_help_shows_each_flag_once_under_its_section(monkeypatch):
     assert "(default: models/tiny-adder)" in " ".join(text.split())  # relative to the repo
 
 
+def test_help_lists_sections_in_a_users_order_whatever_order_args_declares():
+    """grpo's, reinforce's and ppo's Args open with their objective (a reader of the equations
+    meets its fields first); --help still lists model and data, sampling, tool use, rewards, the
+    objective, optimisation, run (flags.HELP_ORDER), and a section HELP_ORDER does not name
+    stays after the one before it (distill's objective after sampling, its rewards after it)."""
+    for name in ("grpo", "reinforce", "ppo"):
+        source = inspect.getsource(SCRIPTS[name].Args)
+        first = re.search(r"# --- (.+)", source)[1]
+        assert first.startswith(("the GRPO", "the REINFORCE", "the PPO")), (name, first)
+        text = flags.help_text(SCRIPTS[name].Args, name, SCRIPTS[name].__doc__)
+        titles = sorted(re.findall(r"# --- (.+)", source), key=lambda t: text.index(f"\n{t}:\n"))
+        ranks = [next(i for i, t in enumerate(flags.HELP_ORDER) if title.startswith(t))
+                 for title in titles]
+        assert titles[0] == "model and data" and ranks == sorted(ranks), (name, titles)
+    text = flags.help_text(SCRIPTS["distill"].Args, "distill", SCRIPTS["distill"].__doc__)
+    assert text.index("\nsampling:") < text.index("\nthe distillation objective:") < text.index(
+        "\nrewards: logged") < text.index("\noptimisation:")
+
+
 # ---- command line: bad input
 @pytest.fixture(scope="session")
 def bad_inputs(tmp_path_factory):

@@ -274,6 +274,20 @@ def test_every_module_keeps_the_line_budget_the_readme_states():
         assert not over_budget(name, n, budget), over_budget(name, n, budget)
 
 
+def test_every_module_has_a_budget_row_and_the_plumbing_guide_names_it():
+    """Every module of the project (the .py files at the top but the tests, and plumbing/'s) has
+    a row in README's budget table, and plumbing/__init__.py's guide names each plumbing module
+    (tools/step_cost.py's list of modules, as the step's count reads them)."""
+    rows = {name for name, _ in readme_budgets()}
+    mods = [m.replace(".", "/") + ".py" for m in step_cost.project_modules()]
+    missing = sorted(m for m in mods if m not in rows)
+    assert not missing, f"README's budget table has no row for {missing}"
+    with open(os.path.join(ROOT, "plumbing", "__init__.py")) as f:
+        guide = f.read()
+    unnamed = [m for m in mods if m.startswith("plumbing/") and m[9:] not in guide]
+    assert not unnamed, f"plumbing/__init__.py does not name {unnamed}"
+
+
 def test_a_students_first_edit_and_a_users_file_at_the_top_pass(tmp_path):
     """A student's first edit: 30 lines more in grpo.py, ppo.py or reinforce.py passes the budget
     check (the step's ceiling has a quarter's headroom, test_each_rl_step_...); a user's
@@ -338,6 +352,27 @@ def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
                        ("lib", "Fn.backward"): 2}
     assert step_cost.reader_cost("algo.py", loop, reached) == 3  # lib is not the reader's
     assert step_cost.reader_cost("lib.py", loop, reached) == 3 + 10  # as if lib were the script
+
+
+def test_step_cost_follows_the_loops_object(tmp_path):
+    """An object main builds before the loop (keep = lib.Keeper(save)): the loop's keep.steps and
+    keep.end_step reach those two methods, what they call (self.log) and the function main gave
+    the object (save, which end_step calls); not the methods the loop never calls (__init__,
+    finish), nor functions not given to it."""
+    (tmp_path / "lib.py").write_text(
+        "class Keeper:\n    def __init__(self, save):\n        self.save = save\n\n"  # 2
+        "    def steps(self, n):\n        return range(n)\n\n"  # 2
+        "    def end_step(self, step):\n        self.log(step)\n        self.save(step)\n\n"
+        "    def log(self, step):\n        return step\n\n"  # 2
+        "    def finish(self):\n        return 0\n")
+    (tmp_path / "algo.py").write_text(
+        "import lib\n\n\ndef main():\n    def save(done):\n        return done\n\n"
+        "    def unused():\n        return 1\n    keep = lib.Keeper(save)\n"
+        "    for step in keep.steps(3):\n        keep.end_step(step)\n    keep.finish()\n")
+    loop, reached = step_cost.step_cost("algo.py", root=str(tmp_path))
+    assert loop == 2
+    assert reached == {("lib", "Keeper.steps"): 2, ("lib", "Keeper.end_step"): 3,
+                       ("lib", "Keeper.log"): 2, ("algo", "main.save"): 2}
 
 
 def test_readme_links_every_docs_file():

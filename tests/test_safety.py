@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import common as C
+import distill
 from plumbing.errors import UserError
 from plumbing import runs
 import grpo
@@ -441,7 +442,11 @@ def test_off_policy_mask_0_is_trls_threshold_0_and_luspo_is_in_help(capsys, monk
     (grpo, [*FAST_GRPO, "--save_every", "0"]),
     (reinforce, ["--prompts_per_step", "2", "--samples_per_prompt", "4", "--micro_batch_size",
                  "8", "--eval_size", "10", "--eval_every", "0", "--save_every", "0",
-                 "--baseline", "ema"])])
+                 "--baseline", "ema"]),
+    # distill.py through runs.Keeper since #63 (before, its steps ran to their end on Ctrl-C)
+    (distill, ["--teacher_system_prompt", "Answer with the number.", "--prompts_per_step", "2",
+               "--samples_per_prompt", "4", "--micro_batch_size", "8", "--eval_size", "10",
+               "--eval_every", "0", "--save_every", "0"])])
 def test_ctrl_c_in_a_long_step_stops_at_once_and_resumes_bit_identical(script, flags, tmp_path,
                                                                        monkeypatch, capsys):
     """#53: the first Ctrl-C in a step, before its update (a real model's step: minutes of
