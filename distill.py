@@ -380,9 +380,9 @@ def main():
 
     def save(done):  # checkpoint/ after `done` steps: every --save_every, at the end, on Ctrl-C
         R.save_checkpoint(run, model, tok, opt, rng, done, {"eval_before": eval_before})
-    # the run-keeping (Ctrl-C, NaN guards, logs, eval, checkpoints): keep.* calls (runs.Keeper;
-    # no cannot-learn warnings: their advice is for a reward's RL, not a teacher's KL)
-    keep = R.Keeper(run, opt, rng, save, evaluate, warns=False)
+    # the run-keeping (Ctrl-C, NaN guards, logs, eval, warnings, checkpoints): keep.* calls
+    # (runs.Keeper; its drift warning skips distill's kl, which is the distance to the teacher)
+    keep = R.Keeper(run, opt, rng, save, evaluate)
     for step in keep.steps(start):
         # 1. the student samples k completions per prompt (k contiguous rows); rewards scored
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share

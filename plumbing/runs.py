@@ -629,13 +629,12 @@ class Keeper:
 
     Its fields: run (the Run: folder, files, counters), opt (its lr is logged), rng and
     data_state (what a Ctrl-C before the update puts back), save(done) (the loop's one
-    checkpoint call) and evaluate() (its held-out scores); warns (the cannot-learn warnings, off
-    for distill.py, whose KL is to a teacher); bar (tqdm), t0 (this step's start) and stopping
-    (Ctrl-C was pressed: this step is the last) change as the steps go."""
+    checkpoint call) and evaluate() (its held-out scores); bar (tqdm), t0 (this step's start)
+    and stopping (Ctrl-C was pressed: this step is the last) change as the steps go."""
 
-    def __init__(self, run, opt, rng, save, evaluate, data_state=None, warns=True):
+    def __init__(self, run, opt, rng, save, evaluate, data_state=None):
         self.run, self.opt, self.rng, self.save, self.evaluate = run, opt, rng, save, evaluate
-        self.data_state, self.warns = data_state, warns
+        self.data_state = data_state
         self.bar, self.t0, self.stopping = None, 0.0, False
 
     def steps(self, start):
@@ -701,8 +700,7 @@ class Keeper:
         metrics = global_mean(metrics, weights=token_weights)
         if every(step, args.eval_every) and step + 1 < args.max_steps:
             metrics.update(self.evaluate())
-        if self.warns:
-            warn_if_stuck(self.run, metrics, args)
+        warn_if_stuck(self.run, metrics, args)
         log_step(self.run, metrics, self.bar, samples, self.opt)
         self.stopping = stop_requested()  # Ctrl-C in any process: every process saves, stops
         if every(step, args.save_every) or step + 1 == args.max_steps or self.stopping:
