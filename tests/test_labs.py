@@ -181,6 +181,18 @@ def calc_mutant(spaces=True, last_only=True, errors=True, ops="+-*"):
     return calc
 
 
+def reward_mutant(test):
+    """A chat-sums reward as a student might write it: test(text, a, b, c) decides each 1.0."""
+    def asked_answer(completions, rows):
+        return [float(bool(test(text, *re.findall(r"\d+", row["equation"]))))
+                for text, row in zip(completions, rows)]
+    return asked_answer
+
+
+def bare(text):  # the completion without whitespace and one final "."
+    return re.sub(r"\s", "", text).removesuffix(".")
+
+
 MUTANTS = [
     ("token_logprobs", lp_no_shift, "no shift"),
     ("token_logprobs", lp_no_temperature, "not divided by the temperature"),
@@ -235,6 +247,27 @@ MUTANTS = [
     ("calc", calc_mutant(last_only=False), "only the last turn counts"),
     ("calc", calc_mutant(errors=False), "cannot read gets ' error '"),
     ("calc", calc_mutant(ops="+"), "a subtraction"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: bare(t) == f"{a}+{b}={c}"), "either order"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: t.strip() in (f"{a} + {b} = {c}",
+                                                                  f"{b} + {a} = {c}")),
+     "spaces do not matter"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.fullmatch(r"\d+\+\d+=\d+", bare(t))),
+     "a wrong sum must get 0"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.fullmatch(r"\d+\+\d+=(\d+)", bare(t))
+                                   and bare(t).endswith(c)), "another sum"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.search(rf"({a}\+{b}|{b}\+{a})={c}$",
+                                                                bare(t))), "'13 + 5 = 8'"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: c in re.findall(r"\d+", t)),
+     "another sum with the right result"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.search(
+        rf"(^|\D)({a}\+{b}|{b}\+{a})={c}(\D|$)", bare(t))), "a sentence around"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: bare(t).startswith((f"{a}+{b}={c}",
+                                                                       f"{b}+{a}={c}"))),
+     "'3 + 5 = 88' must get 0"),
+    ("asked_answer", lambda cs, rows: [bare(t) in ("3+5=8", "5+3=8") for t in cs],
+     "the loop refuses a bool"),
+    ("asked_answer", lambda cs, rows: [1.0 if bare(t) in ("3+5=8", "5+3=8") else 0.0
+                                       for t in cs[:1]], "returned 1 values for 13"),
 ]
 
 
@@ -269,6 +302,8 @@ ANSWERS = [
     ("group_advantages", adv(lambda r: r.std(1, keepdim=True))),
     ("kl_estimate", k3()), ("per_token_loss", surrogate()), ("gae", gae_plain),
     ("value_loss", value_mutant()), ("dpo_loss", dpo_mutant()), ("calc", calc_mutant()),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: bare(t) in (f"{a}+{b}={c}",
+                                                                f"{b}+{a}={c}"))),
 ]
 
 
