@@ -87,7 +87,7 @@ def show(folder):
 
 
 if __name__ == "__main__":
-    if not os.path.isdir(MODEL):
+    if not os.path.isdir(MODEL) and "--model" not in os.environ.get("MINRL_LAB_FLAGS", ""):
         raise SystemExit(f"lab 6 needs {MODEL}: python tools/smollm2.py")
     hacked = lab.train(grpo, f"{FLAGS} --reward_fn __main__:thorough", {})
     lab.plot(hacked, ["reward", "gold", "completion_len", "frac_truncated"])
