@@ -131,7 +131,8 @@ if __name__ == "__main__":
 # takes its place. Measured (seed 0): the held-out score 0.578 -> 0.938, `gold` 0.61 -> 0.76
 # and `frac_truncated` 0.35 -> 0.13 (first / last 4 steps): the completions stay equations.
 # Then try the other fix: run 1's reward with a KL anchor, `--beta 0.1` (the reference model
-# costs a forward a step). Does it hold the policy near its start for 8 steps? And a length penalty: `thorough` minus len / 50 (what then?).
+# costs a forward a step). Does it hold the policy near its start for 8 steps? And a length
+# penalty: `thorough` minus len / 50 (what then?).
 
 # %%
 if __name__ == "__main__":
