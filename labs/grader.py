@@ -443,6 +443,52 @@ def check_opd_advantages(fn):
     return None
 
 
+# ------------------------------------------------------- lab 6: a reward of your own (chat-sums)
+def check_asked_answer(fn):
+    """Text, not tensors: each case is a completion of "Add 3 and 5. Answer with just the
+    equation." and what the reward must pay it (1 or 0), the rule named in the message. One call
+    scores them all, as the loop calls a --reward_fn: one batch, one number per completion."""
+    from plumbing import chat_sums
+    row = chat_sums.row(3, 5, phrasing=1, shown=0)  # "Add 3 and 5. ...": answer 8
+    cases = [
+        ("3 + 5 = 8", "the right equation alone must get 1"),
+        ("5 + 3 = 8", "the equation in either order must get 1 (b + a = c is the same sum)"),
+        ("3+5=8", "spaces do not matter: '3+5=8' must get 1"),
+        ("3 + 5 = 8.", "a final '.' does not matter: '3 + 5 = 8.' must get 1"),
+        (" 3 + 5 = 8\n", "whitespace around the equation does not matter: it must get 1"),
+        ("3 + 5 = 9", "a wrong sum must get 0: check c, not only the form a + b = c"),
+        ("2 + 6 = 8", "another sum with the right result must get 0: check a and b too"),
+        ("13 + 5 = 8", "'13 + 5 = 8' must get 0: match whole numbers, not the digits that end one"),
+        ("3 + 5 = 88", "'3 + 5 = 88' must get 0: match the whole result, not its first digits"),
+        ("8", "the bare number must get 0: the prompt asks for the equation, not the answer"),
+        ("The answer is 3 + 5 = 8.", "a sentence around the right equation must get 0: the "
+         "prompt asks for just the equation (the whole completion must be it)"),
+        ("3 + 5 = 8. I added 3 and 5 to get 8.", "words after the equation must get 0: pay "
+         "the equation alone, or the policy learns to pad (the hack of this lab)"),
+        ("", "an empty completion must get 0"),
+    ]
+    completions = [c for c, _ in cases]
+    expected = chat_sums.asked_answer(completions, [row] * len(cases))
+    try:
+        got = fn(list(completions), [dict(row) for _ in cases])
+    except NotImplementedError as e:
+        return f"not written yet ({e})"
+    except Exception as e:  # noqa: BLE001
+        return f"raised {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    if isinstance(got, (str, bytes, dict)) or not hasattr(got, "__iter__"):
+        return f"returned a {type(got).__name__}: return a list, one number per completion"
+    got = list(got)
+    if len(got) != len(cases):
+        return (f"returned {len(got)} values for {len(cases)} completions: one number per "
+                "completion, in their order")
+    for (completion, rule), g, e in zip(cases, got, expected):
+        if isinstance(g, bool):  # the loop refuses a bool: one line, exit 2
+            return f"returned {g!r}: return a number, float(...) of it (the loop refuses a bool)"
+        if not isinstance(g, (int, float)) or g != e:
+            return f"{rule}: {completion!r} got {g!r}, expected {e!r}"
+    return None
+
+
 # ------------------------------------------------------------------ lab 7: a tool environment
 def check_calc(fn):
     """Text, not tensors: each case is one rule of the environment, named in the message."""
@@ -479,7 +525,8 @@ CHECKS = {"token_logprobs": check_token_logprobs, "masked_mean": check_masked_me
           "rloo_baseline": check_rloo_baseline, "reinforce_loss": check_reinforce_loss,
           "group_advantages": check_group_advantages, "kl_estimate": check_kl_estimate,
           "per_token_loss": check_per_token_loss, "gae": check_gae, "value_loss": check_value_loss,
-          "dpo_loss": check_dpo_loss, "opd_advantages": check_opd_advantages, "calc": check_calc}
+          "dpo_loss": check_dpo_loss, "opd_advantages": check_opd_advantages, "calc": check_calc,
+          "asked_answer": check_asked_answer}
 
 
 def grade(name, fn):

@@ -82,7 +82,7 @@ def train(script, flags, swaps):
             module = sys.modules[module_name]
             saved[module, fn_name] = getattr(module, fn_name)  # AttributeError: a wrong name
             setattr(module, fn_name, fn)
-        print(f"python {' '.join(argv)}\n  with your " + ", ".join(swaps))
+        print(f"python {' '.join(argv)}" + ("\n  with your " + ", ".join(swaps) if swaps else ""))
         sys.argv = argv
         runs.main_guard(script.main)  # as `python script.py`: bad flags exit 2 with one line
     finally:

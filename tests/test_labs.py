@@ -22,6 +22,7 @@ import grpo  # noqa: E402
 
 CI_FLAGS = "--max_steps 20 --eval_size 100"  # the labs: 40-100 steps, 200 held-out prompts
 LABS = sorted(glob.glob(os.path.join(ROOT, "labs", "[0-9]*.py")))
+TINY = [p for p in LABS if not os.path.basename(p).startswith("06_")]  # lab 6: SmolLM2, below
 
 
 # ---- planted mistakes, as a student would write them: (function, mutant, the message's words)
@@ -181,6 +182,18 @@ def calc_mutant(spaces=True, last_only=True, errors=True, ops="+-*"):
     return calc
 
 
+def reward_mutant(test):
+    """A chat-sums reward as a student might write it: test(text, a, b, c) decides each 1.0."""
+    def asked_answer(completions, rows):
+        return [float(bool(test(text, *re.findall(r"\d+", row["equation"]))))
+                for text, row in zip(completions, rows)]
+    return asked_answer
+
+
+def bare(text):  # the completion without whitespace and one final "."
+    return re.sub(r"\s", "", text).removesuffix(".")
+
+
 MUTANTS = [
     ("token_logprobs", lp_no_shift, "no shift"),
     ("token_logprobs", lp_no_temperature, "not divided by the temperature"),
@@ -235,6 +248,27 @@ MUTANTS = [
     ("calc", calc_mutant(last_only=False), "only the last turn counts"),
     ("calc", calc_mutant(errors=False), "cannot read gets ' error '"),
     ("calc", calc_mutant(ops="+"), "a subtraction"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: bare(t) == f"{a}+{b}={c}"), "either order"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: t.strip() in (f"{a} + {b} = {c}",
+                                                                  f"{b} + {a} = {c}")),
+     "spaces do not matter"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.fullmatch(r"\d+\+\d+=\d+", bare(t))),
+     "a wrong sum must get 0"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.fullmatch(r"\d+\+\d+=(\d+)", bare(t))
+                                   and bare(t).endswith(c)), "another sum"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.search(rf"({a}\+{b}|{b}\+{a})={c}$",
+                                                                bare(t))), "'13 + 5 = 8'"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: c in re.findall(r"\d+", t)),
+     "another sum with the right result"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: re.search(
+        rf"(^|\D)({a}\+{b}|{b}\+{a})={c}(\D|$)", bare(t))), "a sentence around"),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: bare(t).startswith((f"{a}+{b}={c}",
+                                                                       f"{b}+{a}={c}"))),
+     "'3 + 5 = 88' must get 0"),
+    ("asked_answer", lambda cs, rows: [bare(t) in ("3+5=8", "5+3=8") for t in cs],
+     "the loop refuses a bool"),
+    ("asked_answer", lambda cs, rows: [1.0 if bare(t) in ("3+5=8", "5+3=8") else 0.0
+                                       for t in cs[:1]], "returned 1 values for 13"),
 ]
 
 
@@ -269,6 +303,8 @@ ANSWERS = [
     ("group_advantages", adv(lambda r: r.std(1, keepdim=True))),
     ("kl_estimate", k3()), ("per_token_loss", surrogate()), ("gae", gae_plain),
     ("value_loss", value_mutant()), ("dpo_loss", dpo_mutant()), ("calc", calc_mutant()),
+    ("asked_answer", reward_mutant(lambda t, a, b, c: bare(t) in (f"{a}+{b}={c}",
+                                                                f"{b}+{a}={c}"))),
 ]
 
 
@@ -314,7 +350,7 @@ def test_train_puts_the_projects_functions_back(tmp_path, monkeypatch):
     assert stop.value.code == 2 and grpo.group_advantages is project
 
 
-@pytest.mark.parametrize("path", LABS, ids=[os.path.basename(p) for p in LABS])
+@pytest.mark.parametrize("path", TINY, ids=[os.path.basename(p) for p in TINY])
 def test_each_lab_runs_with_the_solutions_and_learns(path, tmp_path):
     """`python labs/NN_x.py` as an instructor runs it (MINRL_LAB_SOLUTIONS=1), 20 steps: the check
     cell passes, the run in the script's own loop lifts the held-out score by 0.25 or more
@@ -331,3 +367,25 @@ def test_each_lab_runs_with_the_solutions_and_learns(path, tmp_path):
     assert summary["eval_after"] >= summary["eval_before"] + 0.25, summary
     if "no figure" not in r.stdout:
         assert os.path.getsize(os.path.join(run, "labs-figure.png")) > 10_000
+
+
+def test_lab6_runs_both_runs_on_smollm2_with_the_solution(smollm2_dir, tmp_path):
+    """`python labs/06_reward_hacking.py` with the solution, each run cut to 2 steps and 8
+    held-out prompts (SmolLM2: about a minute of CPU; skipped without the model, as
+    tests/test_real_model.py): the check passes, run 1 trains on the lab's own `thorough`
+    (named __main__:thorough), run 2 on the student's asked_answer in the preset's place, and
+    each prints its samples and the share that is the equation alone. The hack itself takes the
+    lab's 8 steps (labs/README.md's numbers), too long for CI."""
+    env = {**os.environ, "MINRL_LAB_SOLUTIONS": "1", "MINRL_LAB_RUNS": str(tmp_path),
+           "MINRL_LAB_FLAGS": f"--model {smollm2_dir} --max_steps 2 --eval_size 8",
+           "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "labs", "06_reward_hacking.py")],
+                       capture_output=True, text=True, env=env, cwd=tmp_path, timeout=900)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "  asked_answer: ok" in r.stdout
+    hacked, fixed = re.findall(r"--output_dir (\S+)", r.stdout)
+    for run, reward in ((hacked, "reward/thorough"), (fixed, "reward/asked_answer")):
+        with open(os.path.join(run, "metrics.jsonl")) as f:
+            history = [json.loads(line) for line in f]
+        assert len(history) == 2 and all(reward in m and "gold" in m for m in history)
+    assert r.stdout.count("just the equation: ") == 2 and r.stdout.count("step 2: ") == 2
