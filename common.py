@@ -185,13 +185,15 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     prompts, row_of = fastpath.distinct(prompt_ids, device) if share_prompts else (
         prompt_ids, None)
     ids, prompt_mask = left_pad(prompts, tok.pad_token_id, device)
-    cache = DynamicCache()
-    logits = _forward(model, ids, prompt_mask, cache, keep=1).logits[:, -1]  # (b, V): next token
+    cache = DynamicCache()  # and a prefix all prompts share (a system prompt) once: kv_mask
+    logits, kv_mask = fastpath.prefill(functools.partial(_forward, model), ids, prompt_mask, cache,
+                                       share_prompts)  # (b, V): next token
     if row_of is not None:
         fastpath.copy_to_rows(cache, row_of)
         logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
+        kv_mask = kv_mask[row_of]
     never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
-    batch, kv_mask = torch.arange(B, device=device), prompt_mask  # the rows still going
+    batch = torch.arange(B, device=device)  # the rows still going
     for t in range(N):
         nxt, lp = next_token(logits, temperature, top_p, greedy, never)
         out[batch, t], out_lp[batch, t] = nxt, lp
@@ -254,19 +256,24 @@ def plain_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy
     return lp, -(logp.exp() * logp).sum(-1) if entropy else None
 
 
+def can_share(model):
+    """Whether a forward of `model` may reuse one KV cache for rows that share a prompt: not
+    under DDP (one forward per backward) nor gradient checkpointing (which drops the cache)."""
+    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # --vllm: 1
+    return not ddp and not any(getattr(m, "gradient_checkpointing", False)
+                               for m in model.modules())
+
+
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False):
     """plain_token_logprobs' numbers, by its fast path when the model's LM head qualifies."""
     base = _unwrap(model)  # the model inside a DDP or LoRA wrapper: its LM head qualifies?
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(_forward, base))
     if head is None:
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
-    # fastpath.py: no padding columns, shared prompts once (not where a KV cache cannot be reused:
-    # DDP runs one forward per backward, checkpointing drops it), the head in chunks: no (B, T, V)
-    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # --vllm: 1
-    share = not ddp and not any(
-        getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    # fastpath.py: no padding columns, shared prompts once (not where a KV cache cannot be reused),
+    # the head in chunks: no (B, T, V)
     x, targets = fastpath.final_hidden(functools.partial(_forward, model), ids, attention_mask, T,
-                                       share)
+                                       can_share(model))
     lp, ent = fastpath.head_logprobs(x, head, targets, temperature,
                                      suppressed(model, head.out_features, ids.device), entropy)
     pad = (0, T - targets.shape[1])  # zeros at the padding columns it skipped

@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig
 
@@ -179,10 +180,12 @@ def group_advantages(rewards, k, eps=1e-4):
 
 
 def final_hidden(model, ids, attention_mask, T):
-    """The final hidden states (B, T, H) at the positions that predict the last T tokens of ids;
-    the LM head runs on the last position only (logits_to_keep=1)."""
-    out = C._forward(model, ids, attention_mask, keep=1, hidden=True)
-    return out.hidden_states[-1][:, -T - 1:-1]
+    """The final hidden states (B, T, H) at the positions that predict the last T tokens of ids
+    (zeros past these rows' longest completion); by fastpath.final_hidden, the token_logprobs fast
+    path: a prompt prefix that rows share (a chat template's system prompt) runs once."""
+    x, _ = fastpath.final_hidden(functools.partial(C._forward, model), ids, attention_mask, T,
+                                 C.can_share(model))
+    return F.pad(x, (0, 0, 0, T - x.shape[1]))
 
 
 def lm_head(model):

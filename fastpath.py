@@ -4,14 +4,15 @@ made cheap. Pure torch: the model's forward comes in as a function, forward(ids,
 keep, hidden) (common._forward with its model bound): this file imports nothing of the project.
 
 - distinct, copy_to_rows: sample()'s prefill runs each distinct prompt once and copies its KV
-  cache to every row of its group (GRPO's G rows, RLOO's k samples).
+  cache to every row of its group (GRPO's G rows, RLOO's k samples); prefill, common_prefix,
+  prefix_first: a prefix every prompt starts with (a chat template's system prompt) runs once.
 - feed_rows, forward_rows, compact: engine.sample (multi-turn) feeds an observation to its rows
   alone, the others' KV cache growing by empty (masked) columns; compact drops them.
 - final_hidden, head_logprobs: token_logprobs() without the padding columns, with a
-  shared-prompt KV cache, and with the LM head run a chunk at a time on the final hidden states,
-  so that neither forward nor backward holds the (B, T, V) logits (at a 151k vocabulary, the
-  largest tensor of a step; measured in docs/memory.md). For models whose LM head passes
-  exact_head.
+  shared-prompt (or shared-prefix) KV cache, and with the LM head run a chunk at a time on the
+  final hidden states, so that neither forward nor backward holds the (B, T, V) logits (at a 151k
+  vocabulary, the largest tensor of a step; measured in docs/memory.md). For models whose LM head
+  passes exact_head.
 """
 import functools
 
@@ -33,6 +34,20 @@ def copy_to_rows(cache, row_of):
     cache.batch_select_indices(row_of)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+
+
+def prefill(forward, ids, mask, cache, share=True):
+    """The left-padded prompts' (b, P) KV cache into cache -> each row's next-token logits (b, V)
+    and the cache's attention mask: the prompts' own; or, where they all start with a prefix worth
+    sharing (a chat template's system prompt), that prefix run once for all rows, in
+    prefix_first's layout (the same hidden states: final_hidden)."""
+    b, P = ids.shape
+    if share and worth_sharing(c := common_prefix(ids, mask), b, P):
+        ids, mask = prefix_first(ids, mask, P, c)
+        forward(ids[:1, :c], mask[:1, :c], cache, keep=1)
+        cache.batch_select_indices(torch.zeros(b, dtype=torch.long, device=ids.device))
+        return forward(ids[:, c:], mask, cache, keep=1).logits[:, -1], mask
+    return forward(ids, mask, cache, keep=1).logits[:, -1], mask
 
 
 def feed_rows(forward, cache, mask, rows, feeds, pad_id):
@@ -119,10 +134,49 @@ def final_hidden(forward, ids, attention_mask, T, share=True):
         # each row feeds its last prompt token and completion tokens 0..Tb-2: they predict 0..Tb-1
         x = forward(ids[:, P - 1:-1], attention_mask[:, :-1], cache, keep=1,
                     hidden=True).hidden_states[-1]  # (B, Tb, H)
+    elif share and worth_sharing(c := common_prefix(ids[:, :P], attention_mask[:, :P]), B,
+                                 P + Tb):  # a prefix all prompts start with (a chat template's
+        ids, attention_mask = prefix_first(ids, attention_mask, P, c)  # system prompt): once
+        cache = DynamicCache()
+        forward(ids[:1, :c], attention_mask[:1, :c], cache, keep=1)
+        cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=ids.device))
+        x = forward(ids[:, c:-1], attention_mask[:, :-1], cache, keep=1,
+                    hidden=True).hidden_states[-1][:, -Tb:]  # (B, Tb, H)
     else:  # contiguous: MKL's rounding of the head's matmul can depend on the memory layout
         x = forward(ids, attention_mask, keep=1, hidden=True).hidden_states[-1][:, -Tb - 1:-1]
         x = x.contiguous()
     return x, ids[:, -Tb:]
+
+
+def worth_sharing(c, B, W):
+    """A common prefix of c tokens runs once for B rows of W columns when that saves an eighth of
+    the tokens, and is 8 tokens at least (a short one is not worth a second forward; nor does a
+    bundled task's prompt of a few characters ever take this path)."""
+    return c >= 8 and c * (B - 1) >= B * W / 8
+
+
+def common_prefix(prompts, mask):
+    """How many first tokens every left-padded prompt (B, P) shares, short of each one's last (the
+    token that predicts the completion's first stays in each row's own part)."""
+    lengths = mask.sum(-1)
+    n = int(lengths.min()) - 1
+    if n < 1:
+        return 0
+    start = (prompts.shape[1] - lengths)[:, None] + torch.arange(n, device=prompts.device)
+    heads = prompts.gather(1, start)  # (B, n): each prompt's first n tokens
+    differ = (heads != heads[:1]).any(0)  # (n,): a column where some prompt differs
+    return int(differ.int().argmax()) if differ.any() else n
+
+
+def prefix_first(ids, mask, P, c):
+    """Rows of left-padded prompts (P columns) and their completions, re-laid as the common
+    prefix of c tokens first, then each row's padding, then the rest of it: each real token keeps
+    its position (positions count the mask's ones) and attends to the same tokens (the padding's
+    attention is 0), so every hidden state is the same; and column 0..c-1 is one prompt for all."""
+    start = P - mask[:, :P].sum(-1, keepdim=True)  # (B, 1): each prompt's first column
+    cols = torch.arange(ids.shape[1], device=ids.device)[None]  # (1, W)
+    order = torch.where(cols < c, start + cols, torch.where(cols < start + c, cols - c, cols))
+    return ids.gather(1, order), mask.gather(1, order)
 
 
 CHUNK_ELEMS = 2**22  # head_logprobs makes at most this many logits at a time (16 MB in fp32)

@@ -226,3 +226,25 @@ def test_feed_rows_and_compact_equal_the_plain_whole_batch_forward():
         m = torch.cat([m, torch.ones(3, 1, dtype=m.dtype)], 1)  # the new token: position m.sum()
         steps.append(forward(torch.tensor([[30], [31], [32]]), m, cache, keep=1).logits)
     torch.testing.assert_close(steps[0], steps[1], atol=1e-5, rtol=0)
+
+
+def test_sampling_runs_a_common_prefix_once_with_the_plain_prefills_tokens(tok, monkeypatch):
+    """Prompts of different lengths that all start with one system prompt: sample()'s prefill runs
+    that prefix once for all rows (fastpath.prefill, prefix_first's layout) and the greedy
+    completions and their log-probs are the plain prefill's (share_prompts=False), rows ending
+    at different steps included; learned positions (gpt2) and rotary ones (llama)."""
+    system = C.encode_prompts(tok, ["Be exact. Sum: "])[0]
+    prompts = [system + p for p in C.encode_prompts(tok, PROMPTS)]
+    relaid, real = [], fastpath.prefix_first
+    monkeypatch.setattr(fastpath, "prefix_first", lambda *a: relaid.append(a[3]) or real(*a))
+    for arch in ("llama", "gpt2"):
+        model = tiny_model(arch)
+        model.generation_config.eos_token_id = [2, 43, 72]
+        shared = C.sample(model, tok, prompts, 8, greedy=True)
+        assert len(relaid) == 1 and relaid.pop() >= len(system)
+        plain = C.sample(model, tok, prompts, 8, greedy=True, share_prompts=False)
+        assert not relaid
+        assert torch.equal(shared.ids, plain.ids) and shared.completion_mask.sum() > 0
+        assert torch.equal(shared.attention_mask, plain.attention_mask)
+        torch.testing.assert_close(shared.sample_logprobs, plain.sample_logprobs, atol=1e-5,
+                                   rtol=1e-5)
