@@ -3,6 +3,7 @@ DistillationTrainer, phase by phase, in alternating processes (bench/trl_distill
 
   python bench/distill_phases.py --rounds 2 --steps 3 --prompts 16        # SmolLM2, chat-sums
   python bench/distill_phases.py --only distill --loss opd --steps 3        # one side only
+  python bench/distill_phases.py --before ../old       # and distill.py of another checkout
 
 Each round runs distill.py (in-process: `distill.main()`, its functions wrapped by timers), then
 TRL's trainer (`trainer.train()`, wrapped the same way), each in a fresh subprocess, so each peak
@@ -81,6 +82,8 @@ def patch_common(t):
 
 
 def run_distill(a, out_dir):
+    if a.tree:  # another checkout's distill.py, common.py, fastpath.py (a before/after)
+        sys.path.insert(0, os.path.abspath(a.tree))
     import torch
     import common
     import distill
@@ -178,6 +181,9 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--loss", default="jsd", choices=["jsd", "opd"], help="distill.py's loss")
     p.add_argument("--only", default="", choices=["", "distill", "trl"])
+    p.add_argument("--before", default="", help="also time distill.py of this checkout (a "
+                   "folder: git worktree add DIR COMMIT), as 'before'")
+    p.add_argument("--tree", default="", help="(internal) the checkout distill.py comes from")
     p.add_argument("--side", default="", help="(internal) run one side, print its JSON")
     a = p.parse_args()
     if a.side:
@@ -187,13 +193,16 @@ def main():
         print(json.dumps(res))
         return
     sides = [a.only] if a.only else ["distill", "trl"]
+    sides += ["before"] if a.before else []
     rounds = []
     for r in range(a.rounds):
         res = {}
         for side in sides if r % 2 == 0 else sides[::-1]:
             load0 = open("/proc/loadavg").read().split()[0]
-            cmd = [sys.executable, os.path.abspath(__file__), "--side", side] + [
-                f"--{k}={v}" for k, v in vars(a).items() if k not in ("side", "only", "rounds")]
+            cmd = [sys.executable, os.path.abspath(__file__), "--side",
+                   "trl" if side == "trl" else "distill", f"--tree={a.before * (side == 'before')}"
+                   ] + [f"--{k}={v}" for k, v in vars(a).items()
+                        if k not in ("side", "only", "rounds", "before", "tree")]
             out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
             if out.returncode:
                 sys.exit(f"{side} failed: {out.stderr[-3000:]}")
@@ -208,8 +217,9 @@ def main():
                                       for s in res))
         print(f"{'peak MB':10}" + "".join(f"{res[s]['peak_mem_mb']:>22.0f}" for s in res))
         print(f"{'load':10}" + "".join(f"{' -> '.join(res[s]['load']):>22}" for s in res))
-        if len(res) == 2:
-            print(f"distill.py / TRL step: {res['distill']['step'][0] / res['trl']['step'][0]:.2f}x")
+        for side in ("distill", "before"):
+            if side in res and "trl" in res:
+                print(f"{side} / TRL step: {res[side]['step'][0] / res['trl']['step'][0]:.2f}x")
         sys.stdout.flush()
     print(json.dumps(rounds))
 
