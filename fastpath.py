@@ -139,9 +139,18 @@ def final_hidden(forward, ids, attention_mask, T, share=True):
         ids, attention_mask = prefix_first(ids, attention_mask, P, c)  # system prompt): once
         cache = DynamicCache()
         forward(ids[:1, :c], attention_mask[:1, :c], cache, keep=1)
-        cache.batch_select_indices(torch.zeros(B, dtype=torch.long, device=ids.device))
-        x = forward(ids[:, c:-1], attention_mask[:, :-1], cache, keep=1,
-                    hidden=True).hidden_states[-1][:, -Tb:]  # (B, Tb, H)
+        # then the rest, in groups of rows of like length, each group without the padding
+        # columns all its rows have (their attention is 0 and the positions count tokens)
+        parts, order = [], []
+        for rows, start in length_groups(attention_mask[:, :P], c, Tb):
+            part = DynamicCache([(layer.keys.expand(len(rows), -1, -1, -1),
+                                  layer.values.expand(len(rows), -1, -1, -1))
+                                 for layer in cache.layers])
+            mask = torch.cat([attention_mask[rows, :c], attention_mask[rows, start:-1]], 1)
+            parts.append(forward(ids[rows, start:-1], mask, part, keep=1,
+                                 hidden=True).hidden_states[-1][:, -Tb:])  # (rows, Tb, H)
+            order.append(rows)
+        x = torch.cat(parts)[torch.cat(order).argsort()]  # (B, Tb, H), in the rows' order
     else:  # contiguous: MKL's rounding of the head's matmul can depend on the memory layout
         x = forward(ids, attention_mask, keep=1, hidden=True).hidden_states[-1][:, -Tb - 1:-1]
         x = x.contiguous()
@@ -166,6 +175,22 @@ def common_prefix(prompts, mask):
     heads = prompts.gather(1, start)  # (B, n): each prompt's first n tokens
     differ = (heads != heads[:1]).any(0)  # (n,): a column where some prompt differs
     return int(differ.int().argmax()) if differ.any() else n
+
+
+def length_groups(mask, c, Tb):
+    """prefix_first's prompts (mask (B, P)), Tb completion columns after them, in one or two
+    groups of rows, each with the first column past the prefix that one of its rows needs:
+    (rows, column) pairs. Two (the shorter prompts, the longer) where that drops an eighth of the
+    columns past the prefix; else all rows, from the longest prompt's first column."""
+    B, P = mask.shape
+    first = c + P - mask.sum(-1)  # (B,): each row's first column past its padding
+    rows = first.argsort(descending=True, stable=True)  # shortest prompts first
+    first = first[rows].tolist()
+    width = [P - f + Tb for f in first]  # rows[:i + 1] need width[i] columns (non-decreasing)
+    k = min(range(1, B), key=lambda i: i * width[i - 1] + (B - i) * width[-1], default=0)
+    if k and k * width[k - 1] + (B - k) * width[-1] <= 7 / 8 * B * width[-1]:
+        return [(rows[:k], first[k - 1]), (rows[k:], first[-1])]
+    return [(rows, first[-1])]
 
 
 def prefix_first(ids, mask, P, c):

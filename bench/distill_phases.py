@@ -77,8 +77,10 @@ def patch_common(t):
         if t.step >= 0 and "w" in state:
             t.wall[t.step, "optimizer"] += time.perf_counter() - state["w"]
             t.cpu[t.step, "optimizer"] += time.process_time() - state["c"]
-    torch.optim.optimizer.register_optimizer_step_pre_hook(pre)
-    torch.optim.optimizer.register_optimizer_step_post_hook(post)
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    register_optimizer_step_pre_hook(pre)
+    register_optimizer_step_post_hook(post)
 
 
 def run_distill(a, out_dir):
