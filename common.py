@@ -423,12 +423,8 @@ def compute_rewards(rows, completions, weights, fns=None):
     """The weighted sum of the reward components (B,), and each component (logged: reward/<name>).
     fns: the other rewards by name, f(completions, rows) -> (B,): your --reward_fn functions
     (checked by loading.load_reward_fns) and 'rm', rm_scores (loading.load_reward_model)."""
-    parts = {}
-    for name in weights:
-        if name in RULES:
-            parts[name] = torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
-        else:
-            parts[name] = fns[name](completions, rows)
+    parts = {name: torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
+             if name in RULES else fns[name](completions, rows) for name in weights}
     return sum(weights[n] * v for n, v in parts.items()), parts
 
 

@@ -419,14 +419,12 @@ def main():
             mask = mask * (~roll.truncated)[:, None].float()
         # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
         # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio).
-        # log pi_ref: with LoRA the policy with its adapters off
+        # log pi_ref: with LoRA the policy with its adapters off; none at beta 0
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size,
                                           amp) if args.num_iterations > 1 else None
-        ref_logprobs = None
-        if ref is not None:
-            with R.adapters_off(ref):
-                ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
-                                                  args.micro_batch_size, amp)
+        with R.adapters_off(ref):
+            ref_logprobs = None if ref is None else C.batched_logprobs(
+                ref, roll, args.temperature, args.micro_batch_size, amp)
         # 3. mu optimizer steps. The losses' normalisers count the whole step, every process's
         # tokens and sequences (R.global_sum: under torchrun the sum over the processes), so
         # neither micro-batches nor processes change the gradient. n_local, sums, is_max: logs.
@@ -434,8 +432,7 @@ def main():
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
         n_local = float(mask.sum().clamp(min=1))
-        sums = dict.fromkeys(("loss",) + token_means, 0.0)
-        is_max = 0.0
+        sums, is_max = dict.fromkeys(("loss",) + token_means, 0.0), 0.0
         for it in range(args.num_iterations):
             # DDP averages the processes' gradients in the last micro-batch's backward only
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)

@@ -598,7 +598,8 @@ class Keeper:
         """The steps from start to --max_steps, under a tqdm bar. Until a step's update (finite),
         a Ctrl-C abandons it: main_guard puts back the RNG states, data rng and data_state
         (curriculum, visits) of its start and save()s the last step, so a resume goes on as the
-        straight run. After it (under torchrun always) Ctrl-C ends the steps after this one."""
+        straight run. After it (under torchrun always) Ctrl-C finishes the step, end_step saves
+        it and the steps stop."""
         run = self.run
         self.bar = tqdm(range(start, run.args.max_steps), initial=start, total=run.args.max_steps,
                         desc=run.algo, disable=run.rank > 0)
