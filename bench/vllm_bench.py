@@ -116,7 +116,7 @@ def bench_rollouts(model_name, device, repeats, n_greedy):
 
 
 ASK_BACK = """def env(row, turns):  # bench/vllm_bench.py: three turns a row, whatever is written
-    return None if len(turns) == 3 else ' Are you sure? Check your answer again.'
+    return None if len(turns) == 3 else ' Are you sure? The answer is'
 """
 
 
