@@ -226,10 +226,10 @@ def decode_completions(tok, roll):
 def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
-    (engine.generate); with sampler (--vllm: plumbing/vllm_sampler.py) by vLLM's engine. Under
-    the autocast amp; greedy (held-out eval): argmax, temperature 1."""
+    (engine.generate); with sampler (--vllm: plumbing/vllm_sampler.py) by vLLM's engine, episodes
+    too. Under the autocast amp; greedy (held-out eval): argmax, temperature 1."""
     if sampler is not None:
-        return sampler.generate(rows, args, greedy)
+        return sampler.generate(rows, args, greedy, env)
     with amp:
         if env is not None:
             return env.generate(model, tok, rows, args, greedy)
