@@ -3,7 +3,7 @@
 #
 # GRPO (Shao et al., DeepSeekMath 2024) has no critic: it samples a group of G completions per
 # prompt and scores each against its own group. You write its three functions; the grader names
-# your mistake; then `grpo.py`'s own loop trains the bundled model with them (about 30 s).
+# your mistake; then `grpo.py`'s own loop trains the bundled model with them (about 20 s).
 #
 # Run it: `python labs/02_grpo.py` (a notebook in VS Code, or Jupyter with jupytext).
 # Grade only: `python -m pytest labs -k lab2`.
