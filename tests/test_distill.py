@@ -544,6 +544,21 @@ def test_a_pretrained_model_and_rg_take_their_defaults(tmp_path, monkeypatch, ca
     assert (args.lr, args.max_new_tokens, args.temperature) == (1e-4, 6, 1.0)
 
 
+def test_chat_sums_distills_by_the_forward_kl_and_a_given_loss_wins(monkeypatch):
+    """--data chat-sums: distill.py takes --loss jsd --beta 0 (the forward KL: it keeps a GRPO
+    teacher's score where opd's reverse KL slid, docs/distill.md); --loss opd or a --beta given
+    wins; grpo.py's beta stays its own 0 (a KL weight, not jsd's)."""
+    def parse(module, name, *argv):
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--data", "chat-sums", *argv])
+        return flags.parse_args(module.Args, name, module.__doc__)
+    args = parse(distill, "distill")
+    assert (args.loss, args.beta, args.prompts_per_step, args.samples_per_prompt) == (
+        "jsd", 0.0, 32, 1)
+    assert parse(distill, "distill", "--loss", "opd").loss == "opd"
+    assert parse(distill, "distill", "--beta", "1").beta == 1.0
+    assert parse(grpo, "grpo").beta == 0.0
+
+
 def test_a_run_whose_completions_are_cut_says_so_at_step_1(tmp_path, monkeypatch, capsys):
     """distill.py warns as the RL scripts do (runs.warn_if_stuck): one new token cuts every
     completion of the bundled task, said at step 1 with the value that fits, and logged."""
