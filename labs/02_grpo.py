@@ -30,6 +30,9 @@ import grpo
 # all equal carries no signal: its A must be 0 (the eps keeps 0 / 0 away). Dr. GRPO (Liu et al.
 # 2025) drops the std: dividing by it up-weights the groups that are nearly all right or all
 # wrong. ("batch" and "mean" scales are not part of this lab.)
+# The argument std is the run's std of the *whole batch* (across processes under torchrun), for
+# the "batch" scale only: grpo.py passes a one-argument std(x). A group's std is
+# rewards.view(-1, group_size).std(1); leave std alone here.
 
 # %%
 @lab.hole(grpo.group_advantages)

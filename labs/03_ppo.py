@@ -14,6 +14,8 @@
 # completion token, 0 on the padding after a row's end (past it the episode is over: V = 0).
 
 # %%
+import torch
+
 import lab  # labs/lab.py: hole, check, train, plot
 import ppo
 
