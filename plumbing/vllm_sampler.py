@@ -122,9 +122,10 @@ class Sampler:
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=ids) for ids, _ in runs],
                                  [self.params(args, greedy, seed + i, n)
                                   for i, (_, n) in enumerate(runs)], use_tqdm=False)
-        turns = [self.turn(c, args.stop) for out in outs for c in out.outputs]  # the rows' order
-        roll = self.rollout(prompt_ids, [ids for ids, _, _ in turns], [lp for _, lp, _ in turns],
-                            [[False] * len(ids) for ids, _, _ in turns], [e for *_, e in turns])
+        # each completion cut as common.sample cuts it, in the rows' order
+        tokens, logprobs, ended = zip(*[self.turn(c, args.stop) for out in outs
+                                        for c in out.outputs])
+        roll = self.rollout(prompt_ids, tokens, logprobs, [[False] * len(t) for t in tokens], ended)
         return roll, C.decode_completions(self.tok, roll)
 
     def episodes(self, rows, args, greedy, env):
