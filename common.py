@@ -228,10 +228,10 @@ def decode_completions(tok, roll):
 def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
-    (engine.generate); with sampler (--vllm: plumbing/vllm_sampler.py) by vLLM's engine. Under
-    the autocast amp; greedy (held-out eval): argmax, temperature 1."""
+    (engine.generate); with sampler (--vllm: plumbing/vllm_sampler.py) by vLLM's engine, episodes
+    too. Under the autocast amp; greedy (held-out eval): argmax, temperature 1."""
     if sampler is not None:
-        return sampler.generate(rows, args, greedy)
+        return sampler.generate(rows, args, greedy, env)
     with amp:
         if env is not None:
             return env.generate(model, tok, rows, args, greedy)
@@ -430,12 +430,8 @@ def compute_rewards(rows, completions, weights, fns=None):
     """The weighted sum of the reward components (B,), and each component (logged: reward/<name>).
     fns: the other rewards by name, f(completions, rows) -> (B,): your --reward_fn functions
     (checked by loading.load_reward_fns) and 'rm', rm_scores (loading.load_reward_model)."""
-    parts = {}
-    for name in weights:
-        if name in RULES:
-            parts[name] = torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
-        else:
-            parts[name] = fns[name](completions, rows)
+    parts = {name: torch.tensor([RULES[name](c, r) for c, r in zip(completions, rows)])
+             if name in RULES else fns[name](completions, rows) for name in weights}
     return sum(weights[n] * v for n, v in parts.items()), parts
 
 

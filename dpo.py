@@ -39,13 +39,11 @@ Run:  python dpo.py                      # bundled: data/rankings.jsonl, 2-core 
 Expect (bundled default): held-out greedy accuracy from 0.29 to about 0.83 (see README).
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 import common as C
 from plumbing.errors import UserError
@@ -202,12 +200,15 @@ def main():
                                                                        {"math": 1.0}))
         return {**score, "eval_reward_acc": acc}
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy", [model])
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="dpo",
-               disable=run.rank > 0)
-    for step in bar:
-        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update:
-            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # save, stop at once
-        t0 = time.time()
+
+    # checkpoint/ after `done` steps (every --save_every, at the end, on Ctrl-C). The run-keeping
+    # (Ctrl-C, the NaN guard, logs, eval, checkpoints) is keep's: each keep.* call below is one of
+    # its duties (runs.Keeper); what is left is the algorithm.
+    def save(done):
+        R.save_checkpoint(run, model, tok, opt, rng, done, {"eval_before": eval_before})
+    keep = R.Keeper(run, opt, rng, save, evaluate,
+                    shown=("loss", "rewards/margin", "rewards/accuracy", "eval"))
+    for step in keep.steps(start):
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
         # 1. the next batch of rows (each epoch a new shuffle; torchrun: this process's share)
@@ -241,26 +242,15 @@ def main():
                 sums[key] += float(x.sum()) / n_pairs  # means over the step's pairs
         # 3. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+        if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
         opt.zero_grad(set_to_none=True)
         # 4. log, eval, checkpoint
         sums = {k: float(R.global_sum(v)) for k, v in sums.items()}  # torchrun: every process's
-        metrics = {"step": step + 1, **sums, "grad_norm": float(grad_norm), "pairs": int(n_pairs),
-                   "epoch": step * args.batch_size / len(train), "lr": opt.param_groups[0]["lr"],
-                   "step_time": time.time() - t0}
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.log_step(run, metrics, bar, None, opt)
-        bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in
-                         ("loss", "rewards/margin", "rewards/accuracy", "eval") if k in metrics})
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
-        if stopping:
-            break
-    R.finish_run(run, "accuracy", eval_before, evaluate,
-                 charts=("loss", "rewards/margin", "rewards/accuracy"))
+        keep.end_step(step, {**sums, "grad_norm": float(grad_norm), "pairs": int(n_pairs),
+                             "epoch": step * args.batch_size / len(train),
+                             "lr": opt.param_groups[0]["lr"]})
+    keep.finish("accuracy", eval_before, charts=("loss", "rewards/margin", "rewards/accuracy"))
 
 
 if __name__ == "__main__":

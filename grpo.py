@@ -36,6 +36,7 @@ Expect (bundled default, 2-core CPU): held-out greedy accuracy from 0.29 to abou
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -260,12 +261,11 @@ def cat_rollouts(pieces):
 def sample_groups(generate, score, data, rng, run, args):
     """G scored completions per prompt: generate(rows) -> (rollout, texts), score(rows, texts) ->
     (rewards (B,), reward parts). dynamic_sampling (DAPO): groups of equal rewards are dropped and
-    more are sampled. Returns the kept rollout (with its rows, texts, rewards (B,) and reward
-    parts) and every round's rows, rewards and reward parts, the dropped groups' too."""
+    more are sampled. Returns the kept rollout and every round's rollout, the dropped groups' too,
+    each with its rows, texts, rewards (B,) and reward parts."""
     G = args.group_size
     want = args.prompts_per_step * G // run.world  # this process's share
-    # each round's (rollout, the rows it keeps); the rows kept; each round's (rows, rewards, parts)
-    pieces, kept, seen = [], 0, []
+    pieces, kept = [], 0  # each round's (rollout, the rows it keeps); the rows kept
     for _ in range(1 + (args.max_resample_rounds if args.dynamic_sampling else 0)):
         # this process's share of the step's prompts (torchrun), each G times
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]
@@ -277,7 +277,6 @@ def sample_groups(generate, score, data, rng, run, args):
             length = roll.completion_mask.sum(-1).cpu()
             over = (length - args.max_new_tokens + args.overlong_buffer).clamp(min=0)
             rewards = rewards - args.overlong_penalty * over / args.overlong_buffer
-        seen.append((rows, rewards, parts))
         roll.rows, roll.texts, roll.rewards, roll.parts = rows, texts, rewards, parts
         # the groups with a signal (unequal rewards); without dynamic_sampling, every group
         keep = ~zero_std_groups(rewards, G) | (not args.dynamic_sampling)
@@ -286,12 +285,9 @@ def sample_groups(generate, score, data, rng, run, args):
         kept += len(idx)
         if kept >= want:
             break
+    rounds = cat_rollouts([(r, torch.arange(len(r.rows))) for r, _ in pieces])
     # no group had a signal, even after resampling: keep the last round (every A = 0)
-    if not kept:
-        pieces = [(roll, torch.arange(len(rows)))]
-    return cat_rollouts(pieces), ([r for rows, _, _ in seen for r in rows],
-                                  torch.cat([r for _, r, _ in seen]),
-                                  {k: torch.cat([p[k] for _, _, p in seen]) for k in parts})
+    return cat_rollouts(pieces if kept else [(roll, torch.arange(len(rows)))]), rounds
 
 
 def check_args(args):
@@ -388,14 +384,12 @@ def main():
     G = args.group_size
     token_means = ("kl", "ratio", "clip_frac", "entropy", "is_ratio", "is_frac_out")
 
-    # generate: one completion per row (with an env: a multi-turn episode) and the texts the
-    # rewards read; score: the weighted reward (B,) and each of its parts; save: checkpoint/
-    # after `done` steps (every --save_every, at the end, on Ctrl-C).
-    def generate(rows):
-        return C.generate(model, tok, rows, args, sample_amp, env, sampler=sampler)
-
-    def score(rows, texts):
-        return C.compute_rewards(rows, texts, weights, fns)
+    # generate(rows): one completion per row (with an env: a multi-turn episode) and the texts
+    # the rewards read; score(rows, texts): the weighted reward (B,) and each of its parts;
+    # save: checkpoint/ after `done` steps (every --save_every, at the end, on Ctrl-C).
+    generate = functools.partial(C.generate, model, tok, args=args, amp=sample_amp, env=env,
+                                 sampler=sampler)
+    score = functools.partial(C.compute_rewards, weights=weights, fns=fns)
 
     def save(done):
         R.save_checkpoint(run, model, tok, opt, rng, done,
@@ -406,10 +400,10 @@ def main():
     for step in keep.steps(start):
         # 1. sample G completions per prompt and score them
         with keep.sampling(model, step):
-            roll, seen = sample_groups(generate, score, data, rng, run, args)
+            roll, rounds = sample_groups(generate, score, data, rng, run, args)
         # the data's bookkeeping (curriculum, skips) sees every group sampled, dropped ones too.
         # A NaN/inf reward in any process: no update this step.
-        data_logs = data.observe(*seen, G)
+        data_logs = data.observe(rounds.rows, rounds.rewards, rounds.parts, G)
         if keep.skip("reward", roll.rewards.sum()):
             continue
         # 2. advantages, one per completion (B,): GRPO's group_advantages, or GDPO's (each
@@ -425,14 +419,12 @@ def main():
             mask = mask * (~roll.truncated)[:, None].float()
         # log pi_old for mu > 1 (mu = 1: the training forward's own, detached): the trainer's
         # forward, not the sampler's sample_logprobs, which differ by rounding (logged: is_ratio).
-        # log pi_ref: with LoRA the policy with its adapters off
+        # log pi_ref: with LoRA the policy with its adapters off; none at beta 0
         old_logprobs = C.batched_logprobs(model, roll, args.temperature, args.micro_batch_size,
                                           amp) if args.num_iterations > 1 else None
-        ref_logprobs = None
-        if ref is not None:
-            with R.adapters_off(ref):
-                ref_logprobs = C.batched_logprobs(ref, roll, args.temperature,
-                                                  args.micro_batch_size, amp)
+        with R.adapters_off(ref):
+            ref_logprobs = None if ref is None else C.batched_logprobs(
+                ref, roll, args.temperature, args.micro_batch_size, amp)
         # 3. mu optimizer steps. The losses' normalisers count the whole step, every process's
         # tokens and sequences (R.global_sum: under torchrun the sum over the processes), so
         # neither micro-batches nor processes change the gradient. n_local, sums, is_max: logs.
@@ -440,8 +432,7 @@ def main():
         n_tokens = R.global_sum(mask.sum()).clamp(min=1)
         n_seqs = R.global_sum(B)
         n_local = float(mask.sum().clamp(min=1))
-        sums = dict.fromkeys(("loss",) + token_means, 0.0)
-        is_max = 0.0
+        sums, is_max = dict.fromkeys(("loss",) + token_means, 0.0), 0.0
         for it in range(args.num_iterations):
             # DDP averages the processes' gradients in the last micro-batch's backward only
             mbs = C.micro_batches(roll.completion_mask, args.micro_batch_size)
@@ -484,19 +475,17 @@ def main():
         if sampler:  # --vllm: the updated weights into its engine, for the next samples
             sampler.load_weights(model)
         # 4. log (every sampling round's rewards; the mean of the mu updates'), eval, checkpoint
-        _, all_rewards, parts = seen
-        metrics = {**keep.rollout_metrics(roll, roll.rows, roll.texts, all_rewards, parts, env),
-                   **data_logs,
-                   "frac_zero_std": float(zero_std_groups(all_rewards, G).float().mean()),
+        metrics = {**keep.rollout_metrics(roll, roll.rows, roll.texts, rounds.rewards,
+                                          rounds.parts, env), **data_logs,
+                   "frac_zero_std": float(zero_std_groups(rounds.rewards, G).float().mean()),
                    **{k: v / args.num_iterations for k, v in sums.items()},
                    "is_ratio_max": is_max, "grad_norm": float(grad_norm)}
         # samples.jsonl: a completion of each of the first 4 groups
         samples = keep.samples(tok, roll, roll.rows, roll.transcript if env else roll.texts,
                                roll.rewards, G)
         # under torchrun: the mean over the processes, token means weighted by their tokens
-        token_keys = [k for k in sums if k != "loss"]
         keep.end_step(step, metrics, samples, roll.completion_mask.sum(),
-                      dict.fromkeys(token_keys, mask.sum()))
+                      {k: mask.sum() for k in sums if k != "loss"})
     keep.finish(metric, eval_before)
 
 

@@ -304,14 +304,15 @@ def check_args(args):
 
 
 # -------------------------------------------------------------------------- the training loop
-def ppo_update(model, critic, opt, run, roll, batch, args, amp):
+def ppo_update(model, critic, opt, keep, roll, batch, args, amp):
     """ppo_epochs passes over shuffled minibatches, an optimizer step each (micro-batch gradients
     summed, over the minibatch's tokens), ended by a minibatch whose approx KL(pi_old || pi) passes
     target_kl (its update dropped). batch: old_logprobs, old_values, returns, advantages (B, T).
     Under torchrun this process holds rows rank, rank + world, ... of the global batch (main's
     [rank::world]); every process shuffles the global batch with rank 0's permutation and trains
-    on the rows it holds of each minibatch, so the processes make the one-process update."""
-    mask = roll.completion_mask
+    on the rows it holds of each minibatch, so the processes make the one-process update. keep:
+    the runs.Keeper, whose finite() guards each optimizer step."""
+    run, mask = keep.run, roll.completion_mask
     B, T = mask.shape  # this process's rows
     n = B * run.world  # the global batch's rows
     mb_size = n // args.num_minibatches
@@ -370,7 +371,7 @@ def ppo_update(model, critic, opt, run, roll, batch, args, amp):
                 break
             critic_norm = torch.nn.utils.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-            if R.finite_update(run, grad_norm, critic_norm):  # else NaN/inf: skip it
+            if keep.finite(grad_norm, critic_norm):  # else NaN/inf: skip it
                 opt.step()
             opt.zero_grad(set_to_none=True)
             updates.append({**mb, "grad_norm": float(grad_norm)})
@@ -518,7 +519,7 @@ def main():
         batch = {"old_logprobs": old_logprobs, "old_values": old_values, "returns": returns,
                  "advantages": C.whiten(advantages, mask, total=R.global_sum)}
         # 4. ppo_epochs x num_minibatches optimizer steps on the clipped losses
-        stats = ppo_update(train_model, value_model, opt, run, roll, batch, args, amp)
+        stats = ppo_update(train_model, value_model, opt, keep, roll, batch, args, amp)
         if sampler:  # --vllm: the updated weights into its engine, for the next samples
             sampler.load_weights(model)
         # KL in nats per sequence: what Ziegler's controller targets (the mean over all

@@ -28,13 +28,11 @@ Run:  python reward_model.py             # bundled: data/rankings.jsonl, 2-core 
 Expect (bundled default): held-out pair accuracy from about 0.5 (a random head) to about 0.9.
 """
 from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is one line)
-import time
 from dataclasses import dataclass
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import AutoModelForSequenceClassification
 from transformers.utils import logging as hf_logging
 
@@ -166,12 +164,15 @@ def main():
         with R.gathered(plain):  # --fsdp: the whole model in every process, for any row count
             return {"eval": pair_accuracy(plain, tok, held[run.rank::run.world], args)}
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "pair accuracy", [scorer])
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="rm",
-               disable=run.rank > 0)
-    for step in bar:
-        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update:
-            run, model, tok, opt, rng, step, {"eval_before": eval_before}, trained=[scorer]))
-        t0 = time.time()
+
+    # checkpoint/ after `done` steps (every --save_every, at the end, on Ctrl-C). The run-keeping
+    # (Ctrl-C, the NaN guard, logs, eval, checkpoints) is keep's: each keep.* call below is one of
+    # its duties (runs.Keeper); what is left is the algorithm.
+    def save(done):
+        R.save_checkpoint(run, model, tok, opt, rng, done, {"eval_before": eval_before},
+                          trained=[scorer])
+    keep = R.Keeper(run, opt, rng, save, evaluate, shown=("loss", "accuracy", "eval"))
+    for step in keep.steps(start):
         if args.anneal_lr:  # from the step number, so resuming needs no scheduler state
             opt.param_groups[0]["lr"] = args.lr * (1 - step / args.max_steps)
         # 1. the next batch of rows (each epoch a new shuffle; torchrun: this process's share)
@@ -199,29 +200,21 @@ def main():
             scores.append(r.detach())
         # 3. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+        if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
         opt.zero_grad(set_to_none=True)
-        # 4. log, eval, checkpoint
+        # 4. log, eval, checkpoint. Under torchrun: sums over the processes; score_mean the mean
+        # over every process's scores (end_step weights it by this process's), score_std too
         scores = torch.cat(scores)
-        metrics = {"score_mean": float(scores.mean()),  # torchrun: over every process's scores
-                   "score_std": float(R.global_std(scores))}
-        metrics = R.global_mean(metrics, weights={"score_mean": len(scores)})
-        metrics = {"step": step + 1, **{k: float(R.global_sum(v)) for k, v in sums.items()},
-                   **metrics, "grad_norm": float(grad_norm), "pairs": int(n_pairs),
-                   "epoch": step * args.batch_size / len(train),
-                   "lr": opt.param_groups[0]["lr"], "step_time": time.time() - t0}
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.log_step(run, metrics, bar, None, opt)
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before},
-                              trained=[scorer])
-        if stopping:
-            break
-    R.finish_run(run, "pair accuracy", eval_before, evaluate,
-                 charts=("loss", "accuracy", "score_mean"), label="chosen > rejected")
+        keep.end_step(step, {**{k: float(R.global_sum(v)) for k, v in sums.items()},
+                             "score_mean": float(scores.mean()),
+                             "score_std": float(R.global_std(scores)),
+                             "grad_norm": float(grad_norm), "pairs": int(n_pairs),
+                             "epoch": step * args.batch_size / len(train),
+                             "lr": opt.param_groups[0]["lr"]},
+                      token_weights={"score_mean": len(scores)})
+    keep.finish("pair accuracy", eval_before, charts=("loss", "accuracy", "score_mean"),
+                label="chosen > rejected")
 
 
 if __name__ == "__main__":

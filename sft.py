@@ -37,12 +37,10 @@ from plumbing import ctrl_c  # noqa: F401  (first: Ctrl-C while torch loads is o
 import math
 import os
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
-from tqdm import tqdm
 
 import common as C
 from plumbing.errors import UserError
@@ -187,12 +185,14 @@ def main():
     start, eval_before, _ = R.resume_or_eval(run, opt, rng, evaluate, "accuracy", [model])
     lengths = [len(p) + len(c) for p, c, _ in train]
     per_epoch = math.ceil(len(train) / args.batch_size)
-    bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps, desc="sft",
-               disable=run.rank > 0)
-    for step in bar:
-        R.step_start(run, rng, step, lambda: R.save_checkpoint(  # Ctrl-C before the update:
-            run, model, tok, opt, rng, step, {"eval_before": eval_before}))  # save, stop at once
-        t0 = time.time()
+
+    # checkpoint/ after `done` steps (every --save_every, at the end, on Ctrl-C). The run-keeping
+    # (Ctrl-C, the NaN guard, logs, eval, checkpoints) is keep's: each keep.* call below is one of
+    # its duties (runs.Keeper); what is left is the algorithm.
+    def save(done):
+        R.save_checkpoint(run, model, tok, opt, rng, done, {"eval_before": eval_before})
+    keep = R.Keeper(run, opt, rng, save, evaluate, shown=("loss", "eval", "eval_loss"))
+    for step in keep.steps(start):
         # the lr from the step number, so resuming needs no scheduler state
         warm = min(1.0, (step + 1) / args.warmup_steps) if args.warmup_steps else 1.0
         opt.param_groups[0]["lr"] = args.lr * warm * ((1 - step / args.max_steps)
@@ -220,26 +220,14 @@ def main():
             total += loss.item()
         # 3. clip, step
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-        if R.finite_update(run, grad_norm):  # NaN/inf would ruin the weights: skip it
+        if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip it
             opt.step()
         opt.zero_grad(set_to_none=True)
-        # 4. log, eval, checkpoint
-        elapsed = time.time() - t0
-        metrics = {"step": step + 1, "loss": float(R.global_sum(total)),
-                   "grad_norm": float(grad_norm), "epoch": step / per_epoch,
-                   "lr": opt.param_groups[0]["lr"], "tokens": int(n_tokens), "step_time": elapsed,
-                   "tokens_per_s": float(R.global_sum(batch.attention_mask.sum())) / elapsed}
-        if R.every(step, args.eval_every) and step + 1 < args.max_steps:
-            metrics.update(evaluate())
-        R.log_step(run, metrics, bar, None, opt)
-        bar.set_postfix(loss=f"{metrics['loss']:.3g}", **{k: f"{metrics[k]:.3g}" for k in metrics
-                                                          if k.startswith("eval")})
-        stopping = R.stop_requested()  # Ctrl-C (in any process): save, then stop
-        if R.every(step, args.save_every) or step + 1 == args.max_steps or stopping:
-            R.save_checkpoint(run, model, tok, opt, rng, step + 1, {"eval_before": eval_before})
-        if stopping:
-            break
-    R.finish_run(run, "accuracy", eval_before, evaluate, charts=("loss", "eval_loss"))
+        # 4. log (tokens_per_s: every token read), eval, checkpoint
+        keep.end_step(step, {"loss": float(R.global_sum(total)), "grad_norm": float(grad_norm),
+                             "epoch": step / per_epoch, "lr": opt.param_groups[0]["lr"],
+                             "tokens": int(n_tokens)}, tokens=batch.attention_mask.sum())
+    keep.finish("accuracy", eval_before, charts=("loss", "eval_loss"))
 
 
 if __name__ == "__main__":

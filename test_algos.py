@@ -24,6 +24,7 @@ from plumbing import loading
 import ppo
 import reinforce as R
 import reward_model
+from plumbing import runs
 import sft
 from plumbing import tasks
 
@@ -1049,8 +1050,9 @@ def test_target_kl_stops_the_epochs(tok, target_kl, expect_updates):
     opt = torch.optim.AdamW([{"params": model.parameters(), "lr": 1e-2},
                              {"params": critic.parameters(), "lr": 1e-2}])
     before = [p.detach().clone() for p in model.parameters()]
-    run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0)
-    stats = ppo.ppo_update(model, ppo.ValueModel(critic), opt, run, roll, batch, args, OFF)
+    keep = runs.Keeper(SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0), opt,
+                       None, None, None)
+    stats = ppo.ppo_update(model, ppo.ValueModel(critic), opt, keep, roll, batch, args, OFF)
     assert stats["ppo_updates"] == expect_updates
     # the first update did happen
     assert any((p != b).any() for p, b in zip(model.parameters(), before))
@@ -1069,8 +1071,9 @@ def test_ppo_micro_batches_do_not_change_the_update(tok):
                                temperature=1.0, ent_coef=0.01, clip_eps=0.2, clip_eps_value=0.2,
                                vf_coef=0.5, target_kl=0.0, max_grad_norm=1e9)
         opt = torch.optim.SGD([*model.parameters(), *critic.parameters()], lr=1.0)
-        run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0)
-        ppo.ppo_update(model, ppo.ValueModel(critic), opt, run, roll, batch, args, OFF)
+        keep = runs.Keeper(SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0),
+                           opt, None, None, None)
+        ppo.ppo_update(model, ppo.ValueModel(critic), opt, keep, roll, batch, args, OFF)
         after.append([p.detach().clone() for p in (*model.parameters(), *critic.parameters())])
     for a, b in zip(*after):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
@@ -1087,8 +1090,9 @@ def test_ppo_update_lowers_value_loss_and_raises_advantaged_logprobs(tok):
                              {"params": critic.parameters(), "lr": 3e-3}])
     mask = roll.completion_mask
     v0 = C.masked_mean((batch["old_values"] - batch["returns"]) ** 2, mask)
-    run = SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0)
-    ppo.ppo_update(model, ppo.ValueModel(critic), opt, run, roll, batch, args, OFF)
+    keep = runs.Keeper(SimpleNamespace(nonfinite=0, nonfinite_in_row=0, world=1, rank=0), opt,
+                       None, None, None)
+    ppo.ppo_update(model, ppo.ValueModel(critic), opt, keep, roll, batch, args, OFF)
     with torch.no_grad():
         values = ppo.critic_values(critic, roll.ids, roll.attention_mask, mask.shape[1])
         v1 = C.masked_mean((values - batch["returns"]) ** 2, mask)

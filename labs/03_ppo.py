@@ -4,7 +4,7 @@
 # PPO for RLHF (Ziegler et al. 2019, InstructGPT) trains a critic V beside the policy: V(s_t)
 # predicts the return from token t on, and the advantage of each token comes from the critic's
 # errors. You write GAE and the critic's clipped loss; the grader names your mistake; then
-# `ppo.py`'s own loop (policy, critic, reference and a reward model) trains with them (~40 s).
+# `ppo.py`'s own loop (policy, critic, reference and a reward model) trains with them (~55 s).
 #
 # Run it: `python labs/03_ppo.py` (a notebook in VS Code, or Jupyter with jupytext).
 # Grade only: `python -m pytest labs -k lab3`.
@@ -14,6 +14,8 @@
 # completion token, 0 on the padding after a row's end (past it the episode is over: V = 0).
 
 # %%
+import torch
+
 import lab  # labs/lab.py: hole, check, train, plot
 import ppo
 

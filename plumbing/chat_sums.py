@@ -36,13 +36,17 @@ PRESET = {"reward_fn": ["plumbing.chat_sums:asked_answer"], "eval_reward": "rewa
 # reinforce: RLOO, since every reward here is >= 0 (no baseline would push up every sample); ppo:
 # a critic made from the policy (there is no reward model) at verl's critic lr for real models,
 # one epoch of 2 minibatches (OpenRLHF's and verl's 1 epoch): 32 distinct prompts share no
-# prefix, so a PPO step costs ~6x a GRPO step here (4 x 2 updates took 170 s a step)
+# prefix, so a PPO step costs ~6x a GRPO step here (4 x 2 updates took 170 s a step); distill:
+# one sample of 32 prompts, the forward KL over the whole vocabulary (jsd, beta 0): the reverse
+# KL's gradient (opd's, jsd's at beta 1) vanishes where the student is sure of a token the teacher
+# rejects, and a student taught by a GRPO teacher slid back from its teacher's score (distill.md)
 PRESET_ALGO = {"grpo": {"group_size": 8},
                "reinforce": {"samples_per_prompt": 8, "baseline": "rloo"},
                "ppo": {"batch_size": 32, "micro_batch_size": 16, "critic_init": "policy",
                        "critic_lr": 1e-5, "ppo_epochs": 1, "num_minibatches": 2,
                        "max_steps": 10, "eval_every": 5},
-               "distill": {"samples_per_prompt": 1, "prompts_per_step": 32, "beta": 1.0}}
+               "distill": {"samples_per_prompt": 1, "prompts_per_step": 32, "loss": "jsd",
+                           "beta": 0.0}}
 
 
 def preset(data, algo, names):

@@ -348,7 +348,7 @@ def check_args(args):
     if world > 1 and getattr(args, "dynamic_sampling", False):
         raise UserError("--dynamic_sampling under torchrun is not supported yet: processes "
                         "would keep different numbers of rows")
-    vllm_sampler.check(args)  # --vllm: installed, and single-turn (one line, before any load)
+    vllm_sampler.check(args)  # --vllm: installed, one process (one line, before any load)
     if "" in getattr(args, "stop", []):
         raise UserError("--stop: an empty stop string would end every completion at once")
     lr = max(("lr", "critic_lr"), key=lambda name: getattr(args, name, 0))  # ppo: two models

@@ -55,7 +55,8 @@ PRESET_ALGO = {"grpo": {"group_size": 8},
                "reinforce": {"samples_per_prompt": 8, "baseline": "rloo"},
                "ppo": {"batch_size": 32, "micro_batch_size": 16, "critic_init": "policy",
                        "critic_lr": 1e-5, "ppo_epochs": 1, "num_minibatches": 2},
-               # one sample of 32 prompts, jsd's beta TRL's 1 (chat-sums's distill preset)
+               # one sample of 32 prompts, jsd's beta TRL's 1 (chat-sums's distill preset
+               # moved to the forward KL, --loss jsd --beta 0: not measured on rg)
                "distill": {"samples_per_prompt": 1, "prompts_per_step": 32, "beta": 1.0}}
 
 

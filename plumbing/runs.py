@@ -56,7 +56,7 @@ from plumbing.errors import UserError, first_line
 from plumbing import ctrl_c, flags, loading
 
 hf_logging.disable_progress_bar()  # the library's loading bars would break into ours
-STOP = {"requested": False, "abandon": None}  # Ctrl-C: the loop saves, then stops (step_start)
+STOP = {"requested": False, "abandon": None}  # Ctrl-C: the loop saves, then stops (Keeper)
 STARTING = {}  # folder -> made by this process: a run that logs no step leaves it as it was
 STARTED = {"run": None}  # the Run once start_run has made it: what a Ctrl-C leaves behind
 FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)  # whole tensors, on the CPU
@@ -342,18 +342,8 @@ class StepAbandoned(Exception):
     """Ctrl-C before a step's first update: main_guard saves the last completed step, exits."""
 
 
-def step_start(run, rng, step, save, data_state=None):
-    """Called first in each step: until its first update (finite_update), a Ctrl-C abandons the
-    step (a real model's step takes minutes): main_guard puts back the RNG states of now (the data
-    rng's too) and data_state (curriculum levels, prompts' visits: the step's draws and observe
-    move them) and calls save(), the loop's save of the last completed step, so a resume goes on
-    exactly as the uninterrupted run. One process only: under torchrun Ctrl-C finishes the step."""
-    STOP["abandon"] = (step, save, rng, rng.getstate(), rng_states(), data_state,  # its copy:
-                       pickle.dumps(data_state)) if run.world == 1 else None  # 6x deepcopy's pace
-
-
 def _abandon_step():
-    """main_guard, on StepAbandoned: the RNG states and data state step_start kept, its save()."""
+    """main_guard, on StepAbandoned: the RNG states and data state Keeper.steps kept, its save()."""
     step, save, rng, data, states, data_state, kept = STOP["abandon"]
     STOP["abandon"] = None
     rng.setstate(data)
@@ -374,7 +364,7 @@ def _on_sigint(signum, frame):
     if STOP["requested"]:  # a second Ctrl-C exits at once; the last checkpoint is still intact
         raise KeyboardInterrupt
     STOP["requested"] = True
-    if STOP.get("abandon"):  # no update yet in this step: stop now (step_start)
+    if STOP.get("abandon"):  # no update yet in this step: stop now (Keeper.steps)
         raise StepAbandoned
     print("\nCtrl-C: finishing this step, then saving a checkpoint (again to quit at once)",
           file=sys.stderr)
@@ -451,27 +441,6 @@ def resume_or_eval(run, opt, rng, evaluate, metric, trained=()):
 
 
 # ------------------------------------------------------------------------- during the loop
-def finite_update(run, *grad_norms):
-    """True when every gradient norm is finite: the update may go ahead; else skip_update."""
-    STOP["abandon"] = None  # the update begins: a Ctrl-C from here finishes the step
-    if all(torch.isfinite(n) for n in grad_norms):
-        run.nonfinite_in_row = 0
-        return True
-    skip_update(run, "loss or gradient")
-    return False
-
-
-def skip_update(run, what):
-    """Count an update skipped for NaN/inf; 10 in a row stop the run (a good one resets the row)."""
-    run.nonfinite += 1
-    run.nonfinite_in_row += 1
-    if what not in run.warned:  # said once per kind; summary.json counts them all
-        tqdm.write(f"warning: non-finite {what}: update skipped (counted in summary.json)")
-        run.warned.add(what)
-    if run.nonfinite_in_row == 10:
-        stop_run(run, f"the {what} was NaN or inf in 10 updates in a row")
-
-
 def stop_run(run, why):
     """End the run in one line (exit 2), keeping its folder, metrics.jsonl and last checkpoint."""
     STARTING.pop(run.dir, None)  # kept even with no step logged: it is evidence
@@ -479,28 +448,13 @@ def stop_run(run, why):
     raise UserError(f"stopping: {why}; {run.dir}/ keeps metrics.jsonl and {kept}")
 
 
-@contextlib.contextmanager
-def stop_on_divergence(run, step):
-    """A diverged policy fails deep in torch.multinomial: stop with one line naming the step."""
-    try:
-        yield
-    except RuntimeError as e:
-        if "probability tensor contains" not in str(e):  # "... either inf, nan or element < 0"
-            raise
-        stop_run(run, f"the policy diverged (NaN/inf): step {step + 1} cannot sample; lower --lr")
-
-
 def _local(p):  # --fsdp: this process's shard of a sharded parameter (a DTensor)
     return p.to_local() if isinstance(p, DTensor) else p
 
 
-def every(step, n):
-    """True after every n-th step (step counts from 0); n = 0 never."""
-    return n > 0 and (step + 1) % n == 0
-
-
-def log_step(run, metrics, bar, samples, opt):
-    """Rank 0: metrics.jsonl, samples.jsonl (steps 1, 1 + --samples_every, ...), the tracker."""
+def log_step(run, metrics, bar, samples, opt, shown):
+    """Rank 0: metrics.jsonl, samples.jsonl (steps 1, 1 + --samples_every, ...), the tracker, the
+    bar (the metrics shown)."""
     if run.rank > 0:
         return
     step, n = metrics["step"], getattr(run.args, "samples_every", 0)  # (the RL scripts' flag)
@@ -520,7 +474,7 @@ def log_step(run, metrics, bar, samples, opt):
             numbers["samples"] = run.tracker.Table(
                 columns=list(samples[0]), data=[[s[c] for c in samples[0]] for s in samples])
         run.tracker.log(numbers, step=step)
-    bar.set_postfix({k: metrics[k] for k in ("reward", "kl", "gold", "eval") if k in metrics})
+    bar.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in shown if k in metrics})
     if metrics.get("obs_truncated") and not any(m.get("obs_truncated") for m in run.history[:-1]):
         tqdm.write(f"note: step {step}: an observation was cut by --max_new_tokens (obs_truncated)")
     if step == 1:  # AdamW's moments add on from step 2: where runs that barely fit fail (trl#2972)
@@ -610,8 +564,9 @@ def warn_if_stuck(run, metrics, args):
 
 
 class Keeper:
-    """The run-keeping of an RL loop, one duty a method, so that the loop's lines are the
-    algorithm's. The loop talks to it in these calls:
+    """The run-keeping of a training loop, one duty a method, so that the loop's lines are the
+    algorithm's (every script's: grpo, reinforce, ppo, distill, sft, dpo, reward_model). The loop
+    talks to it in these calls:
 
         keep = R.Keeper(run, opt, rng, save, evaluate, data.state)
         for step in keep.steps(start):        # the bar; Ctrl-C before the update; the clock
@@ -629,23 +584,29 @@ class Keeper:
 
     Its fields: run (the Run: folder, files, counters), opt (its lr is logged), rng and
     data_state (what a Ctrl-C before the update puts back), save(done) (the loop's one
-    checkpoint call) and evaluate() (its held-out scores); bar (tqdm), t0 (this step's start)
-    and stopping (Ctrl-C was pressed: this step is the last) change as the steps go."""
+    checkpoint call), evaluate() (its held-out scores) and shown (the metrics on the bar);
+    bar (tqdm), t0 (this step's start) and stopping (Ctrl-C was pressed: this step is the last)
+    change as the steps go."""
 
-    def __init__(self, run, opt, rng, save, evaluate, data_state=None):
+    def __init__(self, run, opt, rng, save, evaluate, data_state=None,
+                 shown=("reward", "kl", "gold", "eval")):
         self.run, self.opt, self.rng, self.save, self.evaluate = run, opt, rng, save, evaluate
-        self.data_state = data_state
+        self.data_state, self.shown = data_state, shown
         self.bar, self.t0, self.stopping = None, 0.0, False
 
     def steps(self, start):
-        """The steps from start to --max_steps, under a tqdm bar. At each step's start, until its
-        first update, a Ctrl-C abandons the step and save()s the last one (step_start); after
-        the update it finishes the step, which end_step saves, and the steps stop there."""
-        args = self.run.args
-        self.bar = tqdm(range(start, args.max_steps), initial=start, total=args.max_steps,
-                        desc=self.run.algo, disable=self.run.rank > 0)
+        """The steps from start to --max_steps, under a tqdm bar. Until a step's update (finite),
+        a Ctrl-C abandons it: main_guard puts back the RNG states, data rng and data_state
+        (curriculum, visits) of its start and save()s the last step, so a resume goes on as the
+        straight run. After it (under torchrun always) Ctrl-C finishes the step, end_step saves
+        it and the steps stop."""
+        run = self.run
+        self.bar = tqdm(range(start, run.args.max_steps), initial=start, total=run.args.max_steps,
+                        desc=run.algo, disable=run.rank > 0)
         for step in self.bar:
-            step_start(self.run, self.rng, step, lambda: self.save(step), self.data_state)
+            if run.world == 1:  # data_state's copy by pickle: 6x deepcopy's pace
+                STOP["abandon"] = (step, lambda: self.save(step), self.rng, self.rng.getstate(),
+                                   rng_states(), self.data_state, pickle.dumps(self.data_state))
             self.t0 = time.time()
             yield step
             if self.stopping:
@@ -653,22 +614,46 @@ class Keeper:
 
     @contextlib.contextmanager
     def sampling(self, model, step):
-        """Where the loop samples: --fsdp gathers the whole model in every process (gathered);
-        a diverged policy's NaN probabilities stop the run in one line (stop_on_divergence)."""
-        with gathered(model), stop_on_divergence(self.run, step):
-            yield
+        """Where the loop samples: --fsdp gathers the whole model in every process (gathered). A
+        diverged policy fails deep in torch.multinomial: one line naming the step instead."""
+        try:
+            with gathered(model):
+                yield
+        except RuntimeError as e:
+            if "probability tensor contains" not in str(e):  # "... either inf, nan or element < 0"
+                raise
+            stop_run(self.run, f"the policy diverged (NaN/inf): step {step + 1} cannot sample; "
+                               "lower --lr")
 
     def skip(self, what, total):
         """True when total (a sum over this process's rows) is NaN or inf in any process: the
-        step's update is skipped, counted and said once (skip_update)."""
+        step's update is skipped (skipped)."""
         if torch.isfinite(global_sum(total)):
             return False
-        skip_update(self.run, what)
+        self.skipped(what)
         return True
 
     def finite(self, *grad_norms):
-        """True when every gradient norm is finite: opt.step() may go ahead (finite_update)."""
-        return finite_update(self.run, *grad_norms)
+        """True when every gradient norm is finite: opt.step() may go ahead; else the update is
+        skipped (skipped). The update begins: a Ctrl-C from here finishes the step."""
+        STOP["abandon"] = None
+        if all(torch.isfinite(n) for n in grad_norms):
+            self.run.nonfinite_in_row = 0
+            return True
+        self.skipped("loss or gradient")
+        return False
+
+    def skipped(self, what):
+        """Count an update skipped for NaN/inf, said once per kind (summary.json counts them all);
+        10 in a row stop the run (a good update resets the row)."""
+        run = self.run
+        run.nonfinite += 1
+        run.nonfinite_in_row += 1
+        if what not in run.warned:
+            tqdm.write(f"warning: non-finite {what}: update skipped (counted in summary.json)")
+            run.warned.add(what)
+        if run.nonfinite_in_row == 10:
+            stop_run(run, f"the {what} was NaN or inf in 10 updates in a row")
 
     def rollout_metrics(self, roll, rows, texts, rewards, parts, env=None):
         """The metrics every RL script logs of its rollout: reward, reward_std (over every
@@ -688,27 +673,30 @@ class Keeper:
                  "completion": texts[i], key: float(rewards[i])}
                 for i in range(0, len(rows), stride)[:4]]
 
-    def end_step(self, step, metrics, samples, tokens, token_weights=None):
+    def end_step(self, step, metrics, samples=None, tokens=None, token_weights=None):
         """After the step's updates: metrics gets step, step_time and tokens_per_s (tokens: this
-        process's completion tokens), then under torchrun the mean over the processes (the keys
-        of token_weights weighted by its values, this process's tokens); the held-out eval every
-        --eval_every; the cannot-learn warnings; metrics.jsonl, samples.jsonl and the bar; a
-        checkpoint every --save_every, at the end, and after a Ctrl-C, which ends the steps."""
-        args, elapsed = self.run.args, time.time() - self.t0
-        metrics = {"step": step + 1, **metrics, "step_time": elapsed,
-                   "tokens_per_s": float(global_sum(tokens)) / elapsed}  # every process's
+        process's), then under torchrun the mean over the processes (token_weights' keys weighted
+        by its values); the held-out eval every --eval_every; the cannot-learn warnings (when
+        there is a reward); the logs (log_step); a checkpoint every --save_every, at the end, and
+        after a Ctrl-C, which ends the steps."""
+        args, done, elapsed = self.run.args, step + 1, time.time() - self.t0
+        metrics = {"step": done, **metrics, "step_time": elapsed}
+        if tokens is not None:  # every process's
+            metrics["tokens_per_s"] = float(global_sum(tokens)) / elapsed
         metrics = global_mean(metrics, weights=token_weights)
-        if every(step, args.eval_every) and step + 1 < args.max_steps:
+        if args.eval_every and done % args.eval_every == 0 and done < args.max_steps:
             metrics.update(self.evaluate())
-        warn_if_stuck(self.run, metrics, args)
-        log_step(self.run, metrics, self.bar, samples, self.opt)
+        if "reward" in metrics:
+            warn_if_stuck(self.run, metrics, args)
+        log_step(self.run, metrics, self.bar, samples, self.opt, self.shown)
         self.stopping = stop_requested()  # Ctrl-C in any process: every process saves, stops
-        if every(step, args.save_every) or step + 1 == args.max_steps or self.stopping:
-            self.save(step + 1)
+        if args.save_every and done % args.save_every == 0 or done == args.max_steps \
+                or self.stopping:
+            self.save(done)
 
-    def finish(self, metric, eval_before):
-        """The final held-out eval, summary.json and the report (finish_run)."""
-        return finish_run(self.run, metric, eval_before, self.evaluate)
+    def finish(self, metric, eval_before, **report):
+        """The final held-out eval, summary.json and the report (finish_run: charts, label)."""
+        return finish_run(self.run, metric, eval_before, self.evaluate, **report)
 
 
 def adapters_off(model):

@@ -165,6 +165,29 @@ def test_opd_loss_is_the_sampled_reverse_kl_as_an_advantage():
     torch.testing.assert_close(g_pg, g_kl, rtol=0, atol=1e-12)
 
 
+def test_a_sure_mistake_has_no_reverse_kl_gradient_and_a_full_forward_one():
+    """A student sure of a token the teacher gives 0.05 (p 0.999): the reverse KL is 2.9 nats,
+    yet its gradient wrt the logits vanishes (2e-3: p (log p - log p_T - KL) is ~0 at every
+    token), and so does opd's sampled one (it samples the mistake: A grad log p, grad log p =
+    e_y - p ~ 0); the forward KL's, p - p_T, stays ~1.3. Why chat-sums distills with
+    --loss jsd --beta 0 (docs/distill.md)."""
+    log_t = torch.tensor([0.9, 0.05, 0.05], dtype=torch.float64).log()  # the teacher: token 0
+    z = torch.tensor([0.0, 8.0, 0.0], dtype=torch.float64, requires_grad=True)  # sure of 1
+    grads = {}
+    for beta in (1.0, 0.0):  # reverse, forward
+        div = distill.generalized_jsd(z.log_softmax(-1)[None], log_t[None], beta)
+        (grads[beta],) = torch.autograd.grad(div.sum(), z)
+    lp = z.log_softmax(-1)[1]  # opd: the one token it samples (with p 0.999)
+    (g_opd,) = torch.autograd.grad(distill.pg_loss(lp, lp.detach(), distill.opd_advantages(
+        lp, log_t[1])), z)
+    log_p = z.detach().log_softmax(-1)
+    reverse = float((log_p.exp() * (log_p - log_t)).sum())
+    assert reverse > 2.9
+    assert grads[1.0].norm() < 0.01 and g_opd.norm() < 0.01, (grads[1.0], g_opd)
+    assert grads[0.0].norm() > 1.2, grads[0.0]
+    torch.testing.assert_close(grads[0.0], z.softmax(-1).detach() - log_t.exp())
+
+
 # ---- teachers
 def test_jsd_with_another_vocabulary_or_a_template_is_one_line_before_weights_load(
         chat_model, tmp_path, monkeypatch, capsys):
@@ -519,6 +542,21 @@ def test_a_pretrained_model_and_rg_take_their_defaults(tmp_path, monkeypatch, ca
             args.max_new_tokens) == (1, 32, 1.0, "rg=1", 3e-6, 24)
     args = parse("--model", loading.DEFAULT_POLICY)  # the bundled model: its own defaults
     assert (args.lr, args.max_new_tokens, args.temperature) == (1e-4, 6, 1.0)
+
+
+def test_chat_sums_distills_by_the_forward_kl_and_a_given_loss_wins(monkeypatch):
+    """--data chat-sums: distill.py takes --loss jsd --beta 0 (the forward KL: it keeps a GRPO
+    teacher's score where opd's reverse KL slid, docs/distill.md); --loss opd or a --beta given
+    wins; grpo.py's beta stays its own 0 (a KL weight, not jsd's)."""
+    def parse(module, name, *argv):
+        monkeypatch.setattr(sys, "argv", [f"{name}.py", "--data", "chat-sums", *argv])
+        return flags.parse_args(module.Args, name, module.__doc__)
+    args = parse(distill, "distill")
+    assert (args.loss, args.beta, args.prompts_per_step, args.samples_per_prompt) == (
+        "jsd", 0.0, 32, 1)
+    assert parse(distill, "distill", "--loss", "opd").loss == "opd"
+    assert parse(distill, "distill", "--beta", "1").beta == 1.0
+    assert parse(grpo, "grpo").beta == 0.0
 
 
 def test_a_run_whose_completions_are_cut_says_so_at_step_1(tmp_path, monkeypatch, capsys):

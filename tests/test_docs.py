@@ -333,6 +333,16 @@ def test_each_rl_step_reads_few_files_under_a_generous_ceiling():
                            "(pass other code as values)")
 
 
+def test_every_training_loop_keeps_its_run_with_the_keeper():
+    """Every script's loop, the pipeline's (sft, dpo, reward_model) too, runs on runs.Keeper: its
+    steps (the bar, Ctrl-C before the update), finite (the NaN guard) and end_step (logs, eval,
+    warnings, checkpoints) are the run-keeping it reaches, not a loop of its own around helpers."""
+    for name in SCRIPTS:
+        _, reached = step_cost.step_cost(f"{name}.py")
+        kept = {f for m, f in reached if m == "plumbing.runs" and f.startswith("Keeper.")}
+        assert {"Keeper.steps", "Keeper.finite", "Keeper.end_step"} <= kept, (name, kept)
+
+
 def test_step_cost_counts_the_loop_and_what_it_reaches(tmp_path):
     """The counter on a two-module project: the loop, a function it calls in another module and
     what that one calls, a nested function once (inside its parent), both methods of an

