@@ -169,7 +169,7 @@ def next_token(logits, temperature=1.0, top_p=1.0, greedy=False, never=None, u=N
 
 @torch.no_grad()
 def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, greedy=False,
-           stop=(), share_prompts=True):
+           stop=(), share_prompts=True, prefill=None):
     """Batched sampling with a KV cache -> a Rollout (its first six fields). A row ends at its
     first EOS or at the token that completes a `stop` string, and leaves the batch and the cache.
     greedy: the argmax, not a draw. (Multi-turn episodes: engine.sample.)"""
@@ -185,13 +185,14 @@ def sample(model, tok, prompt_ids, max_new_tokens, temperature=1.0, top_p=1.0, g
     prompts, row_of = fastpath.distinct(prompt_ids, device) if share_prompts else (
         prompt_ids, None)
     ids, prompt_mask = left_pad(prompts, tok.pad_token_id, device)
-    cache = DynamicCache()  # and a prefix all prompts share (a system prompt) once: kv_mask
-    logits, kv_mask = fastpath.prefill(functools.partial(_forward, model), ids, prompt_mask, cache,
-                                       share_prompts)  # (b, V): next token
+    if prefill is None:
+        cache, kv_mask = DynamicCache(), prompt_mask
+        logits = _forward(model, ids, prompt_mask, cache, keep=1).logits[:, -1]  # (b, V): next
+    else:  # distill.py's: -> the same logits, the KV cache and its mask (its forward kept)
+        logits, kv_mask, cache = prefill(ids, prompt_mask, row_of)
     if row_of is not None:
         fastpath.copy_to_rows(cache, row_of)
-        logits, ids, prompt_mask = logits[row_of], ids[row_of], prompt_mask[row_of]
-        kv_mask = kv_mask[row_of]
+        logits, ids, prompt_mask, kv_mask = (x[row_of] for x in (logits, ids, prompt_mask, kv_mask))
     never = suppressed(model, logits.shape[-1], device)  # (V,) bool: ids never sampled
     batch = torch.arange(B, device=device)  # the rows still going
     for t in range(N):
@@ -225,7 +226,7 @@ def decode_completions(tok, roll):
     return [tok.decode(row[:n], skip_special_tokens=True) for row, n in zip(rows, lengths)]
 
 
-def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None):
+def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None, prefill=None):
     """One completion per row by sample() -> (the rollout, the texts rewards read). With env
     (envs.load_env) one multi-turn episode per row instead, by the engine the env brings
     (engine.generate); with sampler (--vllm: plumbing/vllm_sampler.py) by vLLM's engine, episodes
@@ -238,7 +239,7 @@ def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None):
         prompt_ids = encode_prompts(tok, [r["prompt"] for r in rows], args.chat_template)
         temperature, top_p = (1.0, 1.0) if greedy else (args.temperature, args.top_p)
         roll = sample(model, tok, prompt_ids, args.max_new_tokens, temperature, top_p, greedy,
-                      args.stop)
+                      args.stop, prefill=prefill)
     return roll, decode_completions(tok, roll)
 
 

@@ -179,12 +179,21 @@ def group_advantages(rewards, k, eps=1e-4):
     return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
 
 
-def final_hidden(model, ids, attention_mask, T):
-    """The final hidden states (B, T, H) at the positions that predict the last T tokens of ids
-    (zeros past these rows' longest completion); by fastpath.final_hidden, the token_logprobs fast
-    path: a prompt prefix that rows share (a chat template's system prompt) runs once."""
-    x, _ = fastpath.final_hidden(functools.partial(C._forward, model), ids, attention_mask, T,
-                                 C.can_share(model))
+def final_hidden(model, ids, attention_mask, T, kept=None):
+    """The final hidden states (B, T, H) at the positions that predict the last T tokens of ids.
+    Rows that repeat a prompt (--samples_per_prompt > 1): token_logprobs' fast path (each prompt
+    once); else fastpath.prefix_forward: a prompt prefix all rows share (a chat template's system
+    prompt) once, the rest in groups of rows of like length. kept (fastpath.prefill_keeping: the
+    student's prompts' forward in sampling's prefill): only the completions after it."""
+    forward, P = functools.partial(C._forward, model), ids.shape[1] - T
+    if kept:
+        return fastpath.after_prefill(forward, kept, ids, attention_mask, T)
+    Tb = max(1, int(attention_mask[:, P:].sum(-1).max()))  # these rows' longest completion
+    if len(torch.unique(ids[:, :P], dim=0)) < len(ids):
+        x, _ = fastpath.final_hidden(forward, ids, attention_mask, T, C.can_share(model))
+    else:  # the positions that predict tokens 0..Tb-1: the last prompt column and Tb - 1 more
+        x, _ = fastpath.prefix_forward(forward, ids[:, :P + Tb - 1],
+                                       attention_mask[:, :P + Tb - 1], P, C.can_share(model))
     return F.pad(x, (0, 0, 0, T - x.shape[1]))
 
 
@@ -386,12 +395,20 @@ def main():
     # the run-keeping (Ctrl-C, NaN guards, logs, eval, warnings, checkpoints): keep.* calls
     # (runs.Keeper; its drift warning skips distill's kl, which is the distance to the teacher)
     keep = R.Keeper(run, opt, rng, save, evaluate)
+    # --loss jsd in one micro-batch: the student's prompts run once a step, in sampling's prefill
+    # with their gradients kept (fastpath.prefill_keeping; the same weights: one update a batch),
+    # and its training forward only over the completions after them (final_hidden's kept)
+    kept, once = {}, (args.loss == "jsd" and sampler is None and C.can_share(model)
+                      and args.prompts_per_step * k <= args.micro_batch_size)
+    prefill = functools.partial(fastpath.prefill_keeping, functools.partial(C._forward, model),
+                                kept) if once else None
     for step in keep.steps(start):
         # 1. the student samples k completions per prompt (k contiguous rows); rewards scored
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
         rows = [r for r in prompts for _ in range(k)]
         with keep.sampling(model, step):
-            roll, completions = C.generate(model, tok, rows, args, amp, sampler=sampler)
+            roll, completions = C.generate(model, tok, rows, args, amp, sampler=sampler,
+                                           prefill=prefill)
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
         # a NaN/inf reward that trains (--reward_coef), in any process: no update this step
         if args.reward_coef and keep.skip("reward", scores.sum()):
@@ -441,7 +458,8 @@ def main():
                         loss = pg_loss(lp, lp.detach(), opd_advantages(lp_c, t_lp, args.kl_coef)
                                        + adv)
                     else:  # jsd: final hidden states, then both LM heads a chunk at a time
-                        xs = final_hidden(train_model, roll.ids[mb], roll.attention_mask[mb], T)
+                        xs = final_hidden(train_model, roll.ids[mb], roll.attention_mask[mb], T,
+                                          kept)
                         with torch.no_grad(), R.adapters_off(teacher):
                             xt = final_hidden(teacher, t_roll.ids[mb], t_roll.attention_mask[mb],
                                               T)
@@ -457,6 +475,7 @@ def main():
             # KL(pi_theta || pi_T), k1, a span once
             sums["kl"] += float((once * (lp_c - t_lp)).detach().sum()) / n_local
             sums["entropy"] += float(entropy.sum()) / n_local
+        kept.clear()  # the prompts' forward, used
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.max_grad_norm)
         if keep.finite(grad_norm):  # NaN/inf would ruin the weights: skip the update
             opt.step()

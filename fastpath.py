@@ -4,15 +4,17 @@ made cheap. Pure torch: the model's forward comes in as a function, forward(ids,
 keep, hidden) (common._forward with its model bound): this file imports nothing of the project.
 
 - distinct, copy_to_rows: sample()'s prefill runs each distinct prompt once and copies its KV
-  cache to every row of its group (GRPO's G rows, RLOO's k samples); prefill, common_prefix,
-  prefix_first: a prefix every prompt starts with (a chat template's system prompt) runs once.
+  cache to every row of its group (GRPO's G rows, RLOO's k samples).
 - feed_rows, forward_rows, compact: engine.sample (multi-turn) feeds an observation to its rows
   alone, the others' KV cache growing by empty (masked) columns; compact drops them.
 - final_hidden, head_logprobs: token_logprobs() without the padding columns, with a
-  shared-prompt (or shared-prefix) KV cache, and with the LM head run a chunk at a time on the
-  final hidden states, so that neither forward nor backward holds the (B, T, V) logits (at a 151k
-  vocabulary, the largest tensor of a step; measured in docs/memory.md). For models whose LM head
-  passes exact_head.
+  shared-prompt KV cache, and with the LM head run a chunk at a time on the final hidden states,
+  so that neither forward nor backward holds the (B, T, V) logits (at a 151k vocabulary, the
+  largest tensor of a step; measured in docs/memory.md). For models whose LM head passes
+  exact_head.
+- prefix_forward, prefill_keeping, after_prefill: distill.py's forwards (only it calls them). A
+  prefix every prompt starts with (a chat template's system prompt) runs once, the rest in groups
+  of rows of like length; the student's prompts run once a step, in sampling's prefill.
 """
 import functools
 
@@ -34,20 +36,6 @@ def copy_to_rows(cache, row_of):
     cache.batch_select_indices(row_of)
     for layer in cache.layers:
         layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
-
-
-def prefill(forward, ids, mask, cache, share=True):
-    """The left-padded prompts' (b, P) KV cache into cache -> each row's next-token logits (b, V)
-    and the cache's attention mask: the prompts' own; or, where they all start with a prefix worth
-    sharing (a chat template's system prompt), that prefix run once for all rows, in
-    prefix_first's layout (the same hidden states: final_hidden)."""
-    b, P = ids.shape
-    if share and worth_sharing(c := common_prefix(ids, mask), b, P):
-        ids, mask = prefix_first(ids, mask, P, c)
-        forward(ids[:1, :c], mask[:1, :c], cache, keep=1)
-        cache.batch_select_indices(torch.zeros(b, dtype=torch.long, device=ids.device))
-        return forward(ids[:, c:], mask, cache, keep=1).logits[:, -1], mask
-    return forward(ids, mask, cache, keep=1).logits[:, -1], mask
 
 
 def feed_rows(forward, cache, mask, rows, feeds, pad_id):
@@ -134,74 +122,10 @@ def final_hidden(forward, ids, attention_mask, T, share=True):
         # each row feeds its last prompt token and completion tokens 0..Tb-2: they predict 0..Tb-1
         x = forward(ids[:, P - 1:-1], attention_mask[:, :-1], cache, keep=1,
                     hidden=True).hidden_states[-1]  # (B, Tb, H)
-    elif share and worth_sharing(c := common_prefix(ids[:, :P], attention_mask[:, :P]), B,
-                                 P + Tb):  # a prefix all prompts start with (a chat template's
-        ids, attention_mask = prefix_first(ids, attention_mask, P, c)  # system prompt): once
-        cache = DynamicCache()
-        forward(ids[:1, :c], attention_mask[:1, :c], cache, keep=1)
-        # then the rest, in groups of rows of like length, each group without the padding
-        # columns all its rows have (their attention is 0 and the positions count tokens)
-        parts, order = [], []
-        for rows, start in length_groups(attention_mask[:, :P], c, Tb):
-            part = DynamicCache([(layer.keys.expand(len(rows), -1, -1, -1),
-                                  layer.values.expand(len(rows), -1, -1, -1))
-                                 for layer in cache.layers])
-            mask = torch.cat([attention_mask[rows, :c], attention_mask[rows, start:-1]], 1)
-            parts.append(forward(ids[rows, start:-1], mask, part, keep=1,
-                                 hidden=True).hidden_states[-1][:, -Tb:])  # (rows, Tb, H)
-            order.append(rows)
-        x = torch.cat(parts)[torch.cat(order).argsort()]  # (B, Tb, H), in the rows' order
     else:  # contiguous: MKL's rounding of the head's matmul can depend on the memory layout
         x = forward(ids, attention_mask, keep=1, hidden=True).hidden_states[-1][:, -Tb - 1:-1]
         x = x.contiguous()
     return x, ids[:, -Tb:]
-
-
-def worth_sharing(c, B, W):
-    """A common prefix of c tokens runs once for B rows of W columns when that saves an eighth of
-    the tokens, and is 8 tokens at least (a short one is not worth a second forward; nor does a
-    bundled task's prompt of a few characters ever take this path)."""
-    return c >= 8 and c * (B - 1) >= B * W / 8
-
-
-def common_prefix(prompts, mask):
-    """How many first tokens every left-padded prompt (B, P) shares, short of each one's last (the
-    token that predicts the completion's first stays in each row's own part)."""
-    lengths = mask.sum(-1)
-    n = int(lengths.min()) - 1
-    if n < 1:
-        return 0
-    start = (prompts.shape[1] - lengths)[:, None] + torch.arange(n, device=prompts.device)
-    heads = prompts.gather(1, start)  # (B, n): each prompt's first n tokens
-    differ = (heads != heads[:1]).any(0)  # (n,): a column where some prompt differs
-    return int(differ.int().argmax()) if differ.any() else n
-
-
-def length_groups(mask, c, Tb):
-    """prefix_first's prompts (mask (B, P)), Tb completion columns after them, in one or two
-    groups of rows, each with the first column past the prefix that one of its rows needs:
-    (rows, column) pairs. Two (the shorter prompts, the longer) where that drops an eighth of the
-    columns past the prefix; else all rows, from the longest prompt's first column."""
-    B, P = mask.shape
-    first = c + P - mask.sum(-1)  # (B,): each row's first column past its padding
-    rows = first.argsort(descending=True, stable=True)  # shortest prompts first
-    first = first[rows].tolist()
-    width = [P - f + Tb for f in first]  # rows[:i + 1] need width[i] columns (non-decreasing)
-    k = min(range(1, B), key=lambda i: i * width[i - 1] + (B - i) * width[-1], default=0)
-    if k and k * width[k - 1] + (B - k) * width[-1] <= 7 / 8 * B * width[-1]:
-        return [(rows[:k], first[k - 1]), (rows[k:], first[-1])]
-    return [(rows, first[-1])]
-
-
-def prefix_first(ids, mask, P, c):
-    """Rows of left-padded prompts (P columns) and their completions, re-laid as the common
-    prefix of c tokens first, then each row's padding, then the rest of it: each real token keeps
-    its position (positions count the mask's ones) and attends to the same tokens (the padding's
-    attention is 0), so every hidden state is the same; and column 0..c-1 is one prompt for all."""
-    start = P - mask[:, :P].sum(-1, keepdim=True)  # (B, 1): each prompt's first column
-    cols = torch.arange(ids.shape[1], device=ids.device)[None]  # (1, W)
-    order = torch.where(cols < c, start + cols, torch.where(cols < start + c, cols - c, cols))
-    return ids.gather(1, order), mask.gather(1, order)
 
 
 CHUNK_ELEMS = 2**22  # head_logprobs makes at most this many logits at a time (16 MB in fp32)
@@ -290,3 +214,123 @@ class LinearHeadLogprobs(torch.autograd.Function):
             if grad_b is not None:
                 grad_b += gz.sum(0).to(grad_b.dtype)
         return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+# ------------------------------------------------- distill.py's forwards: a shared prefix once
+# A distillation step forwards every prompt several times (sampling's prefill, the teacher, the
+# student), the prompts are most of its tokens, and a chat template starts each one with the same
+# system prompt (SmolLM2's: 24 tokens). So the prefix runs once, the rest of the rows in groups of
+# like length, each without the padding columns all its rows have; and the student's prompts run
+# once a step, with gradients, in sampling's prefill (prefill_keeping), its training forward
+# then only over the completions (after_prefill). Measured in docs/distill.md.
+def worth_sharing(c, B, W):
+    """A common prefix of c tokens runs once for B rows of W columns when that saves an eighth of
+    the tokens, and is 8 tokens at least (a short one is not worth another forward call; nor does
+    a bundled task's prompt of a few characters ever take this path)."""
+    return c >= 8 and c * (B - 1) >= B * W / 8
+
+
+def common_prefix(prompts, mask):
+    """How many first tokens every left-padded prompt (B, P) shares, short of each one's last (the
+    token that predicts the completion's first stays in each row's own part)."""
+    lengths = mask.sum(-1)
+    n = int(lengths.min()) - 1
+    if n < 1:
+        return 0
+    start = (prompts.shape[1] - lengths)[:, None] + torch.arange(n, device=prompts.device)
+    heads = prompts.gather(1, start)  # (B, n): each prompt's first n tokens
+    differ = (heads != heads[:1]).any(0)  # (n,): a column where some prompt differs
+    return int(differ.int().argmax()) if differ.any() else n
+
+
+def length_groups(mask, c, Tb, most=4):
+    """prefix_first's prompts (mask (B, P)), Tb columns after them, in at most `most` groups of
+    rows of like length, each from the first column past the prefix that one of its rows needs:
+    (rows, column) pairs. The fewest columns fed (a group's rows x its longest row), by an exact
+    search over the rows sorted by length, each group past the first to save a sixteenth of the
+    columns one group feeds (another forward call is not free)."""
+    B, P = mask.shape
+    first = c + P - mask.sum(-1)  # (B,): each row's first column past its padding
+    rows = first.argsort(descending=True, stable=True)  # shortest prompts first
+    first = first[rows].tolist()
+    width = [P - f + Tb for f in first]  # rows[:j] need width[j - 1] columns (non-decreasing)
+    ends = [j for j in range(1, B + 1) if j == B or first[j] != first[j - 1]]  # where one ends
+    best, done = {0: (0, [])}, []  # best[j]: (columns, groups' ends) of rows[:j], g groups
+    for _ in range(most):
+        best = {j: min((cols + (j - i) * width[j - 1], cut + [j]) for i, (cols, cut) in
+                       best.items() if i < j) for j in ends if j > min(best, default=B)}
+        done += [best[B]] if B in best else []
+    cols, cut = min(done, key=lambda d: d[0] + len(d[1]) * B * width[-1] / 16)
+    return [(rows[i:j], first[j - 1]) for i, j in zip([0] + cut, cut)]
+
+
+def prefix_first(ids, mask, P, c):
+    """Rows of left-padded prompts (P columns) and their completions, re-laid as the common
+    prefix of c tokens first, then each row's padding, then the rest of it: each real token keeps
+    its position (positions count the mask's ones) and attends to the same tokens (the padding's
+    attention is 0), so every hidden state is the same; and column 0..c-1 is one prompt for all."""
+    start = P - mask[:, :P].sum(-1, keepdim=True)  # (B, 1): each prompt's first column
+    cols = torch.arange(ids.shape[1], device=ids.device)[None]  # (1, W)
+    order = torch.where(cols < c, start + cols, torch.where(cols < start + c, cols - c, cols))
+    return ids.gather(1, order), mask.gather(1, order)
+
+
+def prefix_forward(forward, ids, mask, P, share=True, keep_cache=False):
+    """Rows ids, mask (B, W) whose first P columns are left-padded prompts -> the final hidden
+    states at the last prompt column and every one after it (B, W - P + 1, H), the last column's
+    logits (B, V) and, keep_cache, its KV cache as (keys, values) a layer, (B, heads, W, dim), with
+    the mask it goes with (B, W): prefix_first's layout, zeros at the columns a group skipped
+    (their attention is 0). The same values as one forward; share False (a cache cannot be
+    reused: common.can_share): one group, no prefix."""
+    B, W = ids.shape
+    c = common_prefix(ids[:, :P], mask[:, :P]) if share else 0
+    c = c if worth_sharing(c, B, W) else 0
+    ids, mask = prefix_first(ids, mask, P, c)
+    prefix = DynamicCache()
+    if c:
+        forward(ids[:1, :c], mask[:1, :c], prefix, keep=1)
+    xs, logits, layers, order = [], [], [], []
+    for rows, start in length_groups(mask[:, :P], c, W - P, 4 if share else 1):
+        n = len(rows)  # the group's rows read the prefix's cache, theirs after it
+        cache = DynamicCache([(layer.keys.expand(n, -1, -1, -1), layer.values.expand(
+            n, -1, -1, -1)) for layer in prefix.layers]) if c or keep_cache else None
+        out = forward(ids[rows, start:], torch.cat([mask[rows, :c], mask[rows, start:]], 1),
+                      cache, keep=1, hidden=True)
+        xs.append(out.hidden_states[-1][:, P - W - 1:])
+        logits.append(out.logits[:, -1])
+        skipped = lambda t: t.new_zeros(n, t.shape[1], start - c, t.shape[3])  # noqa: E731
+        layers.append([[torch.cat([t[:, :, :c], skipped(t), t[:, :, c:]], 2)
+                        for t in (layer.keys, layer.values)] for layer in cache.layers]
+                      if keep_cache else [])
+        order.append(rows)
+    back = torch.cat(order).argsort()  # the rows' own order
+    x, logits = torch.cat(xs)[back], torch.cat(logits)[back]
+    if not keep_cache:
+        return x, logits
+    kv = [[torch.cat(ts)[back] for ts in zip(*parts)] for parts in zip(*layers)]
+    return x, logits, kv, mask
+
+
+def prefill_keeping(forward, kept, ids, mask, row_of):
+    """common.sample's prefill (prefill=) of distinct prompts (b, P) that keeps their forward's
+    graph for distill.py's training step: the last column's final hidden states (b, H), the KV
+    cache and its mask, and each row's prompt (row_of, or None: one row a prompt) into kept;
+    the sampler gets the next-token logits, the mask and a detached copy of the cache."""
+    with torch.enable_grad():  # (sample() runs under no_grad)
+        x, logits, kv, kv_mask = prefix_forward(forward, ids, mask, ids.shape[1], keep_cache=True)
+        kept.update(x=x[:, -1], kv=kv, mask=kv_mask, row_of=row_of)
+    return logits.detach(), kv_mask, DynamicCache([(k.detach(), v.detach()) for k, v in kv])
+
+
+def after_prefill(forward, kept, ids, attention_mask, T):
+    """The final hidden states (B, T, H) that predict the last T tokens of ids (B, P + T), with
+    the prompts' forward kept by prefill_keeping: its last hidden state (it predicts token 0),
+    then tokens 0..T-2 fed after its KV cache, their gradients flowing back into it."""
+    row_of = kept["row_of"] if kept["row_of"] is not None else torch.arange(len(ids))
+    x = kept["x"][row_of][:, None]  # (B, 1, H)
+    if T > 1:
+        cache = DynamicCache([(k[row_of], v[row_of]) for k, v in kept["kv"]])
+        mask = torch.cat([kept["mask"][row_of], attention_mask[:, -T:-1]], 1)
+        out = forward(ids[:, -T:-1], mask, cache, keep=1, hidden=True)
+        x = torch.cat([x, out.hidden_states[-1]], 1)
+    return x

@@ -119,43 +119,6 @@ def test_shared_prompt_logprobs_and_grads_equal_row_by_row(arch, tok):
         torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_common_prefix_logprobs_and_grads_equal_row_by_row(arch, tok, monkeypatch):
-    """Distinct prompts that all start the same way (a chat template's system prompt), of
-    different lengths: token_logprobs runs the common prefix once (fastpath.prefix_first: the
-    prefix, then each row's padding, then the rest) and shares its KV cache with every row, the
-    rest in two groups (fastpath.length_groups: the short prompts without the long one's padding).
-    Values and parameter gradients must equal plain forwards over each unpadded row."""
-    model = tiny_model(arch)
-    model.generation_config.eos_token_id = [2, 43, 72]
-    system = C.encode_prompts(tok, ["Be exact. Sum: "])[0]
-    prompts = [system + p for p in C.encode_prompts(tok, PROMPTS)]
-    roll = C.sample(model, tok, prompts, 8, temperature=0.7)
-    T = roll.completion_mask.shape[1]
-    relaid = []
-    monkeypatch.setattr(fastpath, "prefix_first", lambda *a: relaid.append(a[3]) or
-                        prefix_first(*a))
-    groups, real = [], fastpath.length_groups
-    monkeypatch.setattr(fastpath, "length_groups", lambda *a: groups.append(real(*a)) or
-                        groups[-1])
-    lp, _ = C.token_logprobs(model, roll.ids, roll.attention_mask, T, 0.7)
-    assert len(relaid) == 1 and relaid[0] >= len(system)  # shared: the system prompt at least
-    assert [len(g) for g in groups] == [2]  # the short prompts apart from the long one
-    (lp * roll.completion_mask).sum().backward()
-    grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    for i, p in enumerate(prompts):
-        n = int(roll.completion_mask[i].sum())
-        ref = reference_logprobs(model, p, roll.ids[i, roll.P:roll.P + n].tolist(), 0.7)
-        torch.testing.assert_close(lp[i, :n], ref, atol=1e-4, rtol=1e-4)
-        ref.sum().backward()
-    for g, p in zip(grads, model.parameters()):
-        torch.testing.assert_close(g, p.grad, atol=1e-4, rtol=1e-3)
-
-
-prefix_first = fastpath.prefix_first
-
-
 def test_chunked_logprobs_recompute_in_backward_with_the_same_values_and_gradients(
         monkeypatch, tok):
     """Spread over several chunks, the training log-probs keep only the final hidden states for

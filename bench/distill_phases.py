@@ -11,9 +11,11 @@ resident set is its own; the order flips every round. Both run the same prompts 
 training draw of seed 0), SmolLM2-135M-Instruct as student and a frozen copy as teacher, fp32 on
 the CPU, one completion a prompt, 10 new tokens, temperature 0.7, lr 2e-5, beta 1, no gradient
 checkpointing. The phases (wall and CPU seconds a step, the mean over the steps after the first):
-  sample     distill.py: common.generate; TRL: DistillationTrainer._generate
+  sample     distill.py: common.generate (--loss jsd: its prefill is the student's forward of the
+             prompts, with gradients, for the training step); TRL: DistillationTrainer._generate
   teacher    the teacher's forward to its final hidden states (or opd: its log-probs)
-  student    the student's forward to its final hidden states (opd: its log-probs, with grad)
+  student    the student's forward to its final hidden states (opd: its log-probs, with grad;
+             distill.py --loss jsd: the completions only, after the prompts' kept forward)
   loss       the chunked divergence over both LM heads (forward); TRL: _chunked_divergence_loss
   backward   loss.backward()
   optimizer  grad clipping + AdamW's step

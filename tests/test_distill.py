@@ -509,8 +509,9 @@ def test_held_out_rg_rows_are_scored_by_their_own_generator(chat_model, tmp_path
     pytest.importorskip("reasoning_gym")
     real = C.generate
 
-    def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None):  # greedy: eval
-        roll, texts = real(model, tok, rows, args, amp, env, greedy, sampler)
+    def generate(model, tok, rows, args, amp, env=None, greedy=False, sampler=None,
+                 prefill=None):  # greedy: the held-out eval
+        roll, texts = real(model, tok, rows, args, amp, env, greedy, sampler, prefill)
         return roll, [f"<answer>{r['answer']}</answer>" for r in rows] if greedy else texts
     monkeypatch.setattr(C, "generate", generate)
     run_main(monkeypatch, distill, "--model", chat_model, "--teacher", chat_model, "--data",

@@ -1,18 +1,21 @@
 """fastpath.py: which models take the fast log-prob and sampling paths, and their memory."""
 import functools
 import gc
+import itertools
 from types import SimpleNamespace
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 import common as C
+import distill
 import fastpath
 import grpo
 from plumbing import loading
 from plumbing import runs
 
-from tests.helpers import OFF, PROMPTS, fast_logprobs, tiny_config, tiny_model
+from tests.helpers import ARCHS, OFF, PROMPTS, fast_logprobs, tiny_config, tiny_model
 
 
 # ---- fastpath.py: which path a model takes, what it never makes
@@ -228,23 +231,100 @@ def test_feed_rows_and_compact_equal_the_plain_whole_batch_forward():
     torch.testing.assert_close(steps[0], steps[1], atol=1e-5, rtol=0)
 
 
-def test_sampling_runs_a_common_prefix_once_with_the_plain_prefills_tokens(tok, monkeypatch):
-    """Prompts of different lengths that all start with one system prompt: sample()'s prefill runs
-    that prefix once for all rows (fastpath.prefill, prefix_first's layout) and the greedy
-    completions and their log-probs are the plain prefill's (share_prompts=False), rows ending
-    at different steps included; learned positions (gpt2) and rotary ones (llama)."""
+def chat_prompts(tok):
+    """PROMPTS after one system prompt (a chat template's), the first twice (one prefill)."""
     system = C.encode_prompts(tok, ["Be exact. Sum: "])[0]
-    prompts = [system + p for p in C.encode_prompts(tok, PROMPTS)]
-    relaid, real = [], fastpath.prefix_first
-    monkeypatch.setattr(fastpath, "prefix_first", lambda *a: relaid.append(a[3]) or real(*a))
-    for arch in ("llama", "gpt2"):
-        model = tiny_model(arch)
-        model.generation_config.eos_token_id = [2, 43, 72]
-        shared = C.sample(model, tok, prompts, 8, greedy=True)
-        assert len(relaid) == 1 and relaid.pop() >= len(system)
-        plain = C.sample(model, tok, prompts, 8, greedy=True, share_prompts=False)
-        assert not relaid
-        assert torch.equal(shared.ids, plain.ids) and shared.completion_mask.sum() > 0
-        assert torch.equal(shared.attention_mask, plain.attention_mask)
-        torch.testing.assert_close(shared.sample_logprobs, plain.sample_logprobs, atol=1e-5,
-                                   rtol=1e-5)
+    return system, [system + p for p in C.encode_prompts(tok, PROMPTS[:1] + PROMPTS)]
+
+
+def plain_hidden(model, ids, mask, T):
+    """One forward of the padded rows: the final hidden states that predict the last T tokens."""
+    return C._forward(model, ids, mask, keep=1, hidden=True).hidden_states[-1][:, -T - 1:-1]
+
+
+def hidden_and_grads(model, x, roll, w):
+    """x at the completion tokens, and the parameter gradients of a sum weighted by w (H,)."""
+    valid = roll.completion_mask.bool()
+    model.zero_grad()
+    (x[valid] @ w).sum().backward()
+    return x[valid].detach(), [torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                               for p in model.parameters()]
+
+
+def assert_same(a, b):
+    torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-5)
+    for g, h in zip(a[1], b[1]):
+        torch.testing.assert_close(g, h, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_prefix_forward_runs_the_system_prompt_once_with_a_plain_forwards_values_and_grads(
+        arch, tok, monkeypatch):
+    """distill.final_hidden on distinct prompts of different lengths after one system prompt:
+    fastpath.prefix_forward runs the common prefix once (prefix_first's layout: the prefix, each
+    row's padding, the rest), the rest in length_groups, each without the padding columns all its
+    rows have. The hidden states and the parameter gradients are one plain forward's (1e-5)."""
+    model = tiny_model(arch)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    system, prompts = chat_prompts(tok)
+    roll = C.sample(model, tok, prompts[1:], 8, temperature=0.7)  # distinct prompts
+    T, w = roll.completion_mask.shape[1], torch.randn(model.config.hidden_size)
+    relaid, groups, real = [], [], (fastpath.prefix_first, fastpath.length_groups)
+    monkeypatch.setattr(fastpath, "prefix_first", lambda *a: relaid.append(a[3]) or real[0](*a))
+    monkeypatch.setattr(fastpath, "length_groups", lambda *a: groups.append(real[1](*a)) or
+                        groups[-1])
+    fast = hidden_and_grads(model, distill.final_hidden(model, roll.ids, roll.attention_mask, T),
+                            roll, w)
+    assert len(relaid) == 1 and relaid[0] >= len(system) and len(groups[0]) >= 2
+    assert_same(fast, hidden_and_grads(
+        model, plain_hidden(model, roll.ids, roll.attention_mask, T), roll, w))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_prompts_forward_kept_from_sampling_gives_the_plain_hidden_states_and_grads(
+        arch, tok):
+    """distill.py's one forward of the student's prompts a step: sample()'s prefill by
+    fastpath.prefill_keeping (the system prompt once, the graph kept) gives the plain prefill's
+    sampled completions and log-probs (rows ending at different steps, a prompt on two rows); then
+    after_prefill feeds only the completions after the kept cache, and the hidden states and the
+    parameter gradients (through the prompts' forward) are one plain forward's (1e-5)."""
+    model = tiny_model(arch)
+    model.generation_config.eos_token_id = [2, 43, 72]
+    _, prompts = chat_prompts(tok)
+    kept, forward = {}, functools.partial(C._forward, model)
+    torch.manual_seed(0)
+    roll = C.sample(model, tok, prompts, 8, prefill=functools.partial(fastpath.prefill_keeping,
+                                                                      forward, kept))
+    torch.manual_seed(0)  # the same draws
+    plain = C.sample(model, tok, prompts, 8)
+    assert torch.equal(roll.ids, plain.ids) and torch.equal(roll.attention_mask,
+                                                            plain.attention_mask)
+    lengths = roll.completion_mask.sum(-1)
+    assert lengths.min() < lengths.max() and kept["x"].shape[0] == len(prompts) - 1
+    torch.testing.assert_close(roll.sample_logprobs, plain.sample_logprobs, atol=1e-5, rtol=1e-5)
+    T, w = roll.completion_mask.shape[1], torch.randn(model.config.hidden_size)
+    fast = hidden_and_grads(model, fastpath.after_prefill(forward, kept, roll.ids,
+                                                          roll.attention_mask, T), roll, w)
+    assert_same(fast, hidden_and_grads(
+        model, plain_hidden(model, roll.ids, roll.attention_mask, T), roll, w))
+
+
+def test_length_groups_feed_the_fewest_columns_an_exhaustive_search_finds():
+    """Rows sorted by length, cut in at most 4 contiguous groups: length_groups' columns (a group's
+    rows x its longest), each group past the first costing a sixteenth of one group's, are the
+    least of every cut; every row in one group, none of its tokens cut."""
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        B, P, Tb = 9, 30, 5
+        lengths = torch.randint(2, P + 1, (B,), generator=gen)
+        mask = (torch.arange(P)[None] >= P - lengths[:, None]).long()  # left-padded
+        groups = fastpath.length_groups(mask, 0, Tb)
+        rows = torch.cat([r for r, _ in groups]).sort().values
+        assert torch.equal(rows, torch.arange(B))
+        assert all(int(start) <= int(P - lengths[r].max()) for r, start in groups)
+        cost = lambda gs: sum(len(g) * (Tb + int(max(g))) for g in gs) + (
+            len(gs) * B * (Tb + int(lengths.max())) / 16)
+        width = sorted(lengths.tolist())
+        best = min(cost([width[i:j] for i, j in zip((0,) + cut, cut + (B,))])
+                   for n in range(4) for cut in itertools.combinations(range(1, B), n))
+        assert cost([lengths[r].tolist() for r, _ in groups]) == pytest.approx(best)
