@@ -79,11 +79,13 @@ def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the mod
 
 
 def _forward(model, ids, mask, cache=None, keep=0, hidden=False):
-    """ids (b, W) after the cache's S columns, mask (b, S + W). Every forward passes the same
-    arguments, so --compile's guards hold. keep: logits_to_keep (the last `keep` positions go
-    through the LM head, 0 = all); hidden: also the hidden states."""
+    """ids (b, W) after the cache's S columns (or their embeddings (b, W, H): distill.py's), mask
+    (b, S + W). Every forward passes the same arguments, so --compile's guards hold. keep:
+    logits_to_keep (the last `keep` positions go through the LM head, 0 = all); hidden: also the
+    hidden states."""
     pos = positions(mask)[:, -ids.shape[1]:]
-    return model(input_ids=ids, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
+    inputs = {"inputs_embeds" if ids.is_floating_point() else "input_ids": ids}
+    return model(**inputs, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
                  use_cache=cache is not None, output_hidden_states=hidden,
                  **{_cache_kwarg(type(_unwrap(model))): cache})
 

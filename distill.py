@@ -401,7 +401,7 @@ def main():
     kept, once = {}, (args.loss == "jsd" and sampler is None and C.can_share(model)
                       and args.prompts_per_step * k <= args.micro_batch_size)
     prefill = functools.partial(fastpath.prefill_keeping, functools.partial(C._forward, model),
-                                kept) if once else None
+                                model.get_input_embeddings(), kept) if once else None
     for step in keep.steps(start):
         # 1. the student samples k completions per prompt (k contiguous rows); rewards scored
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share

@@ -275,62 +275,74 @@ def prefix_first(ids, mask, P, c):
     return ids.gather(1, order), mask.gather(1, order)
 
 
-def prefix_forward(forward, ids, mask, P, share=True, keep_cache=False):
+def prefix_forward(forward, ids, mask, P, share=True, embed=None):
     """Rows ids, mask (B, W) whose first P columns are left-padded prompts -> the final hidden
-    states at the last prompt column and every one after it (B, W - P + 1, H), the last column's
-    logits (B, V) and, keep_cache, its KV cache as (keys, values) a layer, (B, heads, W, dim), with
-    the mask it goes with (B, W): prefix_first's layout, zeros at the columns a group skipped
-    (their attention is 0). The same values as one forward; share False (a cache cannot be
-    reused: common.can_share): one group, no prefix."""
+    states at the last prompt column and every one after it (B, W - P + 1, H) and the last
+    column's logits (B, V), in the rows' order; the same values as one forward. embed (the
+    model's input embedding: prefill_keeping): the ids embedded once for all the calls (one
+    embedding gradient, not one a call), and also the KV cache, (keys, values) a layer, (B, heads,
+    W, dim) in the groups' order (row i at place[i]: no reordering in backward), with its mask:
+    prefix_first's layout, zeros at the columns a group skipped (their attention is 0). share
+    False (a cache cannot be reused: common.can_share): one group, no prefix."""
     B, W = ids.shape
     c = common_prefix(ids[:, :P], mask[:, :P]) if share else 0
     c = c if worth_sharing(c, B, W) else 0
     ids, mask = prefix_first(ids, mask, P, c)
+    inputs = ids if embed is None else embed(ids)  # (B, W) ids or (B, W, H) embeddings
     prefix = DynamicCache()
     if c:
-        forward(ids[:1, :c], mask[:1, :c], prefix, keep=1)
+        forward(inputs[:1, :c], mask[:1, :c], prefix, keep=1)
     xs, logits, layers, order = [], [], [], []
     for rows, start in length_groups(mask[:, :P], c, W - P, 4 if share else 1):
         n = len(rows)  # the group's rows read the prefix's cache, theirs after it
         cache = DynamicCache([(layer.keys.expand(n, -1, -1, -1), layer.values.expand(
-            n, -1, -1, -1)) for layer in prefix.layers]) if c or keep_cache else None
-        out = forward(ids[rows, start:], torch.cat([mask[rows, :c], mask[rows, start:]], 1),
+            n, -1, -1, -1)) for layer in prefix.layers]) if c or embed is not None else None
+        out = forward(inputs[rows, start:], torch.cat([mask[rows, :c], mask[rows, start:]], 1),
                       cache, keep=1, hidden=True)
         xs.append(out.hidden_states[-1][:, P - W - 1:])
         logits.append(out.logits[:, -1])
         skipped = lambda t: t.new_zeros(n, t.shape[1], start - c, t.shape[3])  # noqa: E731
         layers.append([[torch.cat([t[:, :, :c], skipped(t), t[:, :, c:]], 2)
                         for t in (layer.keys, layer.values)] for layer in cache.layers]
-                      if keep_cache else [])
+                      if embed is not None else [])
         order.append(rows)
-    back = torch.cat(order).argsort()  # the rows' own order
-    x, logits = torch.cat(xs)[back], torch.cat(logits)[back]
-    if not keep_cache:
+    order = torch.cat(order)  # the groups' order: row order[j] at place j
+    place = order.argsort()
+    x, logits = torch.cat(xs)[place], torch.cat(logits)[place]
+    if embed is None:
         return x, logits
-    kv = [[torch.cat(ts)[back] for ts in zip(*parts)] for parts in zip(*layers)]
-    return x, logits, kv, mask
+    kv = [[torch.cat(ts) for ts in zip(*parts)] for parts in zip(*layers)]
+    return x, logits, kv, mask[order], place
 
 
-def prefill_keeping(forward, kept, ids, mask, row_of):
+def prefill_keeping(forward, embed, kept, ids, mask, row_of):
     """common.sample's prefill (prefill=) of distinct prompts (b, P) that keeps their forward's
     graph for distill.py's training step: the last column's final hidden states (b, H), the KV
-    cache and its mask, and each row's prompt (row_of, or None: one row a prompt) into kept;
-    the sampler gets the next-token logits, the mask and a detached copy of the cache."""
+    cache and its mask (the groups' order), each prompt's place in it and each row's prompt
+    (row_of, or None: one row a prompt) into kept; the sampler gets the next-token logits, and
+    the cache (a detached copy) and its mask in the rows' order."""
     with torch.enable_grad():  # (sample() runs under no_grad)
-        x, logits, kv, kv_mask = prefix_forward(forward, ids, mask, ids.shape[1], keep_cache=True)
-        kept.update(x=x[:, -1], kv=kv, mask=kv_mask, row_of=row_of)
-    return logits.detach(), kv_mask, DynamicCache([(k.detach(), v.detach()) for k, v in kv])
+        x, logits, kv, kv_mask, place = prefix_forward(forward, ids, mask, ids.shape[1],
+                                                       embed=embed)
+        kept.update(x=x[:, -1], kv=kv, mask=kv_mask, place=place, row_of=row_of)
+    return logits.detach(), kv_mask[place], DynamicCache([(k.detach()[place], v.detach()[place])
+                                                          for k, v in kv])
 
 
 def after_prefill(forward, kept, ids, attention_mask, T):
     """The final hidden states (B, T, H) that predict the last T tokens of ids (B, P + T), with
     the prompts' forward kept by prefill_keeping: its last hidden state (it predicts token 0),
-    then tokens 0..T-2 fed after its KV cache, their gradients flowing back into it."""
+    then tokens 0..T-2 fed after its KV cache, their gradients flowing back into it. The rows go
+    in the cache's order, so that one a prompt (--samples_per_prompt 1) reads it as it is."""
     row_of = kept["row_of"] if kept["row_of"] is not None else torch.arange(len(ids))
     x = kept["x"][row_of][:, None]  # (B, 1, H)
     if T > 1:
-        cache = DynamicCache([(k[row_of], v[row_of]) for k, v in kept["kv"]])
-        mask = torch.cat([kept["mask"][row_of], attention_mask[:, -T:-1]], 1)
-        out = forward(ids[:, -T:-1], mask, cache, keep=1, hidden=True)
-        x = torch.cat([x, out.hidden_states[-1]], 1)
+        at = kept["place"][row_of]  # (B,): each row's prompt's place in the cache
+        rows = at.argsort(stable=True)  # the rows in the cache's order
+        kv, mask = kept["kv"], kept["mask"]
+        if not torch.equal(at[rows], torch.arange(len(mask))):  # rows that share a prompt
+            kv, mask = [[t[at[rows]] for t in layer] for layer in kv], mask[at[rows]]
+        out = forward(ids[rows, -T:-1], torch.cat([mask, attention_mask[rows, -T:-1]], 1),
+                      DynamicCache(kv), keep=1, hidden=True)
+        x = torch.cat([x, out.hidden_states[-1][rows.argsort()]], 1)
     return x

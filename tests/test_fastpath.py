@@ -293,8 +293,8 @@ def test_the_prompts_forward_kept_from_sampling_gives_the_plain_hidden_states_an
     _, prompts = chat_prompts(tok)
     kept, forward = {}, functools.partial(C._forward, model)
     torch.manual_seed(0)
-    roll = C.sample(model, tok, prompts, 8, prefill=functools.partial(fastpath.prefill_keeping,
-                                                                      forward, kept))
+    roll = C.sample(model, tok, prompts, 8, prefill=functools.partial(
+        fastpath.prefill_keeping, forward, model.get_input_embeddings(), kept))
     torch.manual_seed(0)  # the same draws
     plain = C.sample(model, tok, prompts, 8)
     assert torch.equal(roll.ids, plain.ids) and torch.equal(roll.attention_mask,
