@@ -599,8 +599,8 @@ class Keeper:
                         desc=run.algo, disable=run.rank > 0)
         for step in self.bar:
             if run.world == 1:  # data_state's copy by pickle: 6x deepcopy's pace
-                STOP["abandon"] = self, step, self.rng.getstate(), rng_states(), pickle.dumps(
-                    self.data_state)
+                kept = pickle.dumps(self.data_state)
+                STOP["abandon"] = self, step, self.rng.getstate(), rng_states(), kept
             self.t0 = time.time()
             yield step
             if self.stopping:
