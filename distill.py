@@ -391,7 +391,7 @@ def main():
             roll, completions = C.generate(model, tok, rows, args, amp, sampler=sampler)
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
         # a NaN/inf reward that trains (--reward_coef), in any process: no update this step
-        if args.reward_coef and keep.skip("reward", scores.sum()):
+        if args.reward_coef and not keep.finite(scores.sum(), what="reward"):
             continue
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         B, T = mask.shape
