@@ -411,7 +411,7 @@ def main():
                                            prefill=prefill)
         scores, parts = C.compute_rewards(rows, completions, weights, fns)
         # a NaN/inf reward that trains (--reward_coef), in any process: no update this step
-        if args.reward_coef and keep.skip("reward", scores.sum()):
+        if args.reward_coef and not keep.finite(scores.sum(), what="reward"):
             continue
         mask = roll.completion_mask  # (B, T): 1 on each completion token, EOS included
         B, T = mask.shape

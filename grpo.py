@@ -404,7 +404,7 @@ def main():
         # the data's bookkeeping (curriculum, skips) sees every group sampled, dropped ones too.
         # A NaN/inf reward in any process: no update this step.
         data_logs = data.observe(rounds.rows, rounds.rewards, rounds.parts, G)
-        if keep.skip("reward", roll.rewards.sum()):
+        if not keep.finite(roll.rewards.sum(), what="reward"):
             continue
         # 2. advantages, one per completion (B,): GRPO's group_advantages, or GDPO's (each
         # reward normalised first). Under torchrun the std is the whole step's (R.global_std).

@@ -488,7 +488,7 @@ def main():
             roll, completions = C.generate(model, tok, rows, args, amp, env, sampler=sampler)
         raw_scores, parts = C.compute_rewards(rows, completions, weights, fns)
         data_logs = data.observe(rows, raw_scores, parts, 1)
-        if keep.skip("reward", raw_scores.sum()):
+        if not keep.finite(raw_scores.sum(), what="reward"):
             continue
         # the "EOS trick" (TL;DR details): a completion that never ended pays a fixed penalty.
         # mask (B, T): 1 on each completion token, EOS included

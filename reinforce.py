@@ -344,7 +344,7 @@ def main():
         signal = scores
         if args.multi_objective_aggregation == "normalize_then_sum":
             signal = O.normalize_then_sum(parts, weights, k, std=R.global_std)
-        if keep.skip("reward", scores.sum()):
+        if not keep.finite(scores.sum(), what="reward"):
             continue
         # mask (B, T): 1 on each completion token, EOS included. log pi_old, recomputed with the
         # training forward: needed for the KL and for mu > 1; log pi_ref: with LoRA the policy

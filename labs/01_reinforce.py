@@ -111,6 +111,7 @@ if __name__ == "__main__":
 # held-out accuracy from about 0.3 to about 0.95, the reward climbing, the entropy falling.
 # `sample_grad_rms` is the size of each sample's own gradient (a variance proxy). Then try
 # `--baseline none`: what changes, and why does it still learn with 0/1 rewards?
+# (`--save_every 0` saves no checkpoint during the run; the final one, checkpoint/, is written.)
 
 # %%
 if __name__ == "__main__":

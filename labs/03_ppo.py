@@ -28,6 +28,10 @@ import ppo
 #
 # with V and A = 0 past a row's end (terminal), so multiply values and rewards by the mask
 # first. lam = 1: A_t is the whole discounted return minus V_t; lam = 0: the one-step error.
+#
+# No gradient flows through GAE: ppo.py calls it on the rollout's rewards and values, both
+# computed under torch.no_grad() (the critic's values before this batch's updates), so A and R
+# are fixed targets; your function needs no .detach().
 
 # %%
 @lab.hole(ppo.gae)

@@ -344,16 +344,16 @@ class StepAbandoned(Exception):
 
 def _abandon_step():
     """main_guard, on StepAbandoned: the RNG states and data state Keeper.steps kept, its save()."""
-    step, save, rng, data, states, data_state, kept = STOP["abandon"]
+    keep, step, data, states, kept = STOP["abandon"]
     STOP["abandon"] = None
-    rng.setstate(data)
+    keep.rng.setstate(data)
     set_rng_states(*states)
-    if data_state is not None:  # (sft, dpo, reward_model: none)
-        data_state.clear()  # in place: next_batch and observe hold this dict
-        data_state.update(pickle.loads(kept))  # our own bytes of a moment ago
+    if keep.data_state is not None:  # (sft, dpo, reward_model: none)
+        keep.data_state.clear()  # in place: next_batch and observe hold this dict
+        keep.data_state.update(pickle.loads(kept))  # our own bytes of a moment ago
     run = STARTED["run"]
     if step > run.saved_step:  # steps done since the last checkpoint: save them
-        save()
+        keep.save(step)
     say_once(f"\ninterrupted: step {step + 1} abandoned before its update; " + (
         f"the checkpoint of step {step} resumes exactly (--resume {run.dir})" if step else
         "nothing was trained yet"))
@@ -494,11 +494,13 @@ def collapsed(rewards, w=WINDOW, k=7):
         return means[0], max(means), means.index(max(means)) + w, means[-1]
 
 
-def stuck(past, args):
-    """The kinds of warn_if_stuck that hold after the metrics lines past (the run's so far, this
-    step's last), each with its line. Cannot learn: a kind that held at each of the last WINDOW
-    steps (each step so far, before step WINDOW) while the reward stayed at its start's."""
-    m, n, start, recent = past[-1], len(past), past[:WINDOW], past[-WINDOW:]
+def warn_if_stuck(run, m, args):
+    """A run that cannot learn or breaks says so, each kind below once a run (a resumed run's
+    earlier ones count), in the log and in this step's metrics m (warning: the kinds, warnings:
+    how many). Cannot learn: a kind that held at each of the last WINDOW steps (each step so far,
+    before step WINDOW) while the reward stayed at its start's. Before log_step."""
+    past = run.history + [m]
+    n, start, recent = len(past), past[:WINDOW], past[-WINDOW:]
     r0, r = (sum(x["reward"] for x in ms) / len(ms) for ms in (start, recent))  # mean rewards
 
     def held(test):
@@ -548,19 +550,12 @@ def stuck(past, args):
             f"the reward fell to {now:.3g} (mean of steps {n - WINDOW + 1}-{n}) from {best:.3g} "
             f"(steps {end - WINDOW + 1}-{end}{since}): a collapse (read samples.jsonl from step "
             f"{end}): lower --lr {args.lr:g}")
-    return {kind: line for kind, line in kinds.items() if line}
-
-
-def warn_if_stuck(run, metrics, args):
-    """A run that cannot learn or breaks says so (stuck), each kind once a run (a resumed run's
-    earlier ones count): in the log and in metrics (warning: the kinds, warnings: how many; a
-    tracker gets the count). Before log_step."""
-    before = {k for m in run.history for k in m.get("warning", "").split(",")}
-    said = {k: line for k, line in stuck(run.history + [metrics], args).items() if k not in before}
+    before = {k for x in run.history for k in x.get("warning", "").split(",")}
+    said = {kind: line for kind, line in kinds.items() if line and kind not in before}
     for kind in said if run.rank == 0 else []:
-        tqdm.write(f"warning: step {metrics['step']}: {said[kind]}")
+        tqdm.write(f"warning: step {m['step']}: {said[kind]}")
     if said:  # only then: a run without warnings logs the same keys as before
-        metrics.update(warning=",".join(said), warnings=len(said))
+        m.update(warning=",".join(said), warnings=len(said))
 
 
 class Keeper:
@@ -572,7 +567,7 @@ class Keeper:
         for step in keep.steps(start):        # the bar; Ctrl-C before the update; the clock
             with keep.sampling(model, step):  # --fsdp: the whole model; divergence: one line
                 ...sample...
-            if keep.skip("reward", rewards.sum()):  # NaN/inf in any process: no update
+            if not keep.finite(rewards.sum(), what="reward"):  # NaN/inf in any process
                 continue
             ...advantages, losses, backward...
             if keep.finite(grad_norm):        # NaN/inf gradients would ruin the weights
@@ -595,18 +590,17 @@ class Keeper:
         self.bar, self.t0, self.stopping = None, 0.0, False
 
     def steps(self, start):
-        """The steps from start to --max_steps, under a tqdm bar. Until a step's update (finite),
-        a Ctrl-C abandons it: main_guard puts back the RNG states, data rng and data_state
-        (curriculum, visits) of its start and save()s the last step, so a resume goes on as the
-        straight run. After it (under torchrun always) Ctrl-C finishes the step, end_step saves
-        it and the steps stop."""
+        """The steps from start to --max_steps, under a tqdm bar. A Ctrl-C before a step's update
+        (finite) abandons it: main_guard puts back the RNGs and data_state of its start and saves
+        the last step, so --resume goes on as the straight run. After it (under torchrun always)
+        the step finishes, end_step saves it and the steps stop."""
         run = self.run
         self.bar = tqdm(range(start, run.args.max_steps), initial=start, total=run.args.max_steps,
                         desc=run.algo, disable=run.rank > 0)
         for step in self.bar:
             if run.world == 1:  # data_state's copy by pickle: 6x deepcopy's pace
-                STOP["abandon"] = (step, lambda: self.save(step), self.rng, self.rng.getstate(),
-                                   rng_states(), self.data_state, pickle.dumps(self.data_state))
+                kept = pickle.dumps(self.data_state)
+                STOP["abandon"] = self, step, self.rng.getstate(), rng_states(), kept
             self.t0 = time.time()
             yield step
             if self.stopping:
@@ -625,28 +619,16 @@ class Keeper:
             stop_run(self.run, f"the policy diverged (NaN/inf): step {step + 1} cannot sample; "
                                "lower --lr")
 
-    def skip(self, what, total):
-        """True when total (a sum over this process's rows) is NaN or inf in any process: the
-        step's update is skipped (skipped)."""
-        if torch.isfinite(global_sum(total)):
-            return False
-        self.skipped(what)
-        return True
-
-    def finite(self, *grad_norms):
-        """True when every gradient norm is finite: opt.step() may go ahead; else the update is
-        skipped (skipped). The update begins: a Ctrl-C from here finishes the step."""
-        STOP["abandon"] = None
-        if all(torch.isfinite(n) for n in grad_norms):
-            self.run.nonfinite_in_row = 0
-            return True
-        self.skipped("loss or gradient")
-        return False
-
-    def skipped(self, what):
-        """Count an update skipped for NaN/inf, said once per kind (summary.json counts them all);
-        10 in a row stop the run (a good update resets the row)."""
+    def finite(self, *values, what="loss or gradient"):
+        """True when the values (the gradient norms; what="reward": this process's sum of the
+        rewards) are finite in every process. Else the step's update is skipped: counted
+        (summary.json), said once per kind; 10 skipped in a row stop the run. A finite gradient
+        begins the update: the row of skips ends, and a Ctrl-C from here finishes the step."""
         run = self.run
+        if math.isfinite(global_sum(sum(map(float, values)))):
+            if what != "reward":
+                run.nonfinite_in_row, STOP["abandon"] = 0, None
+            return True
         run.nonfinite += 1
         run.nonfinite_in_row += 1
         if what not in run.warned:
@@ -654,6 +636,7 @@ class Keeper:
             run.warned.add(what)
         if run.nonfinite_in_row == 10:
             stop_run(run, f"the {what} was NaN or inf in 10 updates in a row")
+        return False
 
     def rollout_metrics(self, roll, rows, texts, rewards, parts, env=None):
         """The metrics every RL script logs of its rollout: reward, reward_std (over every
@@ -674,11 +657,9 @@ class Keeper:
                 for i in range(0, len(rows), stride)[:4]]
 
     def end_step(self, step, metrics, samples=None, tokens=None, token_weights=None):
-        """After the step's updates: metrics gets step, step_time and tokens_per_s (tokens: this
-        process's), then under torchrun the mean over the processes (token_weights' keys weighted
-        by its values); the held-out eval every --eval_every; the cannot-learn warnings (when
-        there is a reward); the logs (log_step); a checkpoint every --save_every, at the end, and
-        after a Ctrl-C, which ends the steps."""
+        """After the step's updates, in order: its metrics (tokens: this process's; under torchrun
+        the mean over the processes, token_weights' keys weighted by its values), the held-out
+        eval, the warnings, the logs, and a checkpoint (after a Ctrl-C too: the last step)."""
         args, done, elapsed = self.run.args, step + 1, time.time() - self.t0
         metrics = {"step": done, **metrics, "step_time": elapsed}
         if tokens is not None:  # every process's
@@ -719,20 +700,19 @@ def save_checkpoint(run, model, tok, opt, rng, step, extra, trained=None):
     rngs = [rng_states()] * run.world
     if run.world > 1:  # every process's sampling RNG, gathered into the list's slots
         dist.all_gather_object(rngs, rngs[0])
-    weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt_state
+    weights = full_state_dict(model)  # --fsdp: every process helps gather them, and opt's state
     # a finished run's last checkpoint keeps no AdamW moments (twice the model) nor ppo's critic,
     # as HF Trainer's final save (--resume only finishes it); --save_optimizer keeps them, to go on
     resumable = step < run.args.max_steps or getattr(run.args, "save_optimizer", False)
-    if resumable:
-        opt_state = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt, options=FULL) \
-            if isinstance(opt.param_groups[0]["params"][0], DTensor) else opt.state_dict()  # --fsdp
-    if run.rank > 0:
-        return
     state = {"step": step, "nonfinite": run.nonfinite, "data_rng": rng.getstate(), "rngs": rngs,
              "extra": {k: v for k, v in extra.items() if resumable or k != "critic"},
              "wall_time_s": time.time() - run.t0}
     if resumable:
-        state["optimizer"] = opt_state
+        sharded = isinstance(opt.param_groups[0]["params"][0], DTensor)  # --fsdp
+        state["optimizer"] = get_optimizer_state_dict(torch.nn.ModuleList(trained), opt,
+                                                      options=FULL) if sharded else opt.state_dict()
+    if run.rank > 0:
+        return
     tmp, final, old = (os.path.join(run.dir, "checkpoint" + end) for end in (".tmp", "", ".old"))
     try:
         model.save_pretrained(tmp, state_dict=weights, safe_serialization=True)

@@ -280,6 +280,23 @@ def test_nonfinite_update_is_skipped_and_counted(tmp_path, monkeypatch):
     assert summary["nonfinite_skips"] == 1 and steps == [1, 3]
 
 
+
+def test_only_an_update_ends_a_row_of_nonfinite_skips():
+    """keep.finite guards the rewards (what="reward") and the gradients alike, and only a finite
+    gradient (an update) ends a row of skipped updates: ten steps whose rewards are finite and
+    whose gradients are NaN stop the run."""
+    run = runs.Run(dir="", algo="grpo", args=None, state=None, metrics=None, samples=None)
+    keep, nan = runs.Keeper(run, None, None, None, None), torch.tensor(float("nan"))
+    for _ in range(9):
+        assert keep.finite(torch.tensor(1.0), what="reward") and not keep.finite(nan)
+    assert keep.finite(torch.tensor(2.0)) and run.nonfinite_in_row == 0  # an update
+    for _ in range(9):
+        assert keep.finite(torch.tensor(1.0), what="reward") and not keep.finite(nan)
+    with pytest.raises(UserError, match="loss or gradient was NaN or inf in 10 updates in a row"):
+        keep.finite(torch.tensor(1.0), what="reward") and keep.finite(nan)
+    assert run.nonfinite == 19
+
+
 # ---- reliability: planted pickles, non-finite rewards, damaged files, relative paths
 class Payload:  # unpickling this calls builtins.open(path, "w"): code that runs on load
     def __init__(self, path):
