@@ -398,10 +398,10 @@ def main():
     # --loss jsd in one micro-batch: the student's prompts run once a step, in sampling's prefill
     # with their gradients kept (fastpath.prefill_keeping; the same weights: one update a batch),
     # and its training forward only over the completions after them (final_hidden's kept)
-    kept, once = {}, (args.loss == "jsd" and sampler is None and C.can_share(model)
-                      and args.prompts_per_step * k <= args.micro_batch_size)
+    kept, prompts_once = {}, (args.loss == "jsd" and sampler is None and C.can_share(model)
+                              and args.prompts_per_step * k <= args.micro_batch_size)
     prefill = functools.partial(fastpath.prefill_keeping, functools.partial(C._forward, model),
-                                model.get_input_embeddings(), kept) if once else None
+                                model.get_input_embeddings(), kept) if prompts_once else None
     for step in keep.steps(start):
         # 1. the student samples k completions per prompt (k contiguous rows); rewards scored
         prompts = data.next_batch(rng, args.prompts_per_step)[run.rank::run.world]  # a share
