@@ -79,10 +79,9 @@ def _unwrap(model):  # DDP and LoRA (peft) wrappers pass arguments on to the mod
 
 
 def _forward(model, ids, mask, cache=None, keep=0, hidden=False):
-    """ids (b, W) after the cache's S columns (or their embeddings (b, W, H): distill.py's), mask
-    (b, S + W). Every forward passes the same arguments, so --compile's guards hold. keep:
-    logits_to_keep (the last `keep` positions go through the LM head, 0 = all); hidden: also the
-    hidden states."""
+    """ids (b, W) after the cache's S columns (or their embeddings (b, W, H)), mask (b, S + W).
+    Every forward passes the same arguments, so --compile's guards hold. keep: logits_to_keep (the
+    last `keep` positions go through the LM head, 0 = all); hidden: also the hidden states."""
     pos = positions(mask)[:, -ids.shape[1]:]
     inputs = {"inputs_embeds" if ids.is_floating_point() else "input_ids": ids}
     return model(**inputs, attention_mask=mask, position_ids=pos, logits_to_keep=keep,
@@ -259,24 +258,15 @@ def plain_token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy
     return lp, -(logp.exp() * logp).sum(-1) if entropy else None
 
 
-def can_share(model):
-    """Whether a forward of `model` may reuse one KV cache for rows that share a prompt: not
-    under DDP (one forward per backward) nor gradient checkpointing (which drops the cache)."""
-    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # --vllm: 1
-    return not ddp and not any(getattr(m, "gradient_checkpointing", False)
-                               for m in model.modules())
-
-
 def token_logprobs(model, ids, attention_mask, T, temperature=1.0, entropy=False):
     """plain_token_logprobs' numbers, by its fast path when the model's LM head qualifies."""
     base = _unwrap(model)  # the model inside a DDP or LoRA wrapper: its LM head qualifies?
     head = fastpath.exact_head(base.get_output_embeddings(), functools.partial(_forward, base))
     if head is None:
         return plain_token_logprobs(model, ids, attention_mask, T, temperature, entropy)
-    # fastpath.py: no padding columns, shared prompts once (not where a KV cache cannot be reused),
-    # the head in chunks: no (B, T, V)
+    # fastpath.py: no padding columns, shared prompts once, the head in chunks: no (B, T, V)
     x, targets = fastpath.final_hidden(functools.partial(_forward, model), ids, attention_mask, T,
-                                       can_share(model))
+                                       fastpath.can_share(model))
     lp, ent = fastpath.head_logprobs(x, head, targets, temperature,
                                      suppressed(model, head.out_features, ids.device), entropy)
     pad = (0, T - targets.shape[1])  # zeros at the padding columns it skipped

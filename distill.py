@@ -190,10 +190,10 @@ def final_hidden(model, ids, attention_mask, T, kept=None):
         return fastpath.after_prefill(forward, kept, ids, attention_mask, T)
     Tb = max(1, int(attention_mask[:, P:].sum(-1).max()))  # these rows' longest completion
     if len(torch.unique(ids[:, :P], dim=0)) < len(ids):
-        x, _ = fastpath.final_hidden(forward, ids, attention_mask, T, C.can_share(model))
+        x, _ = fastpath.final_hidden(forward, ids, attention_mask, T, fastpath.can_share(model))
     else:  # the positions that predict tokens 0..Tb-1: the last prompt column and Tb - 1 more
         x, _ = fastpath.prefix_forward(forward, ids[:, :P + Tb - 1],
-                                       attention_mask[:, :P + Tb - 1], P, C.can_share(model))
+                                       attention_mask[:, :P + Tb - 1], P, fastpath.can_share(model))
     return F.pad(x, (0, 0, 0, T - x.shape[1]))
 
 
@@ -398,7 +398,7 @@ def main():
     # --loss jsd in one micro-batch: the student's prompts run once a step, in sampling's prefill
     # with their gradients kept (fastpath.prefill_keeping; the same weights: one update a batch),
     # and its training forward only over the completions after them (final_hidden's kept)
-    kept, prompts_once = {}, (args.loss == "jsd" and sampler is None and C.can_share(model)
+    kept, prompts_once = {}, (args.loss == "jsd" and sampler is None and fastpath.can_share(model)
                               and args.prompts_per_step * k <= args.micro_batch_size)
     prefill = functools.partial(fastpath.prefill_keeping, functools.partial(C._forward, model),
                                 model.get_input_embeddings(), kept) if prompts_once else None

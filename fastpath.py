@@ -105,6 +105,14 @@ def exact_head(head, forward):
     return head if head.exact_logits else None
 
 
+def can_share(model):
+    """Whether a forward of `model` may reuse one KV cache for rows that share a prompt: not
+    under DDP (one forward per backward) nor gradient checkpointing (which drops the cache)."""
+    ddp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # --vllm: 1
+    return not ddp and not any(getattr(m, "gradient_checkpointing", False)
+                               for m in model.modules())
+
+
 def final_hidden(forward, ids, attention_mask, T, share=True):
     """The final hidden states x (B, Tb, H) that predict the last T tokens of ids (B, P + T),
     without the padding columns past these rows' longest completion Tb, and those tokens (B, Tb).
@@ -283,7 +291,7 @@ def prefix_forward(forward, ids, mask, P, share=True, embed=None):
     embedding gradient, not one a call), and also the KV cache, (keys, values) a layer, (B, heads,
     W, dim) in the groups' order (row i at place[i]: no reordering in backward), with its mask:
     prefix_first's layout, zeros at the columns a group skipped (their attention is 0). share
-    False (a cache cannot be reused: common.can_share): one group, no prefix."""
+    False (a cache cannot be reused: can_share): one group, no prefix."""
     B, W = ids.shape
     c = common_prefix(ids[:, :P], mask[:, :P]) if share else 0
     c = c if worth_sharing(c, B, W) else 0
