@@ -483,15 +483,9 @@ def main():
         if sampler:  # --vllm: the updated weights into its engine, for the next samples
             sampler.load_weights(model)
         # 4. log, eval, checkpoint
-        metrics = {"reward": float(scores.mean()),
-                   "reward_std": float(R.global_std(scores)),
-                   **{f"reward/{key}": float(v.mean()) for key, v in parts.items()},
-                   **C.gold(completions, rows), **sums, "grad_norm": float(grad_norm),
-                   "completion_len": float(mask.sum(-1).mean()),
-                   "frac_truncated": float(roll.truncated.float().mean()), "lr": args.lr}
-        samples = [{"prompt": rows[i]["prompt"], "rendered_prompt": R.prompt_text(tok, roll, i),
-                    "completion": completions[i], "reward": float(scores[i])}
-                   for i in range(0, len(rows), k)[:4]]  # one sample of each of 4 prompts
+        metrics = {**keep.rollout_metrics(roll, rows, completions, scores, parts), **sums,
+                   "grad_norm": float(grad_norm)}
+        samples = keep.samples(tok, roll, rows, completions, scores, k)  # one of each of 4 prompts
         # under torchrun: the mean over the processes, token means weighted by their tokens
         keep.end_step(step, metrics, samples, mask.sum(),
                       dict.fromkeys(("kl", "entropy", "divergence"), mask.sum()))

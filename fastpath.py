@@ -309,10 +309,11 @@ def prefix_forward(forward, ids, mask, P, share=True, embed=None):
                       cache, keep=1, hidden=True)
         xs.append(out.hidden_states[-1][:, P - W - 1:])
         logits.append(out.logits[:, -1])
-        skipped = lambda t: t.new_zeros(n, t.shape[1], start - c, t.shape[3])  # noqa: E731
-        layers.append([[torch.cat([t[:, :, :c], skipped(t), t[:, :, c:]], 2)
-                        for t in (layer.keys, layer.values)] for layer in cache.layers]
-                      if embed is not None else [])
+        if embed is not None:  # its KV cache at full width: zeros at the columns it skipped
+            gap = start - c
+            layers.append([[torch.cat([t[:, :, :c], t.new_zeros(n, t.shape[1], gap, t.shape[3]),
+                                       t[:, :, c:]], 2) for t in (layer.keys, layer.values)]
+                           for layer in cache.layers])
         order.append(rows)
     order = torch.cat(order)  # the groups' order: row order[j] at place j
     place = order.argsort()
@@ -342,13 +343,14 @@ def after_prefill(forward, kept, ids, attention_mask, T):
     the prompts' forward kept by prefill_keeping: its last hidden state (it predicts token 0),
     then tokens 0..T-2 fed after its KV cache, their gradients flowing back into it. The rows go
     in the cache's order, so that one a prompt (--samples_per_prompt 1) reads it as it is."""
-    row_of = kept["row_of"] if kept["row_of"] is not None else torch.arange(len(ids))
+    row_of = kept["row_of"] if kept["row_of"] is not None else torch.arange(len(ids),
+                                                                             device=ids.device)
     x = kept["x"][row_of][:, None]  # (B, 1, H)
     if T > 1:
         at = kept["place"][row_of]  # (B,): each row's prompt's place in the cache
         rows = at.argsort(stable=True)  # the rows in the cache's order
         kv, mask = kept["kv"], kept["mask"]
-        if not torch.equal(at[rows], torch.arange(len(mask))):  # rows that share a prompt
+        if not torch.equal(at[rows], torch.arange(len(mask), device=at.device)):  # shared
             kv, mask = [[t[at[rows]] for t in layer] for layer in kv], mask[at[rows]]
         out = forward(ids[rows, -T:-1], torch.cat([mask, attention_mask[rows, -T:-1]], 1),
                       DynamicCache(kv), keep=1, hidden=True)
